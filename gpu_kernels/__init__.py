@@ -1,0 +1,47 @@
+"""Loraq's GPU kernels behind a device-agnostic API.
+
+The engine calls only the functions exported here and never branches on the device itself.
+On CPU tensors (or when no GPU is present) every op runs its plain-torch twin from
+`gpu_kernels.reference`; on CUDA tensors the compiled kernels (csrc/*.cu, built by
+gpu_kernels.build and loaded with ctypes) run, and if a GPU is present but the build failed,
+`require_compiled()` raises with the compiler's error instead of silently training on the slow
+path.
+"""
+
+from gpu_kernels.dispatch import (
+    KernelStatus,
+    available,
+    clip_grad_norm_,
+    dropout_seed_step_,
+    fused_linear_cross_entropy,
+    get_backend,
+    lora_linear,
+    lora_linear_grouped,
+    new_nonfinite_state,
+    require_compiled,
+    rms_norm,
+    set_backend,
+    swiglu,
+    swiglu_packed,
+)
+from gpu_kernels.graph import GraphedStep
+from gpu_kernels.monitor import NonFiniteMonitor
+
+__all__ = [
+    "GraphedStep",
+    "KernelStatus",
+    "NonFiniteMonitor",
+    "available",
+    "clip_grad_norm_",
+    "dropout_seed_step_",
+    "fused_linear_cross_entropy",
+    "get_backend",
+    "lora_linear",
+    "lora_linear_grouped",
+    "new_nonfinite_state",
+    "require_compiled",
+    "rms_norm",
+    "set_backend",
+    "swiglu",
+    "swiglu_packed",
+]

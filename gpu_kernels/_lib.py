@@ -1,0 +1,93 @@
+"""Loads the compiled kernel library with ctypes and declares its C ABI.
+
+`load()` builds on first use (gpu_kernels.build, cached on disk) and remembers the outcome, so
+a failed build is reported with the compiler's output every time it is asked for, without
+recompiling.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+
+# dtype codes of csrc/common.cuh
+F32 = 0
+BF16 = 1
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+
+_p = ctypes.c_void_p
+_i64 = ctypes.c_int64
+_i32 = ctypes.c_int
+_f32 = ctypes.c_float
+_u32 = ctypes.c_uint32
+
+SIGNATURES: dict[str, tuple[object, list[object]]] = {
+    "loraq_rank_update": (_i32, [_p, _i32, _i64, _i64, _i64, _p, _i64, _p, _i64, _i32, _f32, _p]),
+    "loraq_dropout": (_i32, [_p, _p, _i32, _i64, _f32, _p, _u32, _p]),
+    "loraq_clip_partials": (_i64, [_p, _i32]),
+    "loraq_clip_grad_norm": (_i32, [_p, _p, _i32, _f32, _p, _p, _p, _p, _p]),
+    "loraq_rmsnorm_fwd": (_i32, [_p, _p, _p, _p, _i32, _i64, _i64, _f32, _p]),
+    "loraq_rmsnorm_bwd": (_i32, [_p, _p, _p, _p, _p, _i32, _i64, _i64, _p]),
+    "loraq_swiglu_fwd": (_i32, [_p, _i64, _p, _i64, _p, _i32, _i64, _i64, _p]),
+    "loraq_swiglu_bwd": (_i32, [_p, _p, _i64, _p, _i64, _p, _i64, _p, _i64, _i32, _i64, _i64, _p]),
+    "loraq_cross_entropy_fwd_bwd": (_i32, [_p, _i32, _i64, _i64, _p, _i64, _p, _p, _p]),
+    "loraq_error_string": (ctypes.c_char_p, [_i32]),
+}
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    for name, (restype, argtypes) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+
+
+def load() -> ctypes.CDLL:
+    """The loaded library; raises RuntimeError (with the build's error) if it cannot be had."""
+    global _lib, _error
+    with _lock:
+        if _lib is not None:
+            return _lib
+        if _error is not None:
+            raise RuntimeError(_error)
+        from gpu_kernels import build  # lazy: `python -m gpu_kernels.build` runs it as __main__
+
+        try:
+            path = build.build()
+            lib = ctypes.CDLL(str(path))
+            _declare(lib)
+        except (build.BuildError, OSError, AttributeError) as exc:
+            _error = f"{type(exc).__name__}: {exc}"
+            raise RuntimeError(_error) from exc
+        _lib = lib
+        return lib
+
+
+def load_error() -> str | None:
+    return _error
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    if dtype == torch.float32:
+        return F32
+    if dtype == torch.bfloat16:
+        return BF16
+    raise TypeError(f"compiled kernels support float32 and bfloat16, not {dtype}")
+
+
+def stream(device: torch.device) -> int:
+    return int(torch.cuda.current_stream(device).cuda_stream)
+
+
+def check(rc: int, what: str) -> None:
+    """Raise if a launcher returned a CUDA error code."""
+    if rc != 0:
+        lib = load()
+        name = lib.loraq_error_string(rc)
+        text = name.decode() if isinstance(name, bytes) else str(rc)
+        raise RuntimeError(f"{what}: CUDA error {rc} ({text})")

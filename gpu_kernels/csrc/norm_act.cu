@@ -1,0 +1,295 @@
+// RMSNorm and SwiGLU, forward and backward, for rows of bf16 or fp32 activations.
+//
+// RMSNorm:  y = w ⊙ x · rstd,  rstd = 1 / sqrt(mean(x²) + eps), one block per row of D.
+//   backward (w frozen): dx = rstd · (w⊙dy − x · rstd² · mean(w⊙dy⊙x)); rstd is saved (M,) fp32.
+// SwiGLU:   h = silu(g) ⊙ u; dg = dh ⊙ u ⊙ σ(g)(1 + g(1 − σ(g))), du = dh ⊙ silu(g).
+//   gate/up may be two column blocks of one (M, 2F) buffer (row strides given), so the grouped
+//   gate/up projection's output and gradient need no split or concatenation copies.
+
+#include "common.cuh"
+
+namespace {
+
+// kVec: D % 8 == 0 and rows 16-byte aligned: each thread moves 8 elements per 16-byte access.
+template <typename T, bool kVec>
+__global__ void rmsnorm_fwd_kernel(const T* __restrict__ x, const T* __restrict__ w,
+                                   T* __restrict__ y, float* __restrict__ rstd_out, int64_t D,
+                                   float eps) {
+  __shared__ float scratch[32];
+  const int64_t row = blockIdx.x;
+  const T* xr = x + row * D;
+  T* yr = y + row * D;
+  float ss = 0.f;
+  if (kVec) {
+    for (int64_t i = threadIdx.x * 8LL; i < D; i += blockDim.x * 8LL) {
+      float v[8];
+      load8(xr + i, v);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) ss += v[j] * v[j];
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
+      const float v = loraq_load(xr, i);
+      ss += v * v;
+    }
+  }
+  ss = loraq_block_sum(ss, scratch);
+  const float rstd = rsqrtf(ss / static_cast<float>(D) + eps);
+  if (kVec) {
+    for (int64_t i = threadIdx.x * 8LL; i < D; i += blockDim.x * 8LL) {
+      float v[8], wv[8];
+      load8(xr + i, v);
+      load8(w + i, wv);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = wv[j] * (v[j] * rstd);
+      store8(yr + i, v);
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < D; i += blockDim.x)
+      loraq_store(yr, i, loraq_load(w, i) * (loraq_load(xr, i) * rstd));
+  }
+  if (threadIdx.x == 0) rstd_out[row] = rstd;
+}
+
+template <typename T, bool kVec>
+__global__ void rmsnorm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                   const T* __restrict__ w, const float* __restrict__ rstd_in,
+                                   T* __restrict__ dx, int64_t D) {
+  __shared__ float scratch[32];
+  const int64_t row = blockIdx.x;
+  const T* dyr = dy + row * D;
+  const T* xr = x + row * D;
+  T* dxr = dx + row * D;
+  const float rstd = rstd_in[row];
+  float dot = 0.f;  // Σ w·dy·x over the row
+  if (kVec) {
+    for (int64_t i = threadIdx.x * 8LL; i < D; i += blockDim.x * 8LL) {
+      float a[8], b[8], c[8];
+      load8(w + i, a);
+      load8(dyr + i, b);
+      load8(xr + i, c);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) dot += a[j] * b[j] * c[j];
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < D; i += blockDim.x)
+      dot += loraq_load(w, i) * loraq_load(dyr, i) * loraq_load(xr, i);
+  }
+  dot = loraq_block_sum(dot, scratch);
+  const float c = dot * rstd * rstd / static_cast<float>(D);
+  if (kVec) {
+    for (int64_t i = threadIdx.x * 8LL; i < D; i += blockDim.x * 8LL) {
+      float a[8], b[8], v[8];
+      load8(w + i, a);
+      load8(dyr + i, b);
+      load8(xr + i, v);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = rstd * (a[j] * b[j] - v[j] * c);
+      store8(dxr + i, v);
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < D; i += blockDim.x)
+      loraq_store(dxr, i, rstd * (loraq_load(w, i) * loraq_load(dyr, i) - loraq_load(xr, i) * c));
+  }
+}
+
+__device__ __forceinline__ float sigmoidf(float v) { return 1.f / (1.f + __expf(-v)); }
+
+// Each thread owns 8 consecutive columns of a row; blocks stride over rows. kVec: every row
+// start is 16-byte aligned and F % 8 == 0, so the 8 columns move as vectors.
+template <typename T, bool kVec>
+__global__ void swiglu_fwd_kernel(const T* __restrict__ g, int64_t ldg, const T* __restrict__ u,
+                                  int64_t ldu, T* __restrict__ h, int64_t M, int64_t F) {
+  const int64_t f0 = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
+  if (f0 >= F) return;
+  for (int64_t m = blockIdx.y; m < M; m += gridDim.y) {
+    const T* gr = g + m * ldg + f0;
+    const T* ur = u + m * ldu + f0;
+    T* hr = h + m * F + f0;
+    if (kVec) {
+      float gv[8], uv[8], hv[8];
+      load8(gr, gv);
+      load8(ur, uv);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) hv[j] = gv[j] * sigmoidf(gv[j]) * uv[j];
+      store8(hr, hv);
+    } else {
+      for (int j = 0; j < 8 && f0 + j < F; ++j) {
+        const float gv = loraq_load(gr, j);
+        loraq_store(hr, j, gv * sigmoidf(gv) * loraq_load(ur, j));
+      }
+    }
+  }
+}
+
+template <typename T, bool kVec>
+__global__ void swiglu_bwd_kernel(const T* __restrict__ dh, const T* __restrict__ g, int64_t ldg,
+                                  const T* __restrict__ u, int64_t ldu, T* __restrict__ dg,
+                                  int64_t lddg, T* __restrict__ du, int64_t lddu, int64_t M,
+                                  int64_t F) {
+  const int64_t f0 = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
+  if (f0 >= F) return;
+  for (int64_t m = blockIdx.y; m < M; m += gridDim.y) {
+    const T* dhr = dh + m * F + f0;
+    const T* gr = g + m * ldg + f0;
+    const T* ur = u + m * ldu + f0;
+    T* dgr = dg + m * lddg + f0;
+    T* dur = du + m * lddu + f0;
+    if (kVec) {
+      float dv[8], gv[8], uv[8], dgv[8], duv[8];
+      load8(dhr, dv);
+      load8(gr, gv);
+      load8(ur, uv);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float sg = sigmoidf(gv[j]);
+        dgv[j] = dv[j] * uv[j] * sg * (1.f + gv[j] * (1.f - sg));
+        duv[j] = dv[j] * gv[j] * sg;
+      }
+      store8(dgr, dgv);
+      store8(dur, duv);
+    } else {
+      for (int j = 0; j < 8 && f0 + j < F; ++j) {
+        const float gv = loraq_load(gr, j), uv = loraq_load(ur, j), d = loraq_load(dhr, j);
+        const float sg = sigmoidf(gv);
+        loraq_store(dgr, j, d * uv * sg * (1.f + gv * (1.f - sg)));
+        loraq_store(dur, j, d * gv * sg);
+      }
+    }
+  }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+int row_threads(int64_t D, bool vec) {
+  // enough threads to cover a row in about one pass (8 elements each when vectorized, else 4),
+  // a multiple of 32 between 64 and 1024
+  const int64_t per_thread = vec ? 8 : 4;
+  int t = 64;
+  while (t < 1024 && t * per_thread < D) t *= 2;
+  return t;
+}
+
+dim3 swiglu_grid(int64_t M, int64_t F, int threads) {
+  const int64_t col_blocks = (F + 8LL * threads - 1) / (8LL * threads);
+  return dim3(static_cast<unsigned>(col_blocks), static_cast<unsigned>(M < 65535 ? M : 65535));
+}
+
+
+
+}  // namespace
+
+extern "C" {
+
+int loraq_rmsnorm_fwd(const void* x, const void* w, void* y, float* rstd, int dtype, int64_t M,
+                      int64_t D, float eps, cudaStream_t stream) {
+  if (M == 0) return 0;
+  if (M > 2147483647LL) return static_cast<int>(cudaErrorInvalidValue);
+  const bool vec = D % 8 == 0 && aligned16(x) && aligned16(w) && aligned16(y);
+  const int threads = row_threads(D, vec);
+  const unsigned grid = static_cast<unsigned>(M);
+  if (dtype == LORAQ_BF16) {
+    using B = __nv_bfloat16;
+    auto* xp = static_cast<const B*>(x);
+    auto* wp = static_cast<const B*>(w);
+    auto* yp = static_cast<B*>(y);
+    if (vec) rmsnorm_fwd_kernel<B, true><<<grid, threads, 0, stream>>>(xp, wp, yp, rstd, D, eps);
+    else rmsnorm_fwd_kernel<B, false><<<grid, threads, 0, stream>>>(xp, wp, yp, rstd, D, eps);
+  } else if (dtype == LORAQ_F32) {
+    auto* xp = static_cast<const float*>(x);
+    auto* wp = static_cast<const float*>(w);
+    auto* yp = static_cast<float*>(y);
+    if (vec) rmsnorm_fwd_kernel<float, true><<<grid, threads, 0, stream>>>(xp, wp, yp, rstd, D, eps);
+    else rmsnorm_fwd_kernel<float, false><<<grid, threads, 0, stream>>>(xp, wp, yp, rstd, D, eps);
+  } else {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  LORAQ_RETURN_LAST_ERROR;
+}
+
+int loraq_rmsnorm_bwd(const void* dy, const void* x, const void* w, const float* rstd, void* dx,
+                      int dtype, int64_t M, int64_t D, cudaStream_t stream) {
+  if (M == 0) return 0;
+  if (M > 2147483647LL) return static_cast<int>(cudaErrorInvalidValue);
+  const bool vec = D % 8 == 0 && aligned16(dy) && aligned16(x) && aligned16(w) && aligned16(dx);
+  const int threads = row_threads(D, vec);
+  const unsigned grid = static_cast<unsigned>(M);
+  if (dtype == LORAQ_BF16) {
+    using B = __nv_bfloat16;
+    auto* a = static_cast<const B*>(dy);
+    auto* xp = static_cast<const B*>(x);
+    auto* wp = static_cast<const B*>(w);
+    auto* o = static_cast<B*>(dx);
+    if (vec) rmsnorm_bwd_kernel<B, true><<<grid, threads, 0, stream>>>(a, xp, wp, rstd, o, D);
+    else rmsnorm_bwd_kernel<B, false><<<grid, threads, 0, stream>>>(a, xp, wp, rstd, o, D);
+  } else if (dtype == LORAQ_F32) {
+    auto* a = static_cast<const float*>(dy);
+    auto* xp = static_cast<const float*>(x);
+    auto* wp = static_cast<const float*>(w);
+    auto* o = static_cast<float*>(dx);
+    if (vec) rmsnorm_bwd_kernel<float, true><<<grid, threads, 0, stream>>>(a, xp, wp, rstd, o, D);
+    else rmsnorm_bwd_kernel<float, false><<<grid, threads, 0, stream>>>(a, xp, wp, rstd, o, D);
+  } else {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  LORAQ_RETURN_LAST_ERROR;
+}
+
+// h (M, F) contiguous; g and u rows start every ldg / ldu elements.
+int loraq_swiglu_fwd(const void* g, int64_t ldg, const void* u, int64_t ldu, void* h, int dtype,
+                     int64_t M, int64_t F, cudaStream_t stream) {
+  if (M == 0 || F == 0) return 0;
+  const int threads = 128;
+  const dim3 grid = swiglu_grid(M, F, threads);
+  const bool vec = aligned16(g) && aligned16(u) && aligned16(h) && ldg % 8 == 0 && ldu % 8 == 0 && F % 8 == 0;
+  if (dtype == LORAQ_BF16) {
+    auto* gp = static_cast<const __nv_bfloat16*>(g);
+    auto* up = static_cast<const __nv_bfloat16*>(u);
+    auto* hp = static_cast<__nv_bfloat16*>(h);
+    if (vec) swiglu_fwd_kernel<__nv_bfloat16, true><<<grid, threads, 0, stream>>>(gp, ldg, up, ldu, hp, M, F);
+    else swiglu_fwd_kernel<__nv_bfloat16, false><<<grid, threads, 0, stream>>>(gp, ldg, up, ldu, hp, M, F);
+  } else if (dtype == LORAQ_F32) {
+    auto* gp = static_cast<const float*>(g);
+    auto* up = static_cast<const float*>(u);
+    auto* hp = static_cast<float*>(h);
+    if (vec) swiglu_fwd_kernel<float, true><<<grid, threads, 0, stream>>>(gp, ldg, up, ldu, hp, M, F);
+    else swiglu_fwd_kernel<float, false><<<grid, threads, 0, stream>>>(gp, ldg, up, ldu, hp, M, F);
+  } else {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  LORAQ_RETURN_LAST_ERROR;
+}
+
+// dh (M, F) contiguous; dg / du rows start every lddg / lddu elements.
+int loraq_swiglu_bwd(const void* dh, const void* g, int64_t ldg, const void* u, int64_t ldu,
+                     void* dg, int64_t lddg, void* du, int64_t lddu, int dtype, int64_t M,
+                     int64_t F, cudaStream_t stream) {
+  if (M == 0 || F == 0) return 0;
+  const int threads = 128;
+  const dim3 grid = swiglu_grid(M, F, threads);
+  const bool vec = aligned16(dh) && aligned16(g) && aligned16(u) && aligned16(dg) && aligned16(du) &&
+                   ldg % 8 == 0 && ldu % 8 == 0 && lddg % 8 == 0 && lddu % 8 == 0 && F % 8 == 0;
+  if (dtype == LORAQ_BF16) {
+    using B = __nv_bfloat16;
+    auto* a = static_cast<const B*>(dh);
+    auto* gp = static_cast<const B*>(g);
+    auto* up = static_cast<const B*>(u);
+    auto* dgp = static_cast<B*>(dg);
+    auto* dup = static_cast<B*>(du);
+    if (vec) swiglu_bwd_kernel<B, true><<<grid, threads, 0, stream>>>(a, gp, ldg, up, ldu, dgp, lddg, dup, lddu, M, F);
+    else swiglu_bwd_kernel<B, false><<<grid, threads, 0, stream>>>(a, gp, ldg, up, ldu, dgp, lddg, dup, lddu, M, F);
+  } else if (dtype == LORAQ_F32) {
+    auto* a = static_cast<const float*>(dh);
+    auto* gp = static_cast<const float*>(g);
+    auto* up = static_cast<const float*>(u);
+    auto* dgp = static_cast<float*>(dg);
+    auto* dup = static_cast<float*>(du);
+    if (vec) swiglu_bwd_kernel<float, true><<<grid, threads, 0, stream>>>(a, gp, ldg, up, ldu, dgp, lddg, dup, lddu, M, F);
+    else swiglu_bwd_kernel<float, false><<<grid, threads, 0, stream>>>(a, gp, ldg, up, ldu, dgp, lddg, dup, lddu, M, F);
+  } else {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  LORAQ_RETURN_LAST_ERROR;
+}
+
+}  // extern "C"

@@ -1,0 +1,176 @@
+"""Chooses the compiled or the reference implementation of each op, per call.
+
+The compiled path runs when every tensor of the call is on a CUDA device, the kernels built and
+loaded, and the backend is "auto" (the default). `set_backend("reference")` (or the environment
+variable LORAQ_KERNELS=reference) forces the plain-torch twins everywhere, which is how the GPU
+check trains the same model on both paths.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from gpu_kernels import _lib, reference
+
+Backend = Literal["auto", "reference"]
+_backend: Backend = "reference" if os.environ.get("LORAQ_KERNELS") == "reference" else "auto"
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    compiled: bool
+    reason: str
+
+
+def set_backend(backend: Backend) -> None:
+    global _backend
+    if backend not in ("auto", "reference"):
+        raise ValueError(f"backend must be 'auto' or 'reference', not {backend!r}")
+    _backend = backend
+
+
+def get_backend() -> Backend:
+    return _backend
+
+
+def available() -> KernelStatus:
+    """Whether the compiled path is in use, and why (not)."""
+    if not torch.cuda.is_available():
+        return KernelStatus(False, "no CUDA device: using the plain-torch reference path")
+    if _backend == "reference":
+        return KernelStatus(False, "reference backend forced (LORAQ_KERNELS=reference or set_backend)")
+    try:
+        lib = _lib.load()
+    except RuntimeError as exc:
+        return KernelStatus(False, f"kernel build failed: {exc}")
+    return KernelStatus(True, f"compiled kernels loaded from {lib._name}")
+
+
+def require_compiled() -> None:
+    """Raise when a GPU is present but the compiled path is not usable (build failed)."""
+    status = available()
+    if torch.cuda.is_available() and not status.compiled and _backend != "reference":
+        raise RuntimeError(f"GPU present but compiled kernels unavailable: {status.reason}")
+
+
+def _compiled(*tensors: torch.Tensor | None) -> bool:
+    if _backend == "reference":
+        return False
+    if not all(t is None or t.is_cuda for t in tensors):
+        return False
+    try:
+        _lib.load()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _kernel_dtype(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype in (torch.float32, torch.bfloat16) for t in tensors)
+
+
+def lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scale: float,
+    dropout_p: float = 0.0,
+    training: bool = False,
+) -> torch.Tensor:
+    """y = x·Wᵀ + b + s·(drop(x)·Aᵀ)·Bᵀ, shape (..., out)."""
+    if _compiled(x, weight, bias, lora_a, lora_b) and _kernel_dtype(x, weight) and x.dtype == weight.dtype:
+        from gpu_kernels.ops import lora
+
+        return lora.lora_linear(x, weight, bias, lora_a, lora_b, scale, dropout_p, training)
+    return reference.lora_linear(x, weight, bias, lora_a, lora_b, scale, dropout_p, training)
+
+
+def lora_linear_grouped(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    adapters: Sequence[tuple[torch.Tensor, torch.Tensor, float]],
+    dropout_p: float = 0.0,
+    training: bool = False,
+) -> torch.Tensor:
+    """Several LoRA projections of one input, stacked: (..., Σ out_j). See reference."""
+    tensors = [t for a, b, _ in adapters for t in (a, b)]
+    if _compiled(x, weight, bias, *tensors) and _kernel_dtype(x, weight) and x.dtype == weight.dtype:
+        from gpu_kernels.ops import lora
+
+        return lora.lora_linear_grouped(x, weight, bias, adapters, dropout_p, training)
+    return reference.lora_linear_grouped(x, weight, bias, adapters, dropout_p, training)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _compiled(x, weight) and _kernel_dtype(x):
+        from gpu_kernels.ops import norm_act
+
+        return norm_act.rms_norm(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if _compiled(gate, up) and _kernel_dtype(gate) and gate.dtype == up.dtype and gate.shape == up.shape:
+        from gpu_kernels.ops import norm_act
+
+        return norm_act.swiglu(gate, up)
+    return reference.swiglu(gate, up)
+
+
+def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
+    if _compiled(gate_up) and _kernel_dtype(gate_up):
+        from gpu_kernels.ops import norm_act
+
+        return norm_act.swiglu_packed(gate_up)
+    return reference.swiglu_packed(gate_up)
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
+) -> torch.Tensor:
+    """Mean CE of hidden·Wᵀ against targets, without materialising all logits on the GPU.
+    A trainable weight takes the reference path (the compiled one forms no weight gradient)."""
+    if _compiled(hidden, weight, targets) and _kernel_dtype(hidden) and not weight.requires_grad:
+        from gpu_kernels.ops import cross_entropy
+
+        return cross_entropy.fused_linear_cross_entropy(hidden, weight, targets, ignore_index)
+    return reference.fused_linear_cross_entropy(hidden, weight, targets, ignore_index)
+
+
+def new_nonfinite_state(device: torch.device | str) -> torch.Tensor:
+    return reference.new_nonfinite_state(device)
+
+
+def clip_grad_norm_(
+    params: Iterable[torch.Tensor], max_norm: float, nonfinite_state: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Clip grads in place to global L2 norm max_norm; returns the norm as a 0-d fp32 device
+    tensor (no host sync on the compiled path). See reference.clip_grad_norm_."""
+    params = list(params)
+    grads = [p.grad for p in params if p.grad is not None]
+    if (
+        grads
+        and _compiled(*grads, nonfinite_state)
+        and all(g.dtype == torch.float32 and g.is_contiguous() for g in grads)
+        and len({g.device for g in grads}) == 1
+    ):
+        from gpu_kernels.ops import clip
+
+        return clip.clip_grad_norm_(grads, max_norm, nonfinite_state)
+    return reference.clip_grad_norm_(params, max_norm, nonfinite_state)
+
+
+def dropout_seed_step_(device: torch.device) -> None:
+    """Advance the device's LoRA-dropout seed (call once per training step; capturable)."""
+    if _compiled(torch.empty(0, device=device)):
+        from gpu_kernels.ops import lora
+
+        lora.next_dropout_seed_(device)

@@ -1,0 +1,79 @@
+"""Chunked fused linear + cross-entropy on the GPU: the (N, V) logits never exist at once.
+
+For each chunk of rows: logits = h_c·Wᵀ (cuBLAS, (c, V) in the hidden dtype); one kernel
+(csrc/cross_entropy.cu) writes each row's loss and overwrites the logits with
+d(mean loss)/dlogits; dh_c = grad·W (cuBLAS). The hidden-state gradient is thus formed during
+the forward and stored (N, d); the backward only scales it by the incoming gradient. The
+weight (the LM head or tied embedding) is frozen in LoRA training; dispatch sends a trainable
+one to the reference path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gpu_kernels import _lib
+
+# rows per chunk: 1024 rows of a 128k vocabulary is 256 MiB of bf16 logits
+DEFAULT_CHUNK_ROWS = 1024
+
+
+class FusedLinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        ignore_index: int,
+        chunk_rows: int,
+    ) -> torch.Tensor:
+        d = hidden.shape[-1]
+        v = weight.shape[0]
+        h2 = hidden.reshape(-1, d).contiguous()  # (N, d)
+        t = targets.reshape(-1).to(torch.int64).contiguous()  # (N,)
+        n = h2.shape[0]
+        if t.shape[0] != n:
+            raise ValueError(f"targets have {t.shape[0]} entries but hidden has {n} rows")
+        w = weight.to(h2.dtype).contiguous()
+        inv_count = (t != ignore_index).sum().clamp(min=1).to(torch.float32).reciprocal()  # device 0-d
+        losses = torch.empty(n, dtype=torch.float32, device=h2.device)
+        dh = torch.empty_like(h2) if hidden.requires_grad else None
+        lib = _lib.load()
+        code = _lib.dtype_code(h2.dtype)
+        stream = _lib.stream(h2.device)
+        for start in range(0, n, chunk_rows):
+            end = min(start + chunk_rows, n)
+            logits = h2[start:end] @ w.t()  # (c, V)
+            rc = lib.loraq_cross_entropy_fwd_bwd(
+                logits.data_ptr(), code, end - start, v, t[start:end].data_ptr(), int(ignore_index),
+                inv_count.data_ptr(), losses[start:end].data_ptr(), stream,
+            )  # fmt: skip
+            _lib.check(rc, "loraq_cross_entropy_fwd_bwd")
+            if dh is not None:
+                torch.mm(logits, w, out=dh[start:end])  # (c, V)·(V, d)
+        ctx.save_for_backward(dh)
+        ctx.shape = hidden.shape
+        return losses.sum() * inv_count
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (dh,) = ctx.saved_tensors
+        dhidden = None
+        if ctx.needs_input_grad[0] and dh is not None:
+            dhidden = (dh * grad.to(dh.dtype)).view(ctx.shape)
+        return dhidden, None, None, None, None
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+) -> torch.Tensor:
+    out = FusedLinearCrossEntropyFunction.apply(hidden, weight, targets, ignore_index, chunk_rows)
+    assert isinstance(out, torch.Tensor)
+    return out

@@ -1,0 +1,221 @@
+"""Fused LoRA linear on the GPU, forward and backward, for one projection or several that share
+their input (q/k/v, gate/up).
+
+Shapes: x (M, K) after flattening the leading dims; W (N, K) with N = Σ N_j the stacked
+projections; A_j (r_j, K), B_j (N_j, r_j), scale s_j; R = Σ r_j.
+
+forward   y  = x·Wᵀ (+ b)                        cuBLAS, (M, N)
+          xa = drop(x)·[A_1; A_2; ...]ᵀ          one skinny GEMM for every adapter, (M, R)
+          y[:, seg_j] += s_j·xa_j·B_jᵀ            rank-r_j update in place (csrc/lora.cu)
+backward  dX = dY·W                              cuBLAS, (M, K), one GEMM over all projections
+          U  = [s_1·dY_1·B_1 | s_2·dY_2·B_2 ...]  (M, R) fp32
+          dX += U·[A_1; A_2; ...]                rank-R update in place: one buffer for dX
+          dA = Uᵀ·drop(x)  (R, K);  dB_j = s_j·dY_jᵀ·xa_j  (N_j, r_j)   cheap order, from saved xa
+
+Dropout on the LoRA input (p > 0, training) uses csrc's hash mask: the backward regenerates
+drop(x) from x, the device seed saved at forward time and the call's salt. With p = 0 the
+skinny GEMM reads x itself (no copy).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from gpu_kernels import _lib
+
+_MAX_RANK_PER_LAUNCH = 16
+# How the rank-r update is added in place into the base GEMM's output: "cublas" (default: a
+# cuBLAS GEMM with beta = 1 via addmm_, with V rounded to the activation dtype as PEFT's autocast
+# does) or "kernel" (ours, csrc/lora.cu, fp32 V). Measured on an H100 (M8192 N2048 r16, bf16):
+# cuBLAS 40 us, ours 76 us, so cuBLAS is the default until our kernel catches up.
+_RANK_UPDATE = os.environ.get("LORAQ_RANK_UPDATE", "cublas")
+if _RANK_UPDATE not in ("cublas", "kernel"):
+    raise ValueError(f"LORAQ_RANK_UPDATE must be 'cublas' or 'kernel', not {_RANK_UPDATE!r}")
+_salts = itertools.count(1)
+_seeds: dict[torch.device, torch.Tensor] = {}
+
+
+def dropout_seed(device: torch.device) -> torch.Tensor:
+    """The device's dropout seed (int64 0-d on the device). Bump it once per step with
+    next_dropout_seed_ so a replayed CUDA graph draws new masks."""
+    if device not in _seeds:
+        _seeds[device] = torch.zeros((), dtype=torch.int64, device=device)
+    return _seeds[device]
+
+
+def next_dropout_seed_(device: torch.device) -> None:
+    dropout_seed(device).add_(1)
+
+
+def dropout(x: torch.Tensor, p: float, seed: torch.Tensor, salt: int) -> torch.Tensor:
+    """x ⊙ keep(seed, salt, i) / (1 − p) for contiguous CUDA x."""
+    out = torch.empty_like(x)
+    rc = _lib.load().loraq_dropout(
+        x.data_ptr(), out.data_ptr(), _lib.dtype_code(x.dtype), x.numel(), float(p),
+        seed.data_ptr(), salt & 0xFFFFFFFF, _lib.stream(x.device),
+    )  # fmt: skip
+    _lib.check(rc, "loraq_dropout")
+    return out
+
+
+def rank_update_(
+    out: torch.Tensor,
+    col: int,
+    n_cols: int,
+    u: torch.Tensor,
+    u_col: int,
+    r_total: int,
+    v: torch.Tensor,
+    scale: float,
+) -> None:
+    """out[:, col:col+n_cols] += scale · u[:, u_col:u_col+r_total] · v, in place.
+
+    out (M, ld) row-major, bf16 or fp32; u (M, ≥ u_col + r_total) of out's dtype with unit column
+    stride; v (r_total, n_cols) fp32 contiguous (Bᵀ in the forward, A in the backward). Ranks
+    above 16 are split over several launches."""
+    if _RANK_UPDATE == "cublas":  # cuBLAS GEMM with beta = 1, in place on the strided slice
+        out[:, col : col + n_cols].addmm_(u[:, u_col : u_col + r_total], v.to(out.dtype), alpha=scale)
+        return
+    lib = _lib.load()
+    m, ld = out.shape
+    elt = out.element_size()
+    ldu = u.stride(0)
+    for r0 in range(0, r_total, _MAX_RANK_PER_LAUNCH):
+        r = min(_MAX_RANK_PER_LAUNCH, r_total - r0)
+        rc = lib.loraq_rank_update(
+            out.data_ptr() + elt * col, _lib.dtype_code(out.dtype), ld, m, n_cols,
+            u.data_ptr() + elt * (u_col + r0), ldu, v.data_ptr() + 4 * r0 * n_cols, n_cols, r, float(scale),
+            _lib.stream(out.device),
+        )  # fmt: skip
+        _lib.check(rc, "loraq_rank_update")
+
+
+class LoRALinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        scales: tuple[float, ...],
+        dropout_p: float,
+        *adapters: torch.Tensor,  # A_1, B_1, A_2, B_2, ...
+    ) -> torch.Tensor:
+        lead = x.shape[:-1]
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k).contiguous()
+        a_list = list(adapters[0::2])
+        b_list = list(adapters[1::2])
+        ranks = [a.shape[0] for a in a_list]
+        widths = [b.shape[0] for b in b_list]
+        n_total = weight.shape[0]
+        if sum(widths) != n_total:
+            raise ValueError(f"adapters cover {sum(widths)} output features but weight has {n_total}")
+
+        seed = salt = None
+        xd = x2
+        if dropout_p > 0:
+            seed = dropout_seed(x.device).clone()  # snapshot: the backward must see the same mask
+            salt = next(_salts)
+            xd = dropout(x2, dropout_p, seed, salt)
+
+        y = torch.nn.functional.linear(x2, weight, bias)  # (M, N)
+        a_cat = torch.cat(a_list) if len(a_list) > 1 else a_list[0]  # (R, K)
+        xa = xd @ a_cat.to(x.dtype).t()  # (M, R): one read of x for every adapter
+        col = r0 = 0
+        for b, r, n, s in zip(b_list, ranks, widths, scales, strict=True):
+            b_t = b.detach().float().t().contiguous()  # (r_j, N_j): tiny
+            rank_update_(y, col, n, xa, r0, r, b_t, s)
+            col += n
+            r0 += r
+
+        # a_cat (R, K) in the adapters' dtype is kept: the backward's rank update reads it
+        ctx.save_for_backward(x2, weight, xa, seed, a_cat, *adapters)
+        ctx.meta = (lead, scales, dropout_p, salt, ranks, widths, bias is not None)
+        return y.view(*lead, n_total)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x2, weight, xa, seed, a_cat, *adapters = ctx.saved_tensors
+        lead, scales, dropout_p, salt, ranks, widths, has_bias = ctx.meta
+        a_list = adapters[0::2]
+        b_list = adapters[1::2]
+        n_total, k = weight.shape
+        dy2 = dy.reshape(-1, n_total).contiguous()
+        dtype = x2.dtype
+        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+
+        # U = [s_j · dY_j · B_j] (M, R) in the activation dtype
+        u_parts = []
+        col = 0
+        for b, n, s in zip(b_list, widths, scales, strict=True):
+            u_parts.append((dy2[:, col : col + n] @ b.to(dtype)).mul_(s))
+            col += n
+        u = torch.cat(u_parts, dim=1) if len(u_parts) > 1 else u_parts[0]
+        r_total = u.shape[1]
+
+        dx = None
+        if need_x:
+            dx = dy2 @ weight  # (M, K)
+            a_cat_f = a_cat.detach().float().contiguous()  # (R, K)
+            if dropout_p == 0:
+                rank_update_(dx, 0, k, u, 0, r_total, a_cat_f, 1.0)
+            else:
+                # d/dx of drop(x)·Aᵀ is mask/(1-p) ⊙ (U·A): form U·A, mask it like the forward
+                lora_dx = torch.zeros_like(dx)
+                rank_update_(lora_dx, 0, k, u, 0, r_total, a_cat_f, 1.0)
+                dx += dropout(lora_dx, dropout_p, seed, salt)
+            dx = dx.view(*lead, k)
+
+        xd = x2 if dropout_p == 0 else dropout(x2, dropout_p, seed, salt)
+        grads_ad: list[torch.Tensor | None] = []
+        da_cat = u.t() @ xd  # (R, K)
+        col = r0 = 0
+        for j, (a, b, r, n, s) in enumerate(zip(a_list, b_list, ranks, widths, scales, strict=True)):
+            # inputs are (x, weight, bias, scales, dropout_p, A_1, B_1, ...): A_j at 5 + 2j
+            need_a, need_b_j = ctx.needs_input_grad[5 + 2 * j], ctx.needs_input_grad[6 + 2 * j]
+            da = da_cat[r0 : r0 + r].to(a.dtype) if need_a else None
+            db = None
+            if need_b_j:
+                db = (dy2[:, col : col + n].t() @ xa[:, r0 : r0 + r]).to(b.dtype).mul_(s)  # (N_j, r_j)
+            grads_ad.extend([da, db])
+            col += n
+            r0 += r
+
+        dw = dy2.t() @ x2 if need_w else None
+        dbias = dy2.sum(0) if (has_bias and need_b) else None
+        return (dx, dw, dbias, None, None, *grads_ad)
+
+
+def lora_linear_grouped(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    adapters: Sequence[tuple[torch.Tensor, torch.Tensor, float]],
+    dropout_p: float = 0.0,
+    training: bool = False,
+) -> torch.Tensor:
+    p = dropout_p if training else 0.0
+    flat = [t for a, b, _ in adapters for t in (a, b)]
+    scales = tuple(float(s) for _, _, s in adapters)
+    out = LoRALinearFunction.apply(x, weight, bias, scales, p, *flat)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+def lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scale: float,
+    dropout_p: float = 0.0,
+    training: bool = False,
+) -> torch.Tensor:
+    return lora_linear_grouped(x, weight, bias, [(lora_a, lora_b, scale)], dropout_p, training)

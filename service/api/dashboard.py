@@ -1,0 +1,199 @@
+"""The web dashboard: pages at `/`, `/jobs/{id}`, `/new`, `/workers`, assets under `/static`, and
+the few JSON endpoints the REST API (`/v1`) lacks, under `/dashboard/api`.
+
+Pages and assets are public (they hold no data); every data request carries the same Bearer key
+as the REST API, entered once in the browser and kept in its localStorage. Everything, the
+charting library included (uPlot, `static/vendor/uplot`), is served from here: no CDN.
+
+Dashboard-only endpoints (same auth as /v1, the tenant's rows only):
+- `GET /dashboard/api/jobs?status=&limit=`        jobs with their progress (step, loss, tokens/s, ETA)
+- `GET /dashboard/api/jobs/{id}/progress`         the same for one job
+- `GET /dashboard/api/jobs/{id}/metrics?after=`   per-step rows after step `after`, for the charts
+- `GET /dashboard/api/files/{id}/summary`         structural check of an uploaded JSONL file
+- `GET /dashboard/api/workers`                    the worker registry (Redis): GPUs, job, kernels
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import redis
+from fastapi import APIRouter, FastAPI, Query
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
+from sqlalchemy import select
+
+from service import storage, worker_registry
+from service.api.dataset_summary import summarize
+from service.auth import CurrentTenant
+from service.db.models import File, Job, JobMetric
+from service.db.session import SessionDep
+from service.errors import NotFoundError, UnavailableError
+from service.settings import get_settings
+
+STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
+PAGES_DIR = STATIC_DIR / "dashboard"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+MAX_METRIC_ROWS = 100_000
+
+JobStatus = Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled"]
+
+PAGES = {  # page name -> (title, body fragment, script)
+    "jobs": ("Jobs", "jobs.html", "jobs.js"),
+    "job": ("Job", "job.html", "job.js"),
+    "new": ("New job", "new.html", "new.js"),
+    "workers": ("Workers", "workers.html", "workers.js"),
+}
+
+pages = APIRouter(include_in_schema=False)
+api = APIRouter(prefix="/dashboard/api", tags=["dashboard"])
+
+
+@lru_cache
+def render_page(name: str) -> str:
+    """The layout with the page's body and script filled in (read once per process)."""
+    title, body, script = PAGES[name]
+    layout = (PAGES_DIR / "layout.html").read_text()
+    return (
+        layout.replace("{{title}}", title)
+        .replace("{{body}}", (PAGES_DIR / body).read_text())
+        .replace("{{script}}", script)
+    )
+
+
+@pages.get("/", response_class=HTMLResponse)
+def jobs_page() -> str:
+    return render_page("jobs")
+
+
+@pages.get("/jobs/{job_id}", response_class=HTMLResponse)
+def job_page(job_id: str) -> str:
+    return render_page("job")  # the page reads the id from its URL
+
+
+@pages.get("/new", response_class=HTMLResponse)
+def new_job_page() -> str:
+    return render_page("new")
+
+
+@pages.get("/workers", response_class=HTMLResponse)
+def workers_page() -> str:
+    return render_page("workers")
+
+
+def progress(job: Job) -> dict[str, Any]:
+    return {
+        "id": job.id,
+        "status": job.status,
+        "model": job.model,
+        "fine_tuned_model": job.fine_tuned_model,
+        "step": job.step,
+        "total_steps": job.total_steps,
+        "train_loss": job.train_loss,
+        "tokens_per_s": job.tokens_per_s,
+        "eta_seconds": job.eta_seconds,
+        "trained_tokens": job.trained_tokens,
+        "created_at": job.created_at,
+        "started_at": job.started_at,
+        "finished_at": job.finished_at,
+    }
+
+
+def tenant_job(session: SessionDep, tenant_id: str, job_id: str) -> Job:
+    job = session.scalar(select(Job).where(Job.id == job_id, Job.tenant_id == tenant_id))
+    if job is None:
+        raise NotFoundError(f"No fine-tuning job with id {job_id!r}", param="job_id")
+    return job
+
+
+@api.get("/jobs")
+def list_jobs(
+    tenant: CurrentTenant,
+    session: SessionDep,
+    status: Annotated[JobStatus | None, Query()] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 100,
+) -> dict[str, Any]:
+    query = select(Job).where(Job.tenant_id == tenant.id)
+    if status is not None:
+        query = query.where(Job.status == status)
+    jobs = session.scalars(query.order_by(Job.seq.desc()).limit(limit)).all()
+    return {"object": "list", "data": [progress(j) for j in jobs]}
+
+
+@api.get("/jobs/{job_id}/progress")
+def job_progress(job_id: str, tenant: CurrentTenant, session: SessionDep) -> dict[str, Any]:
+    return progress(tenant_job(session, tenant.id, job_id))
+
+
+@api.get("/jobs/{job_id}/metrics")
+def job_metrics(
+    job_id: str,
+    tenant: CurrentTenant,
+    session: SessionDep,
+    after: Annotated[int, Query(ge=0, description="return steps greater than this")] = 0,
+    limit: Annotated[int, Query(ge=1, le=MAX_METRIC_ROWS)] = MAX_METRIC_ROWS,
+) -> dict[str, Any]:
+    tenant_job(session, tenant.id, job_id)
+    rows = session.scalars(
+        select(JobMetric)
+        .where(JobMetric.job_id == job_id, JobMetric.step > after)
+        .order_by(JobMetric.step)
+        .limit(limit)
+    ).all()
+    data = [
+        {
+            "step": r.step,
+            "train_loss": r.train_loss,
+            "valid_loss": r.valid_loss,
+            "lr": r.lr,
+            "grad_norm": r.grad_norm,
+            "tokens": r.tokens,
+            "tokens_per_s": r.tokens_per_s,
+            "step_seconds": r.step_seconds,
+        }
+        for r in rows
+    ]
+    return {"object": "list", "data": data}
+
+
+@api.get("/files/{file_id}/summary")
+def file_summary(file_id: str, tenant: CurrentTenant, session: SessionDep) -> dict[str, Any]:
+    file = session.scalar(select(File).where(File.id == file_id, File.tenant_id == tenant.id))
+    if file is None:
+        raise NotFoundError(f"No file with id {file_id!r}", param="file_id")
+    with storage.local_path(file.storage_key).open("rb") as fh:
+        summary = summarize(fh)
+    return {"file_id": file.id, "filename": file.filename, **summary.to_dict()}
+
+
+@lru_cache
+def _redis_client(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+
+
+def registry_client() -> redis.Redis:
+    return _redis_client(get_settings().redis_url or DEFAULT_REDIS_URL)
+
+
+@api.get("/workers")
+def list_workers(tenant: CurrentTenant, session: SessionDep) -> dict[str, Any]:
+    """Every worker (they are shared); the job a worker runs is named only to its own tenant."""
+    try:
+        workers = worker_registry.list_workers(registry_client())
+    except redis.exceptions.RedisError as e:
+        raise UnavailableError(f"the worker registry (Redis) is unreachable: {e}") from e
+    job_ids = [w["job"]["job_id"] for w in workers if w.get("job")]
+    own = set(session.scalars(select(Job.id).where(Job.id.in_(job_ids), Job.tenant_id == tenant.id)))
+    for w in workers:
+        if w.get("job") and w["job"]["job_id"] not in own:
+            w["job"] = {"job_id": None, "other_tenant": True}
+    return {"object": "list", "data": workers}
+
+
+def mount_dashboard(app: FastAPI) -> None:
+    """Pages, static assets and the dashboard's JSON endpoints, on `app`."""
+    app.include_router(api)
+    app.include_router(pages)
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")

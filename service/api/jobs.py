@@ -1,0 +1,201 @@
+"""`/v1/fine_tuning/jobs`: create, list, retrieve, cancel, events, checkpoints, adapter download."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Query
+from fastapi.responses import FileResponse, Response
+from sqlalchemy import Row
+
+from service import jobs
+from service.auth import CurrentTenant
+from service.db.models import Checkpoint, Job, JobEvent
+from service.db.session import SessionDep
+from service.queue import enqueue_job, job_queue
+from service.schemas import (
+    CheckpointPublic,
+    CheckpointsPublic,
+    EventPublic,
+    EventsPublic,
+    HyperparametersPublic,
+    JobCreate,
+    JobErrorPublic,
+    JobPublic,
+    JobsPublic,
+    LoraPublic,
+    MethodPublic,
+    ProgressPublic,
+    SupervisedPublic,
+    error_responses,
+)
+from service.storage import default_store
+
+router = APIRouter(
+    prefix="/v1/fine_tuning/jobs", tags=["fine_tuning"], responses=error_responses(400, 401, 404, 409, 500)
+)
+
+ZIP_RESPONSE: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"application/zip": {}}, "description": "PEFT adapter (zip)"}
+}
+
+
+def job_public(job: Job | Row[Any]) -> JobPublic:
+    """From an ORM job or a `jobs.get_job_row` row (same attribute names)."""
+    hp = HyperparametersPublic(**job.hyperparameters)
+    return JobPublic(
+        id=job.id,
+        created_at=job.created_at,
+        finished_at=job.finished_at,
+        error=JobErrorPublic(**job.error) if job.error else None,
+        fine_tuned_model=job.fine_tuned_model,
+        model=job.model,
+        organization_id=job.tenant_id,
+        status=job.status,
+        hyperparameters=hp,
+        training_file=job.training_file,
+        validation_file=job.validation_file,
+        result_files=list(job.result_files or []),
+        trained_tokens=job.trained_tokens,
+        seed=job.seed,
+        estimated_finish=job.estimated_finish,
+        integrations=[],
+        metadata=job.metadata_,
+        method=MethodPublic(supervised=SupervisedPublic(hyperparameters=hp)),
+        user_provided_suffix=job.suffix,
+        lora=LoraPublic(**job.lora),
+        max_seq_len=job.max_seq_len,
+        queue=job.queue,
+        n_gpus=job.n_gpus,
+        worker_id=job.worker_id,
+        progress=ProgressPublic(
+            step=job.step,
+            total_steps=job.total_steps,
+            train_loss=job.train_loss,
+            tokens_per_s=job.tokens_per_s,
+            eta_seconds=job.eta_seconds,
+        ),
+    )
+
+
+def event_public(event: JobEvent) -> EventPublic:
+    return EventPublic(
+        id=event.id,
+        created_at=event.created_at,
+        level=event.level,
+        message=event.message,
+        type=event.type,
+        data=event.data,
+    )
+
+
+def checkpoint_public(ckpt: Checkpoint, job: Job) -> CheckpointPublic:
+    suffix = job.suffix or ""
+    return CheckpointPublic(
+        id=ckpt.id,
+        created_at=ckpt.created_at,
+        fine_tuned_model_checkpoint=f"ft:{job.model}:{suffix}:{job.id}:ckpt-step-{ckpt.step}",
+        fine_tuning_job_id=job.id,
+        metrics={k: v for k, v in (ckpt.metrics or {}).items() if isinstance(v, int | float) or v is None},
+        step_number=ckpt.step,
+    )
+
+
+@router.post("", response_model=JobPublic)
+def create_job(
+    body: JobCreate,
+    tenant: CurrentTenant,
+    session: SessionDep,
+    idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
+) -> JobPublic:
+    if idempotency_key is not None and (
+        seen := jobs.find_by_idempotency_key(session, tenant_id=tenant.id, key=idempotency_key)
+    ):
+        return job_public(seen)  # a retried request: the same job, not enqueued again
+    job = jobs.create_job(session, tenant_id=tenant.id, spec=body, idempotency_key=idempotency_key)
+    session.commit()
+    # after commit: a worker must find the job queued in the database; routed by job.queue/n_gpus
+    enqueue_job(job.id, queue=job_queue(job))
+    return job_public(job)
+
+
+@router.get("", response_model=JobsPublic)
+def list_jobs(
+    tenant: CurrentTenant,
+    session: SessionDep,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+) -> JobsPublic:
+    rows, has_more = jobs.list_jobs(session, tenant_id=tenant.id, after=after, limit=limit)
+    return JobsPublic(data=[job_public(j) for j in rows], has_more=has_more)
+
+
+@router.get("/{fine_tuning_job_id}", response_model=JobPublic)
+def retrieve_job(fine_tuning_job_id: str, tenant: CurrentTenant, session: SessionDep) -> Response:
+    # The status-polling hot path: serialised once here instead of re-validated by FastAPI.
+    job = job_public(jobs.get_job_row(session, tenant_id=tenant.id, job_id=fine_tuning_job_id))
+    return Response(job.model_dump_json(), media_type="application/json")
+
+
+@router.post("/{fine_tuning_job_id}/cancel", response_model=JobPublic)
+def cancel_job(fine_tuning_job_id: str, tenant: CurrentTenant, session: SessionDep) -> JobPublic:
+    job = jobs.request_cancel(session, tenant_id=tenant.id, job_id=fine_tuning_job_id)
+    session.commit()
+    return job_public(job)
+
+
+@router.get("/{fine_tuning_job_id}/events", response_model=EventsPublic)
+def list_events(
+    fine_tuning_job_id: str,
+    tenant: CurrentTenant,
+    session: SessionDep,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 20,
+) -> EventsPublic:
+    rows, has_more = jobs.list_events(
+        session, tenant_id=tenant.id, job_id=fine_tuning_job_id, after=after, limit=limit
+    )
+    return EventsPublic(data=[event_public(e) for e in rows], has_more=has_more)
+
+
+@router.get("/{fine_tuning_job_id}/checkpoints", response_model=CheckpointsPublic)
+def list_checkpoints(
+    fine_tuning_job_id: str,
+    tenant: CurrentTenant,
+    session: SessionDep,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 10,
+) -> CheckpointsPublic:
+    job = jobs.get_job(session, tenant_id=tenant.id, job_id=fine_tuning_job_id)
+    rows, has_more = jobs.list_checkpoints(
+        session, tenant_id=tenant.id, job_id=fine_tuning_job_id, after=after, limit=limit
+    )
+    data = [checkpoint_public(c, job) for c in rows]
+    return CheckpointsPublic(
+        data=data,
+        has_more=has_more,
+        first_id=data[0].id if data else None,
+        last_id=data[-1].id if data else None,
+    )
+
+
+@router.get("/{fine_tuning_job_id}/adapter", response_class=FileResponse, responses=ZIP_RESPONSE)
+def download_adapter(fine_tuning_job_id: str, tenant: CurrentTenant, session: SessionDep) -> FileResponse:
+    artifact = jobs.get_adapter(session, tenant_id=tenant.id, job_id=fine_tuning_job_id)
+    path = default_store().verify(artifact.storage_key, artifact.sha256)
+    return FileResponse(path, media_type="application/zip", filename=f"{fine_tuning_job_id}-adapter.zip")
+
+
+@router.get(
+    "/{fine_tuning_job_id}/checkpoints/{checkpoint_id}/adapter",
+    response_class=FileResponse,
+    responses=ZIP_RESPONSE,
+)
+def download_checkpoint_adapter(
+    fine_tuning_job_id: str, checkpoint_id: str, tenant: CurrentTenant, session: SessionDep
+) -> FileResponse:
+    ckpt = jobs.get_checkpoint(
+        session, tenant_id=tenant.id, job_id=fine_tuning_job_id, checkpoint_id=checkpoint_id
+    )
+    path = default_store().verify(ckpt.storage_key, ckpt.sha256)
+    return FileResponse(path, media_type="application/zip", filename=f"{checkpoint_id}.zip")

@@ -1,0 +1,42 @@
+"""`/v1/models`: the base models of the catalog and the tenant's succeeded fine-tunes."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from service import jobs
+from service.auth import CurrentTenant
+from service.db.session import SessionDep
+from service.errors import NotFoundError
+from service.schemas import ModelPublic, ModelsPublic, error_responses
+from service.settings import get_settings
+from worker.engine.catalog import list_models as catalog_models
+
+router = APIRouter(prefix="/v1/models", tags=["models"], responses=error_responses(400, 401, 404))
+
+BASE_OWNER = "loraq"
+
+
+def all_models(session: SessionDep, tenant_id: str) -> list[ModelPublic]:
+    base = [
+        ModelPublic(id=m.name, created=0, owned_by=BASE_OWNER)
+        for m in catalog_models(get_settings().model_store)
+    ]
+    tuned = [
+        ModelPublic(id=name, created=finished, owned_by=tenant_id)
+        for name, finished in jobs.succeeded_models(session, tenant_id=tenant_id)
+    ]
+    return base + tuned
+
+
+@router.get("", response_model=ModelsPublic)
+def list_models(tenant: CurrentTenant, session: SessionDep) -> ModelsPublic:
+    return ModelsPublic(data=all_models(session, tenant.id))
+
+
+@router.get("/{model:path}", response_model=ModelPublic)
+def retrieve_model(model: str, tenant: CurrentTenant, session: SessionDep) -> ModelPublic:
+    for m in all_models(session, tenant.id):
+        if m.id == model:
+            return m
+    raise NotFoundError(f"The model {model!r} does not exist", param="model", code="model_not_found")

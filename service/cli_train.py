@@ -1,0 +1,122 @@
+"""`loraq train CONFIG.yaml`: one fine-tune on this machine, no API, queue or database.
+
+The config is a YAML file of the engine's TrainConfig fields (README, "Engine configuration");
+`model_store` defaults to the data dir's store (LORAQ_DATA_DIR). A rich progress bar shows the
+step, loss, tokens/s and ETA. The first Ctrl-C asks the engine to stop after the current step (it
+writes a checkpoint that `resume_from` continues); a second Ctrl-C aborts at once.
+
+torch and the engine are imported inside the command, so `loraq --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import signal
+import types
+from pathlib import Path
+from typing import Annotated, Literal
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+from worker.engine.types import CheckpointInfo, StepMetrics
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _duration(seconds: float) -> str:
+    h, rest = divmod(round(seconds), 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class ProgressCallbacks:
+    """TrainingCallbacks that drive a rich progress bar; `stop_requested` is set by Ctrl-C."""
+
+    def __init__(self, progress: Progress, task: TaskID) -> None:
+        self.progress = progress
+        self.task = task
+        self.stop_requested = False
+        self.last: StepMetrics | None = None
+
+    def on_step(self, metrics: StepMetrics) -> None:
+        self.last = metrics
+        valid = "" if metrics.valid_loss is None else f"  valid {metrics.valid_loss:.4f}"
+        self.progress.update(
+            self.task,
+            total=metrics.total_steps,
+            completed=metrics.step,
+            loss=f"{metrics.train_loss:.4f}{valid}",
+            tps=f"{metrics.tokens_per_s:,.0f}",
+            eta=_duration(metrics.eta_seconds),
+        )
+
+    def on_event(self, level: Literal["info", "warn", "error"], message: str) -> None:
+        style = {"info": "dim", "warn": "yellow", "error": "red"}[level]
+        self.progress.console.print(f"[{style}]{message}[/{style}]")
+
+    def on_checkpoint(self, checkpoint: CheckpointInfo) -> None:
+        self.progress.console.print(f"[dim]checkpoint step {checkpoint.step}: {checkpoint.path}[/dim]")
+
+    def should_stop(self) -> bool:
+        return self.stop_requested
+
+
+def train_command(
+    config: Annotated[
+        Path, typer.Argument(help="Training config (YAML): model, train_file, output_dir, ...")
+    ],
+) -> None:
+    """Fine-tune a LoRA adapter locally from a YAML config (no service needed)."""
+    from service.settings import get_settings
+    from worker.engine.config_file import load_config_file
+    from worker.engine.types import EngineError
+
+    try:
+        train_config = load_config_file(config, default_model_store=get_settings().model_store)
+    except EngineError as e:
+        err_console.print(f"[red]{e}[/red]")
+        raise typer.Exit(2) from None
+
+    from worker.engine import recipe
+
+    progress = Progress(
+        TextColumn("step {task.completed}/{task.total}"),
+        BarColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[tps]} tok/s"),
+        TimeElapsedColumn(),
+        TextColumn("ETA {task.fields[eta]}"),
+        console=console,
+    )
+    task = progress.add_task("train", total=None, loss="-", tps="-", eta="-")
+    callbacks = ProgressCallbacks(progress, task)
+
+    def on_sigint(signum: int, frame: types.FrameType | None) -> None:
+        if callbacks.stop_requested:
+            raise KeyboardInterrupt
+        callbacks.stop_requested = True
+        progress.console.print("[yellow]Stopping after this step (Ctrl-C again to abort)...[/yellow]")
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        with progress:
+            result = recipe.train(train_config, callbacks)
+    except EngineError as e:
+        err_console.print(f"[red]training failed: {e}[/red]")
+        raise typer.Exit(1) from None
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+    if result.stopped:
+        console.print(
+            f"[yellow]Stopped at step {result.steps}.[/yellow] Checkpoint: {result.adapter_dir}\n"
+            f"Continue with `resume_from: {result.adapter_dir}` in the config."
+        )
+        raise typer.Exit(130)
+    valid = "" if result.final_valid_loss is None else f", valid loss {result.final_valid_loss:.4f}"
+    console.print(
+        f"[green]Done:[/green] {result.steps} steps, {result.trained_tokens:,} tokens, "
+        f"train loss {result.final_train_loss:.4f}{valid}\nAdapter (PEFT): {result.adapter_dir}"
+    )

@@ -1,0 +1,207 @@
+"""SQLAlchemy 2 typed models: the database is the source of truth for tenants, keys, files, jobs,
+their events, per-step metrics, checkpoints and artifacts.
+
+Portable across SQLite and PostgreSQL: times are unix seconds (integers, as OpenAI returns them;
+`heartbeat_at` is a float for sub-second staleness checks), structured fields are JSON, and every
+public id is a prefixed random string (`file-…`, `ftjob-…`). Rows that are listed with cursor
+pagination also carry `seq`, an autoincrement integer that orders them by insertion.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+# What `new_id` makes: a lowercase prefix, "-", url-safe characters. Anything else (NUL bytes,
+# which PostgreSQL refuses in text, or very long strings) names no row and is never sent to the DB.
+_ID_RE = re.compile(r"^[a-z]{2,16}-[A-Za-z0-9_-]{1,64}$")
+
+
+def is_id(value: str) -> bool:
+    return bool(_ID_RE.match(value))
+
+
+def new_id(prefix: str) -> str:
+    """`prefix-` + 24 url-safe random characters (144 bits): unguessable, so ids leak nothing."""
+    return f"{prefix}-{secrets.token_urlsafe(18)}"
+
+
+# SQLite only autoincrements an INTEGER PRIMARY KEY; BigInteger renders as BIGINT there.
+SeqType = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True, default=lambda: new_id("org"))
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    prefix: Mapped[str] = mapped_column(String(32), unique=True)
+    # hex HMAC-SHA256(server secret, key); the plaintext is never stored
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+    revoked_at: Mapped[int | None] = mapped_column(BigInteger, default=None)
+
+
+class File(Base):
+    __tablename__ = "files"
+    __table_args__ = (Index("ix_files_tenant_seq", "tenant_id", "seq"),)
+
+    seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True, default=lambda: new_id("file"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    purpose: Mapped[str] = mapped_column(String(32))
+    filename: Mapped[str] = mapped_column(String(512))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    storage_key: Mapped[str] = mapped_column(String(512))
+    status: Mapped[str] = mapped_column(String(16), default="processed")
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (
+        Index("ix_jobs_tenant_seq", "tenant_id", "seq"),
+        Index("ix_jobs_status", "status"),
+        UniqueConstraint("tenant_id", "idempotency_key", name="uq_jobs_tenant_idempotency_key"),
+    )
+
+    seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True, default=lambda: new_id("ftjob"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    idempotency_key: Mapped[str | None] = mapped_column(String(255), default=None)
+
+    # what the client asked for (OpenAI fields + our `lora` block and `max_seq_len`)
+    model: Mapped[str] = mapped_column(String(128))
+    training_file: Mapped[str] = mapped_column(String(64))
+    validation_file: Mapped[str | None] = mapped_column(String(64), default=None)
+    # {"n_epochs", "batch_size", "learning_rate_multiplier"}: numbers or "auto" until claimed
+    hyperparameters: Mapped[dict[str, Any]] = mapped_column(JSON)
+    method_type: Mapped[str] = mapped_column(String(32), default="supervised")
+    lora: Mapped[dict[str, Any]] = mapped_column(JSON)
+    max_seq_len: Mapped[int] = mapped_column(Integer)
+    # deployment (issue 7): the worker class whose queue runs the job, and the GPUs it needs on one
+    # host (> 1: torchrun); the Celery queue is worker.launcher.celery_queue(queue, n_gpus)
+    queue: Mapped[str] = mapped_column(String(48), default="default", server_default="default")
+    n_gpus: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    suffix: Mapped[str | None] = mapped_column(String(64), default=None)
+    seed: Mapped[int] = mapped_column(BigInteger)
+    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON, default=None)
+
+    # lifecycle
+    status: Mapped[str] = mapped_column(String(24))
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+    started_at: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    finished_at: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    estimated_finish: Mapped[int | None] = mapped_column(BigInteger, default=None)
+
+    # fencing: every worker write carries the attempt token of its claim
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    attempt_token: Mapped[str | None] = mapped_column(String(64), default=None)
+    worker_id: Mapped[str | None] = mapped_column(String(255), default=None)
+    heartbeat_at: Mapped[float | None] = mapped_column(Float, default=None)
+
+    # progress (latest step) and results
+    step: Mapped[int] = mapped_column(Integer, default=0)
+    total_steps: Mapped[int | None] = mapped_column(Integer, default=None)
+    train_loss: Mapped[float | None] = mapped_column(Float, default=None)
+    tokens_per_s: Mapped[float | None] = mapped_column(Float, default=None)
+    eta_seconds: Mapped[float | None] = mapped_column(Float, default=None)
+    trained_tokens: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    fine_tuned_model: Mapped[str | None] = mapped_column(String(255), default=None, index=True)
+    result_files: Mapped[list[Any]] = mapped_column(JSON, default=list)
+
+
+class JobEvent(Base):
+    __tablename__ = "job_events"
+    __table_args__ = (Index("ix_job_events_job_seq", "job_id", "seq"),)
+
+    seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True, default=lambda: new_id("ftevent"))
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+    level: Mapped[str] = mapped_column(String(8))  # info | warn | error
+    message: Mapped[str] = mapped_column(Text)
+    type: Mapped[str] = mapped_column(String(16), default="message")  # message | metrics
+    data: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+
+
+class JobMetric(Base):
+    __tablename__ = "job_metrics"
+    __table_args__ = (UniqueConstraint("job_id", "step", name="uq_job_metrics_job_step"),)
+
+    id: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    train_loss: Mapped[float] = mapped_column(Float)
+    valid_loss: Mapped[float | None] = mapped_column(Float, default=None)
+    lr: Mapped[float] = mapped_column(Float)
+    grad_norm: Mapped[float] = mapped_column(Float)
+    tokens: Mapped[int] = mapped_column(BigInteger)
+    tokens_per_s: Mapped[float] = mapped_column(Float)
+    step_seconds: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (UniqueConstraint("job_id", "step", name="uq_checkpoints_job_step"),)
+
+    seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True, default=lambda: new_id("ftckpt"))
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    storage_key: Mapped[str] = mapped_column(String(512))
+    sha256: Mapped[str] = mapped_column(String(64))
+    metrics: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+
+
+class Artifact(Base):
+    """A job's output in the store: `adapter` (PEFT zip) or `results` (metrics CSV file)."""
+
+    __tablename__ = "artifacts"
+    __table_args__ = (UniqueConstraint("job_id", "kind", name="uq_artifacts_job_kind"),)
+
+    id: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(16))
+    storage_key: Mapped[str] = mapped_column(String(512))
+    sha256: Mapped[str] = mapped_column(String(64))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)

@@ -1,0 +1,170 @@
+"""One error hierarchy for the control plane, rendered as OpenAI's error body:
+
+    {"error": {"message": str, "type": str, "param": str | None, "code": str | None}}
+
+Service modules raise `LoraqError` subclasses; `install_error_handlers` maps them, FastAPI's
+request validation errors (→ 400 naming the parameter) and Starlette's HTTP errors (unknown
+route → 404, wrong method → 405) to that body in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("loraq.api")
+
+
+class LoraqError(Exception):
+    status = 500
+    type = "server_error"
+    code: str | None = "internal_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = headers or {}
+
+
+class InvalidRequestError(LoraqError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class AuthenticationError(LoraqError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class NotFoundError(LoraqError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class ConflictError(LoraqError):
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
+
+
+class PayloadTooLargeError(LoraqError):
+    status = 413
+    type = "invalid_request_error"
+    code = "file_too_large"
+
+
+class RateLimitError(LoraqError):
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+
+class StorageError(LoraqError):
+    """The store lost or corrupted an object (sha256 mismatch, missing file)."""
+
+    status = 500
+    type = "server_error"
+    code = "storage_error"
+
+
+class UnavailableError(LoraqError):
+    status = 503
+    type = "server_error"
+    code = "service_unavailable"
+
+
+def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(exc: LoraqError) -> JSONResponse:
+    headers = dict(exc.headers)
+    if exc.status == 401:
+        headers.setdefault("WWW-Authenticate", "Bearer")
+    return JSONResponse(
+        error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status, headers=headers
+    )
+
+
+def _param_of(loc: tuple[Any, ...]) -> str:
+    """("body", "hyperparameters", "n_epochs") -> "hyperparameters.n_epochs"; ("query", "limit") -> "limit".
+
+    Pydantic appends union-branch tags ("list[constrained-str]", "literal['all-linear']") to the
+    location; the parameter ends before the first of them.
+    """
+    parts: list[str] = []
+    for p in loc[1:]:
+        if isinstance(p, int):
+            parts.append(f"[{p}]")
+            continue
+        text = str(p)
+        if any(c in text for c in "[-'("):
+            break
+        parts.append(text)
+    return ".".join(parts).replace(".[", "[") or str(loc[0] if loc else "body")
+
+
+def validation_error(exc: RequestValidationError) -> LoraqError:
+    errors = exc.errors()
+    if not errors:
+        return InvalidRequestError("invalid request")
+    first = errors[0]
+    param = _param_of(tuple(first.get("loc", ())))
+    reason = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+    message = f"invalid value for '{param}': {reason}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error(s))"
+    return InvalidRequestError(message, param=param, code="invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_loraq_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, LoraqError)
+        if exc.status >= 500:
+            log.error("%s: %s", type(exc).__name__, exc.message)
+        return error_response(exc)
+
+    async def on_validation_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return error_response(validation_error(exc))
+
+    async def on_http_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        if exc.status_code == 404:
+            err: LoraqError = NotFoundError("unknown URL; see /docs for the API", code="unknown_url")
+        elif exc.status_code == 405:
+            err = InvalidRequestError("method not allowed for this URL", code="method_not_allowed")
+            err.status = 405
+        else:
+            err = LoraqError(str(exc.detail), code=None)
+            err.status = exc.status_code
+            err.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        err.headers = dict(exc.headers or {})
+        return error_response(err)
+
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        return error_response(LoraqError("internal server error"))
+
+    app.add_exception_handler(LoraqError, on_loraq_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected)

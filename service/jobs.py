@@ -1,0 +1,653 @@
+"""The job state machine. The database is the source of truth; Redis only carries wake-ups.
+
+    validating_files ─► queued ─► running ─► succeeded | failed | cancelled
+                          │          ▲  │
+                          │          └──┘ requeue (a silent worker's job goes back; `fail_stale`
+                          │                once its attempts are used up)
+                          └─► cancelled   (and `failed` at claim time if its dataset file vanished)
+
+Every transition is one conditional UPDATE guarded by the expected status and, for a worker's
+writes, the attempt token its claim received:
+
+    UPDATE jobs SET ... WHERE id = :id AND status = :expected [AND attempt_token = :token]
+
+and its rowcount says whether it happened. A duplicate delivery finds the job no longer
+`queued` and gets no claim; a worker whose attempt was superseded (re-queued after it went
+silent) finds its token gone and every write is refused (`StaleAttemptError` or `False`).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from sqlalchemy import Row, Update, bindparam, delete, func, insert, select, update
+from sqlalchemy import inspect as sa_inspect
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from service.db.models import Artifact, Checkpoint, File, Job, JobEvent, JobMetric, is_id, now_s
+from service.errors import ConflictError, InvalidRequestError, NotFoundError
+from service.schemas import Hyperparameters, JobCreate
+from service.settings import get_settings
+from worker.engine.types import LoraConfig, ModelError, StepMetrics
+
+ACTIVE = ("validating_files", "queued", "running")
+TERMINAL = ("succeeded", "failed", "cancelled")
+FINISH_STATUSES = TERMINAL
+
+# What "auto" resolves to when a job is claimed (OpenAI resolves them at start as well).
+AUTO_HYPERPARAMETERS: dict[str, int | float] = {
+    "n_epochs": 3,
+    "batch_size": 4,
+    "learning_rate_multiplier": 1.0,
+}
+DEFAULT_LORA: dict[str, Any] = asdict(LoraConfig())  # the engine's defaults, one source
+MAX_SEED = 2**31 - 1
+
+
+class StaleAttemptError(ConflictError):
+    """A worker wrote with an attempt token that is no longer the job's (or the job ended)."""
+
+    code = "stale_attempt"
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What a worker holds while it runs one attempt of a job."""
+
+    job_id: str
+    tenant_id: str
+    attempt: int
+    attempt_token: str
+    worker_id: str
+    model: str
+    training_file: str  # storage key of the training JSONL
+    validation_file: str | None  # storage key, or None
+    hyperparameters: dict[str, Any]  # n_epochs, batch_size, learning_rate_multiplier: resolved numbers
+    lora: dict[str, Any]  # LoraConfig fields
+    seed: int
+    max_seq_len: int
+    suffix: str | None
+    resume_checkpoint: str | None  # storage key of the latest registered checkpoint zip
+    n_gpus: int = 1  # > 1: the worker runs the engine under torchrun (issue 7)
+
+
+# ---------------------------------------------------------------- reads
+
+
+# Built once: status polling reads a job by id many times a second.
+_JOB_OF_TENANT = select(Job).where(Job.id == bindparam("job_id"), Job.tenant_id == bindparam("tenant_id"))
+
+
+# The same job as a read-only Core row whose keys are the ORM attribute names (`metadata_`, ...):
+# status polling skips building an ORM object (a few hundred µs a read).
+_JOB_COLUMNS = [attr.columns[0].label(attr.key) for attr in sa_inspect(Job).column_attrs]
+_JOB_ROW_OF_TENANT = select(*_JOB_COLUMNS).where(
+    Job.id == bindparam("job_id"), Job.tenant_id == bindparam("tenant_id")
+)
+
+
+def get_job_row(session: Session, *, tenant_id: str, job_id: str) -> Row[Any]:
+    """`get_job` for read-only use: a row with the same attribute names, or 404."""
+    params = {"job_id": job_id, "tenant_id": tenant_id}
+    row = session.connection().execute(_JOB_ROW_OF_TENANT, params).first() if is_id(job_id) else None
+    if row is None:
+        raise NotFoundError(f"No fine-tuning job found with id {job_id!r}", param="fine_tuning_job_id")
+    return row
+
+
+def get_job(session: Session, *, tenant_id: str, job_id: str) -> Job:
+    """The tenant's job, or 404 (also for another tenant's id: existence is not revealed)."""
+    job = (
+        session.scalar(_JOB_OF_TENANT, {"job_id": job_id, "tenant_id": tenant_id}) if is_id(job_id) else None
+    )
+    if job is None:
+        raise NotFoundError(f"No fine-tuning job found with id {job_id!r}", param="fine_tuning_job_id")
+    return job
+
+
+def list_jobs(session: Session, *, tenant_id: str, after: str | None, limit: int) -> tuple[list[Job], bool]:
+    """Newest first; `after` is the id of the last job of the previous page."""
+    query = select(Job).where(Job.tenant_id == tenant_id)
+    if after is not None:
+        query = query.where(Job.seq < _seq_of(session, Job, tenant_id, after, "after"))
+    rows = list(session.scalars(query.order_by(Job.seq.desc()).limit(limit + 1)))
+    return rows[:limit], len(rows) > limit
+
+
+def list_events(
+    session: Session, *, tenant_id: str, job_id: str, after: str | None, limit: int
+) -> tuple[list[JobEvent], bool]:
+    """Newest first, as OpenAI lists them; `after` is an event id of the previous page."""
+    get_job(session, tenant_id=tenant_id, job_id=job_id)
+    query = select(JobEvent).where(JobEvent.job_id == job_id)
+    if after is not None:
+        cursor = (
+            session.scalar(select(JobEvent.seq).where(JobEvent.id == after, JobEvent.job_id == job_id))
+            if is_id(after)
+            else None
+        )
+        if cursor is None:
+            raise NotFoundError(f"unknown event id {after!r} for this job", param="after")
+        query = query.where(JobEvent.seq < cursor)
+    rows = list(session.scalars(query.order_by(JobEvent.seq.desc()).limit(limit + 1)))
+    return rows[:limit], len(rows) > limit
+
+
+def list_checkpoints(
+    session: Session, *, tenant_id: str, job_id: str, after: str | None, limit: int
+) -> tuple[list[Checkpoint], bool]:
+    """Newest (highest step) first; `after` is a checkpoint id of the previous page."""
+    get_job(session, tenant_id=tenant_id, job_id=job_id)
+    query = select(Checkpoint).where(Checkpoint.job_id == job_id)
+    if after is not None:
+        cursor = (
+            session.scalar(select(Checkpoint.step).where(Checkpoint.id == after, Checkpoint.job_id == job_id))
+            if is_id(after)
+            else None
+        )
+        if cursor is None:
+            raise NotFoundError(f"unknown checkpoint id {after!r} for this job", param="after")
+        query = query.where(Checkpoint.step < cursor)
+    rows = list(session.scalars(query.order_by(Checkpoint.step.desc()).limit(limit + 1)))
+    return rows[:limit], len(rows) > limit
+
+
+def get_checkpoint(session: Session, *, tenant_id: str, job_id: str, checkpoint_id: str) -> Checkpoint:
+    get_job(session, tenant_id=tenant_id, job_id=job_id)
+    ckpt = (
+        None
+        if not is_id(checkpoint_id)
+        else session.scalar(
+            select(Checkpoint).where(Checkpoint.id == checkpoint_id, Checkpoint.job_id == job_id)
+        )
+    )
+    if ckpt is None:
+        raise NotFoundError(f"No checkpoint found with id {checkpoint_id!r}", param="checkpoint_id")
+    return ckpt
+
+
+def get_adapter(session: Session, *, tenant_id: str, job_id: str) -> Artifact:
+    job = get_job(session, tenant_id=tenant_id, job_id=job_id)
+    artifact = session.scalar(select(Artifact).where(Artifact.job_id == job.id, Artifact.kind == "adapter"))
+    if artifact is None:
+        raise NotFoundError(
+            f"fine-tuning job {job_id} has no adapter (status {job.status})", param="fine_tuning_job_id"
+        )
+    return artifact
+
+
+def metric_rows(session: Session, *, job_id: str) -> list[dict[str, Any]]:
+    """Per-step metrics in step order (for the results CSV)."""
+    rows = session.execute(
+        select(JobMetric.step, JobMetric.train_loss, JobMetric.valid_loss)
+        .where(JobMetric.job_id == job_id)
+        .order_by(JobMetric.step)
+    ).all()
+    return [{"step": s, "train_loss": t, "valid_loss": v} for s, t, v in rows]
+
+
+def succeeded_models(session: Session, *, tenant_id: str) -> list[tuple[str, int]]:
+    """(fine_tuned_model, finished_at) of the tenant's succeeded jobs, oldest first."""
+    rows = session.execute(
+        select(Job.fine_tuned_model, Job.finished_at)
+        .where(Job.tenant_id == tenant_id, Job.status == "succeeded", Job.fine_tuned_model.is_not(None))
+        .order_by(Job.seq)
+    ).all()
+    return [(str(m), int(f or 0)) for m, f in rows]
+
+
+def _seq_of(session: Session, model: type[Job], tenant_id: str, row_id: str, param: str) -> int:
+    seq = (
+        session.scalar(select(model.seq).where(model.id == row_id, model.tenant_id == tenant_id))
+        if is_id(row_id)
+        else None
+    )
+    if seq is None:
+        raise NotFoundError(f"unknown id {row_id!r} in '{param}'", param=param)
+    return int(seq)
+
+
+# ---------------------------------------------------------------- create
+
+
+def _training_file(session: Session, *, tenant_id: str, file_id: str, param: str) -> File:
+    file = (
+        session.scalar(select(File).where(File.id == file_id, File.tenant_id == tenant_id))
+        if is_id(file_id)
+        else None
+    )
+    if file is None:
+        raise NotFoundError(
+            f"invalid {param}: no file with id {file_id!r}", param=param, code="file_not_found"
+        )
+    if file.purpose != "fine-tune":
+        raise InvalidRequestError(
+            f"invalid {param}: file {file_id} has purpose {file.purpose!r}, expected 'fine-tune'",
+            param=param,
+            code="invalid_file_purpose",
+        )
+    return file
+
+
+def requested_hyperparameters(spec: JobCreate) -> dict[str, Any]:
+    """`method.supervised.hyperparameters` (current API) or `hyperparameters` (deprecated), not both."""
+    method_hp = spec.method.supervised.hyperparameters if spec.method and spec.method.supervised else None
+    if method_hp is not None and spec.hyperparameters is not None:
+        raise InvalidRequestError(
+            "give hyperparameters either in 'hyperparameters' or in "
+            "'method.supervised.hyperparameters', not both",
+            param="hyperparameters",
+        )
+    hp = method_hp or spec.hyperparameters or Hyperparameters()
+    return hp.model_dump()
+
+
+def create_job(
+    session: Session, *, tenant_id: str, spec: JobCreate, idempotency_key: str | None = None
+) -> Job:
+    """Validate the request, insert the job and move it to `queued`. The caller commits, then enqueues."""
+    if idempotency_key is not None:
+        existing = _by_idempotency_key(session, tenant_id, idempotency_key)
+        if existing is not None:
+            return existing
+
+    from worker.engine.catalog import get_model_info  # pure Python; imported here to keep startup light
+
+    try:
+        get_model_info(spec.model, get_settings().model_store)
+    except ModelError as e:
+        raise NotFoundError(str(e), param="model", code="model_not_found") from e
+    training = _training_file(session, tenant_id=tenant_id, file_id=spec.training_file, param="training_file")
+    if spec.validation_file is not None:
+        _training_file(session, tenant_id=tenant_id, file_id=spec.validation_file, param="validation_file")
+
+    lora = {**DEFAULT_LORA, **(spec.lora.model_dump() if spec.lora else {})}
+    job = Job(
+        tenant_id=tenant_id,
+        idempotency_key=idempotency_key,
+        model=spec.model,
+        training_file=spec.training_file,
+        validation_file=spec.validation_file,
+        hyperparameters=requested_hyperparameters(spec),
+        method_type="supervised",
+        lora=lora,
+        max_seq_len=spec.max_seq_len,
+        queue=spec.queue or get_settings().worker_queue,  # routing (issue 7)
+        n_gpus=spec.n_gpus,
+        suffix=spec.suffix or None,
+        seed=spec.seed if spec.seed is not None else secrets.randbelow(MAX_SEED),
+        metadata_=spec.metadata,
+        status="validating_files",
+        result_files=[],
+    )
+    session.add(job)
+    try:
+        session.flush()
+    except IntegrityError:
+        # Another request with the same Idempotency-Key won the race. The insert is this
+        # transaction's first write, so rolling it all back loses nothing (and needs no SAVEPOINT,
+        # which pysqlite would run outside a transaction); then return the winner's job.
+        session.rollback()
+        if idempotency_key is not None and (
+            winner := _by_idempotency_key(session, tenant_id, idempotency_key)
+        ):
+            return winner
+        raise
+    add_event(session, job_id=job.id, level="info", message=f"Validating training file: {training.id}")
+    _transition(session, job.id, "validating_files", "queued")
+    add_event(session, job_id=job.id, level="info", message="Files validated, moving job to queued state")
+    session.refresh(job)
+    return job
+
+
+def find_by_idempotency_key(session: Session, *, tenant_id: str, key: str) -> Job | None:
+    return _by_idempotency_key(session, tenant_id, key)
+
+
+def _by_idempotency_key(session: Session, tenant_id: str, key: str) -> Job | None:
+    return session.scalar(select(Job).where(Job.tenant_id == tenant_id, Job.idempotency_key == key))
+
+
+def _transition(session: Session, job_id: str, expected: str, new: str, **values: Any) -> bool:
+    stmt = update(Job).where(Job.id == job_id, Job.status == expected).values(status=new, **values)
+    return _run(session, stmt) == 1
+
+
+def _run(session: Session, stmt: Update) -> int:
+    result = session.execute(stmt.execution_options(synchronize_session=False))
+    return int(result.rowcount)  # type: ignore[attr-defined]
+
+
+def _fenced(claim: Claim) -> Update:
+    return update(Job).where(
+        Job.id == claim.job_id, Job.status == "running", Job.attempt_token == claim.attempt_token
+    )
+
+
+# ---------------------------------------------------------------- worker side
+
+
+def resolve_hyperparameters(requested: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: (AUTO_HYPERPARAMETERS[k] if requested.get(k, "auto") == "auto" else requested[k])
+        for k in AUTO_HYPERPARAMETERS
+    }
+
+
+def claim(session: Session, *, job_id: str, worker_id: str) -> Claim | None:
+    """queued → running for this worker: a new attempt with a fresh token; None if not claimable."""
+    token = secrets.token_hex(16)
+    now = time.time()
+    stmt = (
+        update(Job)
+        .where(Job.id == job_id, Job.status == "queued", Job.cancel_requested.is_(False))
+        .values(
+            status="running",
+            attempt=Job.attempt + 1,
+            attempt_token=token,
+            worker_id=worker_id,
+            heartbeat_at=now,
+            started_at=func.coalesce(Job.started_at, int(now)),
+        )
+    )
+    if _run(session, stmt) != 1:
+        return None
+    job = session.scalars(select(Job).where(Job.id == job_id).execution_options(populate_existing=True)).one()
+    hp = resolve_hyperparameters(job.hyperparameters)
+    job.hyperparameters = hp  # the job object shows resolved values from now on, as OpenAI's does
+    files = {
+        f.id: f.storage_key
+        for f in session.scalars(
+            select(File).where(File.id.in_([job.training_file, job.validation_file or ""]))
+        )
+    }
+    missing = [f for f in (job.training_file, job.validation_file) if f is not None and f not in files]
+    if missing:
+        # Deleted between job creation and now (a race the delete check cannot close): fail the
+        # job with the reason rather than hand a worker a claim it cannot run.
+        message = f"file {missing[0]} was deleted before the job started"
+        param = "training_file" if missing[0] == job.training_file else "validation_file"
+        error = {"code": "file_not_found", "message": message, "param": param}
+        fenced = update(Job).where(Job.id == job_id, Job.status == "running", Job.attempt_token == token)
+        if _run(session, fenced.values(status="failed", error=error, finished_at=now_s())) == 1:
+            add_event(session, job_id=job_id, level="error", message=message)
+        return None
+    resume = session.scalar(
+        select(Checkpoint.storage_key)
+        .where(Checkpoint.job_id == job_id)
+        .order_by(Checkpoint.step.desc())
+        .limit(1)
+    )
+    session.flush()
+    return Claim(
+        job_id=job.id,
+        tenant_id=job.tenant_id,
+        attempt=job.attempt,
+        attempt_token=token,
+        worker_id=worker_id,
+        model=job.model,
+        training_file=files[job.training_file],
+        validation_file=files[job.validation_file] if job.validation_file else None,
+        hyperparameters=hp,
+        lora=dict(job.lora),
+        seed=job.seed,
+        max_seq_len=job.max_seq_len,
+        suffix=job.suffix,
+        resume_checkpoint=resume,
+        n_gpus=job.n_gpus,
+    )
+
+
+def heartbeat(session: Session, *, claim: Claim) -> bool:
+    """Refresh `heartbeat_at`; False once this attempt is fenced out (superseded or ended)."""
+    return _run(session, _fenced(claim).values(heartbeat_at=time.time())) == 1
+
+
+def add_event(
+    session: Session,
+    *,
+    job_id: str,
+    level: str,
+    message: str,
+    data: dict[str, Any] | None = None,
+    type: str = "message",
+) -> JobEvent:
+    event = JobEvent(job_id=job_id, level=level, message=message, type=type, data=data)
+    session.add(event)
+    session.flush()
+    return event
+
+
+def _finite(x: float | None) -> float | None:
+    # JSON has no NaN/inf (PostgreSQL refuses them in json columns): a non-finite value is null.
+    return x if x is None or math.isfinite(x) else None
+
+
+def _metrics_data(m: StepMetrics) -> dict[str, Any]:
+    return {
+        "step": m.step,
+        "total_steps": m.total_steps,
+        "epoch": m.epoch,
+        "train_loss": _finite(m.train_loss),
+        "valid_loss": _finite(m.valid_loss),
+        "train_mean_token_accuracy": None,
+        "lr": _finite(m.lr),
+        "grad_norm": _finite(m.grad_norm),
+        "tokens": m.tokens,
+        "trained_tokens": m.trained_tokens,
+        "tokens_per_s": _finite(m.tokens_per_s),
+        "step_seconds": _finite(m.step_seconds),
+        "eta_seconds": _finite(m.eta_seconds),
+    }
+
+
+def record_metrics(session: Session, *, claim: Claim, rows: list[StepMetrics]) -> None:
+    """Insert a batch of per-step metrics (steps already stored are skipped: a resumed attempt
+    repeats steps after its checkpoint) with one `metrics` event each, and update progress."""
+    if not rows:
+        return
+    last = max(reversed(rows), key=lambda m: m.step)  # the latest row of the highest step
+    now = time.time()
+    progress = _fenced(claim).values(
+        step=last.step,
+        total_steps=last.total_steps,
+        train_loss=last.train_loss,
+        tokens_per_s=last.tokens_per_s,
+        eta_seconds=last.eta_seconds,
+        trained_tokens=last.trained_tokens,
+        estimated_finish=int(now + last.eta_seconds) if math.isfinite(last.eta_seconds) else None,
+        heartbeat_at=now,
+    )
+    if _run(session, progress) != 1:
+        raise StaleAttemptError(f"attempt {claim.attempt} of job {claim.job_id} no longer holds it")
+    steps = sorted({m.step for m in rows})
+    stored = set(
+        session.scalars(
+            select(JobMetric.step).where(JobMetric.job_id == claim.job_id, JobMetric.step.in_(steps))
+        )
+    )
+    fresh: dict[int, StepMetrics] = {}
+    for m in rows:
+        if m.step not in stored:
+            fresh[m.step] = m  # a step repeated inside one batch keeps its latest values
+    if not fresh:
+        return
+    ts = int(now)
+    session.execute(
+        insert(JobMetric),
+        [
+            {
+                "job_id": claim.job_id,
+                "step": m.step,
+                "train_loss": m.train_loss,
+                "valid_loss": m.valid_loss,
+                "lr": m.lr,
+                "grad_norm": m.grad_norm,
+                "tokens": m.tokens,
+                "tokens_per_s": m.tokens_per_s,
+                "step_seconds": m.step_seconds,
+                "created_at": ts,
+            }
+            for m in fresh.values()
+        ],
+    )
+    session.execute(
+        insert(JobEvent),
+        [
+            {
+                "job_id": claim.job_id,
+                "created_at": ts,
+                "level": "info",
+                "type": "metrics",
+                "message": f"Step {m.step}/{m.total_steps}: training loss={m.train_loss:.4f}",
+                "data": _metrics_data(m),
+            }
+            for m in sorted(fresh.values(), key=lambda m: m.step)
+        ],
+    )
+
+
+def register_checkpoint(
+    session: Session, *, claim: Claim, step: int, storage_key: str, sha256: str, metrics: dict[str, Any]
+) -> Checkpoint:
+    """Record a checkpoint zip already in the store; a re-registered step replaces the old row."""
+    if _run(session, _fenced(claim).values(heartbeat_at=time.time())) != 1:
+        raise StaleAttemptError(f"attempt {claim.attempt} of job {claim.job_id} no longer holds it")
+    session.execute(delete(Checkpoint).where(Checkpoint.job_id == claim.job_id, Checkpoint.step == step))
+    ckpt = Checkpoint(job_id=claim.job_id, step=step, storage_key=storage_key, sha256=sha256, metrics=metrics)
+    session.add(ckpt)
+    session.flush()
+    add_event(session, job_id=claim.job_id, level="info", message=f"Checkpoint created at step {step}")
+    return ckpt
+
+
+def is_cancel_requested(session: Session, *, job_id: str) -> bool:
+    flag = session.scalar(select(Job.cancel_requested).where(Job.id == job_id))
+    return bool(flag)
+
+
+def request_cancel(session: Session, *, tenant_id: str, job_id: str) -> Job:
+    """queued → cancelled at once; running → `cancel_requested`, the worker ends it `cancelled`."""
+    job = get_job(session, tenant_id=tenant_id, job_id=job_id)
+    if job.status in ("succeeded", "failed"):
+        raise InvalidRequestError(
+            f"fine-tuning job {job_id} already {job.status}; it cannot be cancelled",
+            param="fine_tuning_job_id",
+            code="invalid_job_state",
+        )
+    if job.status != "cancelled":
+        for status in ("validating_files", "queued"):
+            if _transition(session, job_id, status, "cancelled", cancel_requested=True, finished_at=now_s()):
+                add_event(session, job_id=job_id, level="info", message="Fine-tuning job cancelled")
+                break
+        else:
+            stmt = update(Job).where(Job.id == job_id, Job.status == "running").values(cancel_requested=True)
+            if _run(session, stmt) == 1 and not job.cancel_requested:
+                add_event(session, job_id=job_id, level="info", message="Cancellation requested")
+    session.flush()
+    session.refresh(job)
+    return job
+
+
+def finish(
+    session: Session,
+    *,
+    claim: Claim,
+    status: str,
+    error: dict[str, Any] | None = None,
+    trained_tokens: int | None = None,
+    adapter_key: str | None = None,
+    adapter_sha256: str | None = None,
+    result_file_id: str | None = None,
+    fine_tuned_model: str | None = None,
+) -> bool:
+    """running → succeeded | failed | cancelled for this attempt; False if fenced out."""
+    if status not in FINISH_STATUSES:
+        raise ValueError(f"finish status must be one of {FINISH_STATUSES}, got {status!r}")
+    values: dict[str, Any] = {
+        "status": status,
+        "finished_at": now_s(),
+        "estimated_finish": None,
+        "error": error,
+        "fine_tuned_model": fine_tuned_model if status == "succeeded" else None,
+        "result_files": [result_file_id] if result_file_id else [],
+    }
+    if trained_tokens is not None:
+        values["trained_tokens"] = trained_tokens
+    if _run(session, _fenced(claim).values(**values)) != 1:
+        return False
+    if adapter_key is not None:
+        if adapter_sha256 is None:
+            raise ValueError("adapter_sha256 is required with adapter_key")
+        from service.storage import default_store
+
+        size = default_store().size(adapter_key)
+        session.add(
+            Artifact(
+                job_id=claim.job_id,
+                kind="adapter",
+                storage_key=adapter_key,
+                sha256=adapter_sha256,
+                bytes=size,
+            )
+        )
+    if result_file_id is not None:
+        file = session.scalar(select(File).where(File.id == result_file_id))
+        if file is not None:
+            session.add(
+                Artifact(
+                    job_id=claim.job_id,
+                    kind="results",
+                    storage_key=file.storage_key,
+                    sha256=file.sha256,
+                    bytes=file.bytes,
+                )
+            )
+    session.flush()
+    return True
+
+
+# ---------------------------------------------------------------- reliability (issue 6) hooks
+
+
+def requeue(session: Session, *, job_id: str, attempt_token: str, reason: str) -> bool:
+    """running → queued for a job whose attempt `attempt_token` went silent; the token is cleared
+    so the silent worker's later writes are refused. The caller re-sends the job after commit."""
+    stmt = (
+        update(Job)
+        .where(Job.id == job_id, Job.status == "running", Job.attempt_token == attempt_token)
+        .values(status="queued", attempt_token=None, worker_id=None, heartbeat_at=None)
+    )
+    if _run(session, stmt) != 1:
+        return False
+    add_event(session, job_id=job_id, level="warn", message=f"Job re-queued: {reason}")
+    return True
+
+
+def fail_stale(session: Session, *, job_id: str, attempt_token: str, reason: str) -> bool:
+    """running → failed for a silent attempt that used up its retries."""
+    error = {"code": "worker_lost", "message": reason, "param": None}
+    stmt = (
+        update(Job)
+        .where(Job.id == job_id, Job.status == "running", Job.attempt_token == attempt_token)
+        .values(status="failed", error=error, finished_at=now_s(), estimated_finish=None)
+    )
+    if _run(session, stmt) != 1:
+        return False
+    add_event(session, job_id=job_id, level="error", message=reason)
+    return True
+
+
+def stale_running_jobs(session: Session, *, older_than: float) -> list[tuple[str, str, int]]:
+    """(job id, attempt token, attempt) of running jobs whose last heartbeat is before `older_than`."""
+    rows = session.execute(
+        select(Job.id, Job.attempt_token, Job.attempt).where(
+            Job.status == "running", Job.heartbeat_at < older_than
+        )
+    ).all()
+    return [(i, str(t), int(a)) for i, t, a in rows]

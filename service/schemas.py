@@ -1,0 +1,308 @@
+"""Request and response models of the REST API, in OpenAI's shapes.
+
+Request models forbid unknown fields, and none of them has an owner, status or id field, so a
+client cannot set those. Numbers-or-"auto" fields use one validator so that an error names the
+field (`hyperparameters.n_epochs`) rather than a union branch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema
+
+MAX_N_EPOCHS = 1000
+MAX_BATCH_SIZE = 1024
+MAX_LR_MULTIPLIER = 100.0
+MAX_SEQ_LEN = 32768
+MAX_SEED = 2**31 - 1
+
+
+def _auto_or_int(lo: int, hi: int) -> Callable[[object], int | Literal["auto"]]:
+    def check(v: object) -> int | Literal["auto"]:
+        if v == "auto" and isinstance(v, str):
+            return "auto"
+        if isinstance(v, bool) or not isinstance(v, int | float) or int(v) != v:
+            raise ValueError(f'must be an integer or "auto", got {v!r}')
+        if not lo <= int(v) <= hi:
+            raise ValueError(f"must be between {lo} and {hi}, got {v!r}")
+        return int(v)
+
+    return check
+
+
+def _int_or_auto_schema(lo: int, hi: int) -> dict[str, Any]:
+    return {"anyOf": [{"type": "integer", "minimum": lo, "maximum": hi}, {"const": "auto"}]}
+
+
+def _check_lr(v: object) -> float | Literal["auto"]:
+    if v == "auto" and isinstance(v, str):
+        return "auto"
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ValueError(f'must be a number or "auto", got {v!r}')
+    if not 0 < float(v) <= MAX_LR_MULTIPLIER:
+        raise ValueError(f"must be > 0 and <= {MAX_LR_MULTIPLIER}, got {v!r}")
+    return float(v)
+
+
+NEpochs = Annotated[
+    int | Literal["auto"],
+    PlainValidator(_auto_or_int(1, MAX_N_EPOCHS)),
+    WithJsonSchema(_int_or_auto_schema(1, MAX_N_EPOCHS)),
+]
+BatchSize = Annotated[
+    int | Literal["auto"],
+    PlainValidator(_auto_or_int(1, MAX_BATCH_SIZE)),
+    WithJsonSchema(_int_or_auto_schema(1, MAX_BATCH_SIZE)),
+]
+LrMultiplier = Annotated[
+    float | Literal["auto"],
+    PlainValidator(_check_lr),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_LR_MULTIPLIER},
+                {"const": "auto"},
+            ]
+        }
+    ),
+]
+
+
+def _encodable(v: str) -> str:
+    # JSON may carry lone UTF-16 surrogates ("\\ud800"); no database column can store them.
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError("must be valid Unicode text (no lone surrogates)") from e
+    return v
+
+
+MetadataKey = Annotated[str, Field(max_length=64), AfterValidator(_encodable)]
+MetadataValue = Annotated[str, Field(max_length=512), AfterValidator(_encodable)]
+
+
+class Forbid(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---------------------------------------------------------------- requests
+
+
+class Hyperparameters(Forbid):
+    n_epochs: NEpochs = "auto"
+    batch_size: BatchSize = "auto"
+    learning_rate_multiplier: LrMultiplier = "auto"
+
+
+class SupervisedMethod(Forbid):
+    hyperparameters: Hyperparameters | None = None
+
+
+class Method(Forbid):
+    type: Literal["supervised"] = "supervised"
+    supervised: SupervisedMethod | None = None
+
+
+class LoraBlock(Forbid):
+    """Our extension: the LoRA adapter's shape (defaults are the engine's)."""
+
+    r: int = Field(16, ge=1, le=1024)
+    alpha: float = Field(32.0, gt=0, le=4096)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[Annotated[str, Field(min_length=1, max_length=128)]] | Literal["all-linear"] = (
+        "all-linear"
+    )
+    use_rslora: bool = False
+
+
+class JobCreate(Forbid):
+    model: str = Field(min_length=1, max_length=128)
+    training_file: str = Field(min_length=1, max_length=64)
+    validation_file: str | None = Field(None, max_length=64)
+    hyperparameters: Hyperparameters | None = None
+    method: Method | None = None
+    suffix: str | None = Field(None, max_length=64, pattern=r"^[A-Za-z0-9._-]*$")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(None, max_length=16)
+    integrations: list[dict[str, Any]] | None = Field(None, max_length=0)
+    lora: LoraBlock | None = None
+    max_seq_len: int = Field(1024, ge=16, le=MAX_SEQ_LEN)
+    # Loraq extensions (deployment): the worker class to run on (its queue, e.g. "h100", "cpu";
+    # default LORAQ_WORKER_QUEUE) and GPUs on one host (> 1 runs data-parallel under torchrun).
+    queue: str | None = Field(None, min_length=1, max_length=40, pattern=r"^[A-Za-z0-9_-]+$")
+    n_gpus: int = Field(1, ge=1, le=8)
+
+
+# ---------------------------------------------------------------- responses
+
+
+class FilePublic(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: str
+    status_details: str | None = None
+    expires_at: int | None = None
+
+
+class FilesPublic(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FilePublic]
+    has_more: bool
+    first_id: str | None
+    last_id: str | None
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool
+
+
+class JobErrorPublic(BaseModel):
+    code: str | None
+    message: str
+    param: str | None = None
+
+
+class HyperparametersPublic(BaseModel):
+    n_epochs: int | Literal["auto"]
+    batch_size: int | Literal["auto"]
+    learning_rate_multiplier: float | Literal["auto"]
+
+
+class SupervisedPublic(BaseModel):
+    hyperparameters: HyperparametersPublic
+
+
+class MethodPublic(BaseModel):
+    type: Literal["supervised"] = "supervised"
+    supervised: SupervisedPublic
+
+
+class LoraPublic(BaseModel):
+    r: int
+    alpha: float
+    dropout: float
+    target_modules: list[str] | str
+    use_rslora: bool
+
+
+class ProgressPublic(BaseModel):
+    """Our extension: the latest step of a running or finished job."""
+
+    step: int
+    total_steps: int | None
+    train_loss: float | None
+    tokens_per_s: float | None
+    eta_seconds: float | None
+
+
+class JobPublic(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job"] = "fine_tuning.job"
+    created_at: int
+    finished_at: int | None
+    error: JobErrorPublic | None
+    fine_tuned_model: str | None
+    model: str
+    organization_id: str
+    status: Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled"]
+    hyperparameters: HyperparametersPublic
+    training_file: str
+    validation_file: str | None
+    result_files: list[str]
+    trained_tokens: int | None
+    seed: int
+    estimated_finish: int | None
+    integrations: list[dict[str, Any]]
+    metadata: dict[str, str] | None
+    method: MethodPublic
+    user_provided_suffix: str | None
+    lora: LoraPublic
+    max_seq_len: int
+    progress: ProgressPublic
+    # deployment extensions: where the job is routed, and which host/GPU runs (or ran) it
+    queue: str = "default"
+    n_gpus: int = 1
+    worker_id: str | None = None  # "host:gpu2:pid" (worker.launcher.worker_identity)
+
+
+class JobsPublic(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[JobPublic]
+    has_more: bool
+
+
+class EventPublic(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job.event"] = "fine_tuning.job.event"
+    created_at: int
+    level: Literal["info", "warn", "error"]
+    message: str
+    type: Literal["message", "metrics"]
+    data: dict[str, Any] | None
+
+
+class EventsPublic(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EventPublic]
+    has_more: bool
+
+
+class CheckpointPublic(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job.checkpoint"] = "fine_tuning.job.checkpoint"
+    created_at: int
+    fine_tuned_model_checkpoint: str
+    fine_tuning_job_id: str
+    metrics: dict[str, float | None]
+    step_number: int
+
+
+class CheckpointsPublic(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[CheckpointPublic]
+    has_more: bool
+    first_id: str | None
+    last_id: str | None
+
+
+class ModelPublic(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelsPublic(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelPublic]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body, for every non-2xx answer."""
+
+    error: ErrorDetail
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` entries documenting the error body for `statuses`."""
+    return {s: {"model": ErrorResponse} for s in statuses}
+
+
+class HealthPublic(BaseModel):
+    status: Literal["ok", "unavailable"]
+    checks: dict[str, str] = Field(default_factory=dict)

@@ -1,0 +1,62 @@
+"""The one configuration object. Every knob is an environment variable `LORAQ_<NAME>`."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LORAQ_", extra="ignore")
+
+    data_dir: Path = Path("./var")
+    database_url: str | None = None  # default: sqlite under data_dir
+    redis_url: str | None = None  # unset: `loraq up` starts its own redis-server
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_workers: int = Field(1, ge=1, le=64)  # uvicorn worker processes `loraq up` starts
+    api_key: str | None = None  # accepted for the default tenant by `loraq up`
+    secret_key: str | None = None  # HMAC key for stored API-key hashes; generated under data_dir if unset
+    cors_origins: list[str] = Field(default_factory=list)
+    migrate_on_start: bool = False  # the API runs `alembic upgrade head` when it starts
+
+    max_upload_bytes: int = 512 * 1024 * 1024
+    max_queued_jobs_per_tenant: int = 20
+    max_running_jobs_per_tenant: int = 4
+    rate_limit_per_minute: int = 6000
+
+    job_max_steps: int = 100_000
+    job_max_tokens: int = 10_000_000_000
+    job_max_wall_seconds: float = 7 * 24 * 3600.0
+    heartbeat_seconds: float = 5.0
+    heartbeat_timeout_seconds: float = 60.0
+    max_attempts: int = 3
+
+    worker_queue: str = "default"
+    checkpoint_every: int = 0
+
+    @property
+    def resolved_data_dir(self) -> Path:
+        return self.data_dir.expanduser().resolve()
+
+    @property
+    def resolved_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{self.resolved_data_dir / 'loraq.db'}"
+
+    @property
+    def model_store(self) -> Path:
+        return self.resolved_data_dir / "models"
+
+    @property
+    def artifact_dir(self) -> Path:
+        return self.resolved_data_dir / "store"
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

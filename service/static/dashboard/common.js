@@ -1,0 +1,118 @@
+// Shared by every dashboard page: the API key (kept in localStorage), fetch helpers, formatting.
+"use strict";
+
+const KEY_STORAGE = "loraq.apiKey";
+
+const loraq = {
+  key() { return localStorage.getItem(KEY_STORAGE) || ""; },
+
+  setKey(key) { localStorage.setItem(KEY_STORAGE, key.trim()); },
+
+  // Ask for the key once; resolves when one is stored. `message` explains a rejected key.
+  askKey(message) {
+    const dialog = document.getElementById("keydialog");
+    const input = document.getElementById("apikey");
+    document.getElementById("keyerror").textContent = message || "";
+    dialog.hidden = false;
+    input.focus();
+    return new Promise((resolve) => {
+      document.getElementById("keyform").onsubmit = (ev) => {
+        ev.preventDefault();
+        if (!input.value.trim()) return;
+        loraq.setKey(input.value);
+        dialog.hidden = true;
+        loraq.showKey();
+        resolve();
+      };
+    });
+  },
+
+  showKey() {
+    const k = loraq.key();
+    document.getElementById("keyinfo").textContent = k ? `key …${k.slice(-4)}` : "no key";
+  },
+
+  // fetch with the Bearer key; a 401 asks for a new key and retries once. Returns the Response.
+  async request(path, options = {}) {
+    if (!loraq.key()) await loraq.askKey();
+    const send = () => fetch(path, {
+      ...options,
+      headers: { ...(options.headers || {}), Authorization: `Bearer ${loraq.key()}` },
+    });
+    let resp = await send();
+    if (resp.status === 401) {
+      await loraq.askKey("That API key was not accepted; enter a valid one.");
+      resp = await send();
+    }
+    return resp;
+  },
+
+  // JSON request; throws Error(message) with the API's OpenAI-style error message on failure.
+  async json(path, options = {}) {
+    const resp = await loraq.request(path, options);
+    const body = await resp.json().catch(() => null);
+    if (!resp.ok) {
+      const err = body && body.error ? body.error : { message: `HTTP ${resp.status}` };
+      const e = new Error(err.param ? `${err.message} (${err.param})` : err.message);
+      e.status = resp.status;
+      throw e;
+    }
+    return body;
+  },
+
+  // Download an authenticated file: fetch as a blob, then click a temporary object-URL link.
+  async download(path, filename) {
+    const resp = await loraq.request(path);
+    if (!resp.ok) throw new Error(`download failed: HTTP ${resp.status}`);
+    const url = URL.createObjectURL(await resp.blob());
+    const a = document.createElement("a");
+    a.href = url;
+    a.download = filename;
+    document.body.appendChild(a);
+    a.click();
+    a.remove();
+    setTimeout(() => URL.revokeObjectURL(url), 10000);
+  },
+
+  // Call `fn` now and then every `ms` until it returns false; errors are shown, polling goes on.
+  poll(fn, ms, onError) {
+    let stopped = false;
+    const tick = async () => {
+      if (stopped) return;
+      let again = true;
+      try { again = (await fn()) !== false; } catch (e) { if (onError) onError(e); }
+      if (again && !stopped) setTimeout(tick, ms);
+    };
+    tick();
+    return () => { stopped = true; };
+  },
+
+  esc(s) {
+    return String(s ?? "").replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
+  },
+  time(unix) { return unix ? new Date(unix * 1000).toLocaleString() : "–"; },
+  num(x, digits = 4) { return x === null || x === undefined ? "–" : Number(x).toPrecision(digits); },
+  int(x) { return x === null || x === undefined ? "–" : Math.round(x).toLocaleString(); },
+  duration(s) {
+    if (s === null || s === undefined || !isFinite(s)) return "–";
+    s = Math.max(0, Math.round(s));
+    const h = Math.floor(s / 3600), m = Math.floor((s % 3600) / 60), sec = s % 60;
+    return h ? `${h}h ${m}m` : m ? `${m}m ${sec}s` : `${sec}s`;
+  },
+  bytes(n) {
+    if (n === null || n === undefined) return "–";
+    const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let i = 0;
+    while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+    return `${n.toFixed(i ? 1 : 0)} ${units[i]}`;
+  },
+  statusBadge(status) { return `<span class="status ${loraq.esc(status)}">${loraq.esc(status)}</span>`; },
+};
+
+document.addEventListener("DOMContentLoaded", () => {
+  loraq.showKey();
+  document.getElementById("changekey").onclick = () => loraq.askKey().then(() => location.reload());
+  for (const a of document.querySelectorAll("header nav a")) {
+    if (a.getAttribute("href") === location.pathname) a.classList.add("active");
+  }
+});

@@ -1,0 +1,50 @@
+// Jobs page: the table refreshes every second from /dashboard/api/jobs (filtered by status).
+"use strict";
+
+const REFRESH_MS = 1000;
+
+function progressCell(j) {
+  if (!j.total_steps) return `<span class="muted">${j.step ? j.step : "–"}</span>`;
+  const pct = Math.min(100, (100 * j.step) / j.total_steps);
+  return `<span class="progress"><div style="width:${pct.toFixed(1)}%"></div></span>${j.step} / ${j.total_steps}`;
+}
+
+function row(j) {
+  const running = j.status === "running";
+  return `<tr data-job-id="${loraq.esc(j.id)}" data-status="${loraq.esc(j.status)}">
+    <td><a href="/jobs/${encodeURIComponent(j.id)}">${loraq.esc(j.id)}</a></td>
+    <td class="status-cell">${loraq.statusBadge(j.status)}</td>
+    <td>${loraq.esc(j.model)}</td>
+    <td class="num progress-cell">${progressCell(j)}</td>
+    <td class="num">${loraq.num(j.train_loss)}</td>
+    <td class="num">${running || j.tokens_per_s ? loraq.int(j.tokens_per_s) : "–"}</td>
+    <td class="num">${running ? loraq.duration(j.eta_seconds) : "–"}</td>
+    <td>${loraq.time(j.created_at)}</td>
+    <td>${loraq.time(j.finished_at)}</td>
+  </tr>`;
+}
+
+async function refresh() {
+  const status = document.getElementById("statusfilter").value;
+  const params = new URLSearchParams({ limit: "100" });
+  if (status) params.set("status", status);
+  const body = await loraq.json(`/dashboard/api/jobs?${params}`);
+  document.querySelector("#jobs tbody").innerHTML = body.data.map(row).join("");
+  document.getElementById("empty").hidden = body.data.length > 0;
+  document.getElementById("loaderror").hidden = true;
+  document.getElementById("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  const filter = document.getElementById("statusfilter");
+  filter.value = new URLSearchParams(location.search).get("status") || "";
+  filter.onchange = () => {
+    history.replaceState(null, "", filter.value ? `/?status=${filter.value}` : "/");
+    refresh();
+  };
+  loraq.poll(refresh, REFRESH_MS, (e) => {
+    const el = document.getElementById("loaderror");
+    el.textContent = e.message;
+    el.hidden = false;
+  });
+});

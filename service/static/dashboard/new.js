@@ -1,0 +1,113 @@
+// New job: upload the JSONL through /v1/files, show the dashboard's validation summary of the
+// stored file (examples, tokens, bad lines with their numbers), then POST /v1/fine_tuning/jobs.
+"use strict";
+
+const uploaded = { train: null, valid: null }; // {id, summary}
+
+function summaryHtml(label, file, s) {
+  const bad = s.bad_lines.map((b) => `<li>line ${b.line}: ${loraq.esc(b.reason)}</li>`).join("");
+  const more = s.bad_line_count > s.bad_lines.length ? `<li>… and ${s.bad_line_count - s.bad_lines.length} more</li>` : "";
+  return `<div class="card summary" data-kind="${label}" data-valid="${s.valid}">
+    <h2>${loraq.esc(label)}: ${loraq.esc(file.filename)} <span class="muted">(${loraq.esc(file.id)}, ${loraq.bytes(file.bytes)})</span></h2>
+    <dl class="kv">
+      <dt>Examples</dt><dd class="examples">${loraq.int(s.examples)}</dd>
+      <dt>Tokens</dt><dd class="tokens">${loraq.int(s.tokens)} <span class="muted">(${loraq.esc(s.token_count_method)})</span></dd>
+      <dt>Messages</dt><dd>${loraq.int(s.messages)} (${loraq.int(s.assistant_messages)} from the assistant)</dd>
+      <dt>Bad lines</dt><dd class="badcount">${s.bad_line_count}</dd>
+    </dl>
+    ${s.valid ? '<p class="ok">Every line is a valid chat example.</p>' : `<ul class="error badlines">${bad}${more}</ul>`}
+  </div>`;
+}
+
+async function uploadAndCheck(kind, input) {
+  const file = input.files[0];
+  uploaded[kind] = null;
+  renderSummaries();
+  if (!file) return;
+  const state = document.getElementById("submitstate");
+  state.textContent = `Uploading ${file.name}…`;
+  const form = new FormData();
+  form.append("purpose", "fine-tune");
+  form.append("file", file, file.name);
+  try {
+    const stored = await loraq.json("/v1/files", { method: "POST", body: form });
+    const model = document.getElementById("model").value;
+    const summary = await loraq.json(
+      `/dashboard/api/files/${encodeURIComponent(stored.id)}/summary?model=${encodeURIComponent(model)}`);
+    uploaded[kind] = { file: stored, summary };
+    state.textContent = "";
+  } catch (e) {
+    state.textContent = "";
+    showError(`Upload of ${file.name} failed: ${e.message}`);
+  }
+  renderSummaries();
+}
+
+function renderSummaries() {
+  const parts = [];
+  if (uploaded.train) parts.push(summaryHtml("training file", uploaded.train.file, uploaded.train.summary));
+  if (uploaded.valid) parts.push(summaryHtml("validation file", uploaded.valid.file, uploaded.valid.summary));
+  document.getElementById("summaries").innerHTML = parts.join("");
+  const ok = uploaded.train && uploaded.train.summary.valid && (!uploaded.valid || uploaded.valid.summary.valid);
+  document.getElementById("submit").disabled = !ok;
+  if (uploaded.train && !ok) document.getElementById("submitstate").textContent = "Fix the bad lines and upload again.";
+  else if (ok) document.getElementById("submitstate").textContent = "Ready.";
+}
+
+function showError(message) {
+  const el = document.getElementById("submiterror");
+  el.textContent = message;
+  el.hidden = !message;
+}
+
+function intField(id) {
+  const v = document.getElementById(id).value;
+  return v === "" ? undefined : Number(v);
+}
+
+async function submit(ev) {
+  ev.preventDefault();
+  showError("");
+  const body = {
+    model: document.getElementById("model").value,
+    training_file: uploaded.train.file.id,
+    hyperparameters: {
+      n_epochs: intField("n_epochs"),
+      batch_size: intField("batch_size"),
+      learning_rate_multiplier: intField("learning_rate_multiplier"),
+    },
+    seed: intField("seed"),
+  };
+  if (uploaded.valid) body.validation_file = uploaded.valid.file.id;
+  const suffix = document.getElementById("suffix").value.trim();
+  if (suffix) body.suffix = suffix;
+  const btn = document.getElementById("submit");
+  btn.disabled = true;
+  try {
+    const job = await loraq.json("/v1/fine_tuning/jobs", {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(body),
+    });
+    location.href = `/jobs/${encodeURIComponent(job.id)}`;
+  } catch (e) {
+    showError(e.message);
+    btn.disabled = false;
+  }
+}
+
+async function loadModels() {
+  const body = await loraq.json("/v1/models");
+  const select = document.getElementById("model");
+  // Base models first; fine-tuned ones ("ft:...") cannot be fine-tuned again.
+  const names = body.data.map((m) => m.id).filter((id) => !id.startsWith("ft:"));
+  select.innerHTML = names.map((n) => `<option>${loraq.esc(n)}</option>`).join("");
+  if (names.includes("tiny-llama")) select.value = "tiny-llama";
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  loadModels().catch((e) => showError(`Could not list models: ${e.message}`));
+  document.getElementById("trainfile").onchange = (ev) => uploadAndCheck("train", ev.target);
+  document.getElementById("validfile").onchange = (ev) => uploadAndCheck("valid", ev.target);
+  document.getElementById("newjob").onsubmit = submit;
+});

@@ -1,0 +1,184 @@
+"""Shared fixtures for control-plane tests.
+
+- `db_url`: a migrated database, parametrised over SQLite (a file) and PostgreSQL (a database
+  `loraq_test_<random>` created in the local server for this test session, dropped after).
+  Both live for the session; tests isolate themselves by creating their own tenants.
+- `loraq_env`: Settings pointing at `db_url`, a data dir of the test's own, the local Redis and a
+  queue name of the test's own (its messages are deleted after the test).
+- `api`: a TestClient over `create_app()` with a fresh tenant and its key; `api.other` is a second
+  tenant's client (isolation tests). Factories: `make_tenant`, `upload_file`, `create_job`.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/test"
+PG_URL_TEMPLATE = "postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def create_pg_database(prefix: str = "loraq_test") -> tuple[str, str]:
+    import psycopg
+
+    name = f"{prefix}_{secrets.token_hex(4)}"
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return name, PG_URL_TEMPLATE.format(name=name)
+
+
+def drop_pg_database(name: str) -> None:
+    import psycopg
+
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def _sqlite_db(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from service.db.migrate import upgrade_head
+
+    url = f"sqlite:///{tmp_path_factory.mktemp('db') / 'loraq.db'}"
+    upgrade_head(url)
+    return url
+
+
+@pytest.fixture(scope="session")
+def _postgres_db() -> Iterator[str]:
+    from service.db.migrate import upgrade_head
+    from service.db.session import dispose_engines
+
+    name, url = create_pg_database()
+    try:
+        upgrade_head(url)
+        yield url
+    finally:
+        dispose_engines()
+        drop_pg_database(name)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest) -> str:
+    fixture = "_sqlite_db" if request.param == "sqlite" else "_postgres_db"
+    url: str = request.getfixturevalue(fixture)
+    return url
+
+
+@dataclass
+class LoraqEnv:
+    db_url: str
+    data_dir: Path
+    queue: str
+
+    @property
+    def store_root(self) -> Path:
+        return self.data_dir / "store"
+
+
+@pytest.fixture
+def loraq_env(db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LoraqEnv]:
+    import redis
+
+    from service.settings import get_settings
+
+    env = LoraqEnv(db_url=db_url, data_dir=tmp_path / "var", queue=f"test-{secrets.token_hex(4)}")
+    monkeypatch.setenv("LORAQ_DATA_DIR", str(env.data_dir))
+    monkeypatch.setenv("LORAQ_DATABASE_URL", db_url)
+    monkeypatch.setenv("LORAQ_REDIS_URL", REDIS_URL)
+    monkeypatch.setenv("LORAQ_WORKER_QUEUE", env.queue)
+    monkeypatch.setenv("LORAQ_SECRET_KEY", secrets.token_hex(32))
+    get_settings.cache_clear()
+    yield env
+    get_settings.cache_clear()
+    r = redis.Redis.from_url(REDIS_URL)
+    r.delete(env.queue)  # messages a test enqueued must not reach another helper's worker
+    r.close()
+
+
+def make_tenant_key(name: str | None = None) -> tuple[str, str]:
+    """(tenant id, plaintext key) of a new tenant."""
+    from sqlalchemy import select
+
+    from service.auth import create_key
+    from service.db.models import Tenant
+    from service.db.session import session_scope
+
+    name = name or f"tenant-{secrets.token_hex(4)}"
+    with session_scope() as s:
+        key = create_key(s, name)
+        tenant_id = s.scalar(select(Tenant.id).where(Tenant.name == name))
+    assert tenant_id is not None
+    return tenant_id, key
+
+
+@dataclass
+class ApiClient:
+    """A TestClient bound to one tenant's key."""
+
+    client: Any
+    tenant_id: str
+    key: str
+    other: ApiClient | None = field(default=None, repr=False)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"}
+
+    def request(self, method: str, path: str, **kw: Any) -> Any:
+        headers = {**self.headers, **kw.pop("headers", {})}
+        return self.client.request(method, path, headers=headers, **kw)
+
+    def get(self, path: str, **kw: Any) -> Any:
+        return self.request("GET", path, **kw)
+
+    def post(self, path: str, **kw: Any) -> Any:
+        return self.request("POST", path, **kw)
+
+    def delete(self, path: str, **kw: Any) -> Any:
+        return self.request("DELETE", path, **kw)
+
+    def upload(self, data: bytes, filename: str = "train.jsonl", purpose: str = "fine-tune") -> str:
+        r = self.post("/v1/files", data={"purpose": purpose}, files={"file": (filename, data)})
+        assert r.status_code == 200, r.text
+        return str(r.json()["id"])
+
+    def create_job(self, file_id: str, **spec: Any) -> dict[str, Any]:
+        r = self.post("/v1/fine_tuning/jobs", json=job_body(file_id, **spec))
+        assert r.status_code == 200, r.text
+        job: dict[str, Any] = r.json()
+        return job
+
+
+def job_body(file_id: str, **spec: Any) -> dict[str, Any]:
+    return {
+        "model": "tiny-llama",
+        "training_file": file_id,
+        "suffix": "t",
+        "seed": 1,
+        "hyperparameters": {"n_epochs": 1, "batch_size": 2, "learning_rate_multiplier": 2.0},
+        "lora": {"r": 4, "alpha": 8},
+        "max_seq_len": 64,
+        **spec,
+    }
+
+
+DATASET = b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "arr"}]}\n' * 4
+
+
+@pytest.fixture
+def api(loraq_env: LoraqEnv) -> Iterator[ApiClient]:
+    from fastapi.testclient import TestClient
+
+    from service.app import create_app
+
+    with TestClient(create_app(), raise_server_exceptions=False) as client:
+        a_id, a_key = make_tenant_key()
+        b_id, b_key = make_tenant_key()
+        other = ApiClient(client, b_id, b_key)
+        yield ApiClient(client, a_id, a_key, other=other)

@@ -1,0 +1,103 @@
+"""The real stack for the dashboard and metrics tests, one per test: a private redis-server for
+the session, then per test a fresh SQLite database, an API key, a uvicorn API and a Celery worker
+(`loraq worker`) on a queue of its own. A fresh stack per test keeps counters exact (jobs finished,
+steps, requests). Built on the process helpers of tests/e2e/procs.py; imported by the conftests
+of tests/dashboard and tests/metrics."""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.procs import ROOT, Service, clean_env, free_port, stop_process, wait_for
+
+
+@pytest.fixture(scope="session")
+def stack_redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("redis-server is not on PATH (apt-get install redis-server)")
+    port = free_port()
+    workdir = tmp_path_factory.mktemp("redis")
+    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", str(workdir)]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, start_new_session=True)
+    url = f"redis://127.0.0.1:{port}/0"
+
+    def ping() -> bool:
+        import redis
+
+        try:
+            return bool(redis.Redis.from_url(url).ping())
+        except redis.exceptions.ConnectionError:
+            return False
+
+    wait_for(ping, "redis-server", 10, proc)
+    yield url
+    stop_process(proc)
+
+
+@pytest.fixture
+def stack(tmp_path: Path, stack_redis_url: str, request: pytest.FixtureRequest) -> Iterator[Service]:
+    data_dir = tmp_path / "var"
+    data_dir.mkdir()
+    port = free_port()
+    db_url = f"sqlite:///{tmp_path / 'loraq.db'}"
+    env = clean_env(
+        LORAQ_DATA_DIR=str(data_dir),
+        LORAQ_DATABASE_URL=db_url,
+        LORAQ_REDIS_URL=stack_redis_url,
+        LORAQ_PORT=str(port),
+        LORAQ_WORKER_QUEUE=f"dash-{secrets.token_hex(4)}",
+        LORAQ_WORKER_METRICS_PORT="0",  # a free port; the registry entry says which
+        LORAQ_CHECKPOINT_EVERY="4",
+        LORAQ_HEARTBEAT_SECONDS="1",
+    )
+    migrate = "import sys; from service.db.migrate import upgrade_head; upgrade_head(sys.argv[1])"
+    subprocess.run([sys.executable, "-c", migrate, db_url], env=env, cwd=ROOT, check=True)
+    keys = subprocess.run(
+        [sys.executable, "-m", "service.cli", "keys", "create", "--tenant", "dashboard"],
+        env=env, cwd=ROOT, check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    key = keys.stdout.strip().splitlines()[-1]
+    logs = {"api": tmp_path / "api.log", "worker": tmp_path / "worker.log"}
+    svc = Service(url=f"http://127.0.0.1:{port}", key=key, env=env, data_dir=data_dir, logs=logs)
+    try:
+        svc.procs["api"] = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "service.app:create_app", "--factory",
+             "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
+            env=env, cwd=ROOT, stdout=logs["api"].open("wb"), stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+
+        def api_ready() -> bool:
+            try:
+                return httpx.get(svc.url + "/readyz", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(api_ready, "API", 60, svc.procs["api"])
+        svc.start_worker()
+        yield svc
+    finally:
+        for proc in list(svc.procs.values()):
+            stop_process(proc)
+        rep = getattr(request.node, "rep_call", None)
+        if rep is not None and rep.failed:
+            for name in logs:
+                print(f"--- {name} log (tail)\n{svc.log_text(name)[-6000:]}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> object:
+    rep = yield
+    if rep.when == "call":
+        item.rep_call = rep  # type: ignore[attr-defined]
+    return rep

@@ -1,0 +1,210 @@
+"""The dashboard in a real Chromium (Playwright) against the real stack: enter the key, upload a
+dataset through the form (a broken one first, to see its bad lines), submit a tiny-llama job,
+watch the jobs table reach `succeeded`, check the loss chart has one point per step, download
+the adapter, then cancel a second job mid-run from its page. Screenshots go to test-artifacts/."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+import uuid
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from service import worker_registry
+from tests.e2e.datasets import broken_lines, chat_lines
+from tests.e2e.procs import Service
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--no-first-run",
+]  # fmt: skip
+JOB_TIMEOUT_MS = 240_000
+
+
+@pytest.fixture
+def page(artifacts_dir: Path) -> Any:
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        context = browser.new_context(viewport={"width": 1360, "height": 1000}, accept_downloads=True)
+        page = context.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        yield page
+        context.close()
+        browser.close()
+        assert not errors, f"JavaScript errors on the page: {errors}"
+
+
+def api(svc: Service, method: str, path: str, **kw: Any) -> Any:
+    r = httpx.request(
+        method, svc.url + path, headers={"Authorization": f"Bearer {svc.key}"}, timeout=30, **kw
+    )
+    assert r.is_success, r.text
+    return r.json()
+
+
+def jsonl(name: str, data: bytes) -> dict[str, Any]:
+    return {"name": name, "mimeType": "application/jsonl", "buffer": data}
+
+
+def test_dashboard_end_to_end(stack: Service, page: Any, artifacts_dir: Path, tmp_path: Path) -> None:
+    from playwright.sync_api import expect
+
+    svc = stack
+    # Pages and assets are public; data is not.
+    assert httpx.get(svc.url + "/static/vendor/uplot/uPlot.iife.min.js").status_code == 200
+    assert httpx.get(svc.url + "/dashboard/api/jobs").status_code == 401
+
+    # 1. The key is asked for once and kept in localStorage.
+    page.goto(svc.url + "/")
+    expect(page.locator("#keydialog")).to_be_visible()
+    page.fill("#apikey", "sk-wrong")
+    page.click("#savekey")
+    expect(page.locator("#keyerror")).to_contain_text("not accepted")
+    page.fill("#apikey", svc.key)
+    page.click("#savekey")
+    expect(page.locator("#keydialog")).to_be_hidden()
+    assert page.evaluate("localStorage.getItem('loraq.apiKey')") == svc.key
+
+    # 2. New job: a broken file shows its bad lines by number; a good one enables submit.
+    page.goto(svc.url + "/new")
+    expect(page.locator("#keydialog")).to_be_hidden()
+    expect(page.locator("#model option", has_text="tiny-llama")).to_have_count(1)
+    page.set_input_files(
+        "#trainfile", {"name": "broken.jsonl", "mimeType": "application/jsonl", "buffer": broken_lines()}
+    )
+    summary = page.locator('.summary[data-kind="training file"]')
+    expect(summary.locator(".badlines")).to_contain_text("line 2: not valid JSON")
+    expect(summary.locator(".badlines")).to_contain_text("line 4: format 'prompt_completion' differs")
+    expect(summary.locator(".examples")).to_have_text("2")
+    expect(page.locator("#submit")).to_be_disabled()
+    page.set_input_files(
+        "#trainfile", {"name": "train.jsonl", "mimeType": "application/jsonl", "buffer": chat_lines(16)}
+    )
+    expect(summary.locator(".examples")).to_have_text("16")
+    expect(summary.locator(".badcount")).to_have_text("0")
+    page.select_option("#model", "tiny-llama")
+    page.fill("#n_epochs", "2")
+    page.fill("#batch_size", "4")
+    page.fill("#learning_rate_multiplier", "5")
+    page.fill("#suffix", "browser")
+    page.screenshot(path=str(artifacts_dir / "dashboard-new-job.png"), full_page=True)
+    page.click("#submit")
+    page.wait_for_url("**/jobs/ftjob-*")
+    job_id = page.url.rstrip("/").split("/")[-1]
+
+    # 3. The jobs table updates live until the job has succeeded.
+    page.goto(svc.url + "/")
+    row = page.locator(f'#jobs tr[data-job-id="{job_id}"]')
+    expect(row).to_have_attribute("data-status", "succeeded", timeout=JOB_TIMEOUT_MS)
+    expect(row.locator(".progress-cell")).to_contain_text("/")
+    page.screenshot(path=str(artifacts_dir / "dashboard-jobs.png"), full_page=True)
+    page.select_option("#statusfilter", "failed")
+    expect(row).to_have_count(0)
+    page.select_option("#statusfilter", "succeeded")
+    expect(row).to_have_count(1)
+    assert page.url.endswith("/?status=succeeded")
+
+    # 4. The job page: one loss point per step, the hyperparameters, events, checkpoints.
+    row.locator("a").click()
+    page.wait_for_url(f"**/jobs/{job_id}")
+    expect(page.locator("body")).to_have_attribute("data-final", "true", timeout=30_000)
+    progress = api(svc, "GET", f"/dashboard/api/jobs/{job_id}/progress")
+    assert progress["status"] == "succeeded" and progress["step"] == progress["total_steps"] > 0
+    points = page.evaluate("window.loraqCharts.loss.data[0].length")
+    assert points == progress["total_steps"]
+    assert page.evaluate("window.loraqCharts.loss.data[0]") == list(range(1, points + 1))
+    assert page.evaluate("window.loraqCharts.lr.data[0].length") == points
+    expect(page.locator("#losschart")).to_have_attribute("data-points", str(points))
+    expect(page.locator("#hyperparameters")).to_contain_text("n_epochs")
+    expect(page.locator("#events")).to_contain_text("successfully completed")
+    expect(page.locator("#cancel")).to_be_hidden()
+    page.screenshot(path=str(artifacts_dir / "dashboard-job.png"), full_page=True)
+    # The smoothing control and log scale redraw without errors (page errors fail the test).
+    page.fill("#smoothing", "0.9")
+    page.dispatch_event("#smoothing", "input")
+    expect(page.locator("#smoothing-value")).to_have_text("0.90")
+    page.check("#logscale")
+    expect(page.locator("#losschart canvas")).to_have_count(1)
+    assert page.evaluate("window.loraqCharts.loss.scales.y.distr") == 3  # uPlot's log scale
+    assert page.evaluate("window.loraqCharts.loss.data[0].length") == points
+    page.screenshot(path=str(artifacts_dir / "dashboard-job-log-smoothed.png"), full_page=True)
+
+    # 5. The adapter download is a PEFT adapter zip.
+    with page.expect_download() as dl:
+        page.click("#download-adapter")
+    adapter = tmp_path / "adapter.zip"
+    dl.value.save_as(adapter)
+    names = zipfile.ZipFile(io.BytesIO(adapter.read_bytes())).namelist()
+    assert "adapter_model.safetensors" in names and "adapter_config.json" in names
+
+    # 6. A checkpoint download, when the job registered checkpoints.
+    buttons = page.locator("#checkpoints button[data-checkpoint]")
+    if buttons.count():
+        with page.expect_download() as dl:
+            buttons.first.click()
+        assert dl.value.failure() is None
+
+    # 7. A second, long job is cancelled mid-run from its page.
+    file_id = api(svc, "GET", f"/v1/fine_tuning/jobs/{job_id}")["training_file"]
+    body = {"model": "tiny-llama", "training_file": file_id,
+            "hyperparameters": {"n_epochs": 500, "batch_size": 4}}  # fmt: skip
+    long_job = api(svc, "POST", "/v1/fine_tuning/jobs", json=body)
+    svc.wait_job(long_job["id"], {"running"})  # raises with the job's error if it ends instead
+    page.goto(f"{svc.url}/jobs/{long_job['id']}")
+    expect(page.locator("#status")).to_have_attribute("data-status", "running", timeout=JOB_TIMEOUT_MS)
+    page.wait_for_function("window.loraqCharts.loss.data[0].length >= 3", timeout=JOB_TIMEOUT_MS)
+    # Meanwhile the worker registry names the job this worker runs (the Workers page's data).
+    workers = api(svc, "GET", "/dashboard/api/workers")["data"]
+    mine = [w for w in workers if w["queue"] == svc.env["LORAQ_WORKER_QUEUE"]]
+    assert [w["job"]["job_id"] for w in mine if w["job"]] == [long_job["id"]]
+    page.click("#cancel")
+    expect(page.locator("#status")).to_have_attribute("data-status", "cancelled", timeout=60_000)
+    done = api(svc, "GET", f"/dashboard/api/jobs/{long_job['id']}/progress")
+    assert 0 < done["step"] < done["total_steps"]  # stopped mid-run, partial metrics kept
+    page.screenshot(path=str(artifacts_dir / "dashboard-cancelled.png"), full_page=True)
+
+    # 8. A failed job's page shows its error, naming the bad lines.
+    bad = dict(body, hyperparameters={"n_epochs": 1}, max_seq_len=16)  # every example is too long
+    failed = api(svc, "POST", "/v1/fine_tuning/jobs", json=bad)
+    page.goto(f"{svc.url}/jobs/{failed['id']}")
+    expect(page.locator("#status")).to_have_attribute("data-status", "failed", timeout=JOB_TIMEOUT_MS)
+    expect(page.locator("#joberror")).to_contain_text("invalid_training_file: training_file has 16 invalid")
+    expect(page.locator("#joberror")).to_contain_text("line 1:")
+    expect(page.locator("#download-adapter")).to_be_hidden()
+
+    # 9. The Workers page lists our worker (no GPU here, reference kernels) and renders the GPUs of
+    # a worker on a GPU host, as its registry entry reports them.
+    gpu_node = f"gpuhost-{uuid.uuid4().hex[:6]}:42"
+    gpu = {"index": 0, "uuid": "GPU-1", "name": "NVIDIA H100 80GB HBM3", "utilization_percent": 87.0,
+           "memory_used_bytes": 10 * 2**30, "memory_total_bytes": 80 * 2**30, "temperature_celsius": 61.0,
+           "power_watts": 312.5, "sm_clock_hertz": 1.98e9}  # fmt: skip
+    entry = {"node": gpu_node, "queue": "h100", "metrics_port": 9108, "last_seen": time.time(),
+             "kernels": {"compiled": True, "reason": "compiled for sm_90"}, "gpus": [gpu]}  # fmt: skip
+    rds = redis.Redis.from_url(svc.env["LORAQ_REDIS_URL"])
+    rds.set(worker_registry.worker_key(gpu_node), json.dumps(entry), ex=60)
+    page.goto(svc.url + "/workers")
+    gpu_row = page.locator(f'#workers tbody tr[data-node="{gpu_node}"]')
+    expect(gpu_row).to_contain_text("NVIDIA H100 80GB HBM3: 87% util")
+    expect(gpu_row).to_contain_text("10.0 GiB / 80.0 GiB, 61 °C, 313 W, 1980 MHz")
+    expect(gpu_row.locator(".kernels")).to_have_text("yes")
+    rds.delete(worker_registry.worker_key(gpu_node))
+    worker_row = page.locator("#workers tbody tr", has_text=svc.env["LORAQ_WORKER_QUEUE"])
+    expect(worker_row).to_have_count(1, timeout=15_000)
+    expect(worker_row.locator(".kernels")).to_contain_text("no: no CUDA device")
+    expect(worker_row.locator(".job")).to_contain_text("idle", timeout=15_000)
+    page.screenshot(path=str(artifacts_dir / "dashboard-workers.png"), full_page=True)

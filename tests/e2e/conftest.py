@@ -1,0 +1,146 @@
+"""Fixtures that run the real service as separate processes.
+
+- `redis_url`: a private `redis-server` on a free port for the test session;
+- `e2e_db_url`: SQLite (a file in the test's tmp dir) and PostgreSQL (a fresh database in the
+  local server, dropped afterwards), as a parameter, so every flow runs on both;
+- `service`: migrations applied, an API key made with `loraq keys create`, a uvicorn API process
+  and a `loraq worker` process (Celery, solo pool) on a queue private to the test.
+
+Processes run with a clean `LORAQ_*` environment and their own data dir; their logs are printed
+when a test fails so a failure says what the worker did.
+"""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.procs import ROOT, Service, clean_env, free_port, stop_process, wait_for
+
+PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/test"
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("redis-server is not on PATH (apt-get install redis-server)")
+    port = free_port()
+    workdir = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+        ],
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+
+    def ping() -> bool:
+        import redis
+
+        try:
+            return bool(redis.Redis.from_url(url).ping())
+        except redis.exceptions.ConnectionError:
+            return False
+
+    wait_for(ping, "redis-server", 10, proc)
+    yield url
+    stop_process(proc)
+
+
+@pytest.fixture(scope="session", params=["sqlite", "postgresql"])
+def e2e_db_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path_factory.mktemp('sqlite') / 'loraq.db'}"
+        return
+    import psycopg
+
+    name = f"loraq_e2e_{secrets.token_hex(4)}"
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def service(tmp_path_factory: pytest.TempPathFactory, e2e_db_url: str, redis_url: str) -> Iterator[Service]:
+    """One API + worker pair per database for the whole session (starting a worker imports torch,
+    which takes tens of seconds on a busy 2-core machine). Tests share it: each works on its own
+    jobs, and a test that needs its own job list uses its own tenant (`Service.new_key`)."""
+    tmp = tmp_path_factory.mktemp("service")
+    data_dir = tmp / "var"
+    data_dir.mkdir()
+    port = free_port()
+    env = clean_env(
+        LORAQ_DATA_DIR=str(data_dir),
+        LORAQ_DATABASE_URL=e2e_db_url,
+        LORAQ_REDIS_URL=redis_url,
+        LORAQ_PORT=str(port),
+        # A queue per service: the SQLite service's worker never takes the PostgreSQL one's jobs.
+        LORAQ_WORKER_QUEUE=f"e2e-{secrets.token_hex(4)}",
+        LORAQ_CHECKPOINT_EVERY="4",
+        LORAQ_HEARTBEAT_SECONDS="1",
+    )
+    migrate = "import sys; from service.db.migrate import upgrade_head; upgrade_head(sys.argv[1])"
+    subprocess.run([sys.executable, "-c", migrate, e2e_db_url], env=env, cwd=ROOT, check=True)
+    logs = {"api": tmp / "api.log", "worker": tmp / "worker.log"}
+    svc = Service(url=f"http://127.0.0.1:{port}", key="", env=env, data_dir=data_dir, logs=logs)
+    svc.key = svc.new_key("e2e")
+    try:
+        api = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "service.app:create_app", "--factory",
+             "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
+            env=env, cwd=ROOT, stdout=logs["api"].open("wb"), stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        svc.procs["api"] = api
+
+        def api_ready() -> bool:
+            try:
+                return httpx.get(svc.url + "/readyz", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(api_ready, "API", 60, api)
+        svc.start_worker()
+        yield svc
+    finally:
+        for proc in list(svc.procs.values()):
+            stop_process(proc)
+
+
+@pytest.fixture
+def e2e(service: Service, request: pytest.FixtureRequest) -> Iterator[Service]:
+    """`service`, printing the tail of the API and worker logs when the test fails."""
+    yield service
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:
+        for name in service.logs:
+            print(f"--- {name} log (tail)\n{service.log_text(name)[-6000:]}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    rep = yield
+    if rep.when == "call":
+        item.rep_call = rep  # type: ignore[attr-defined]
+    return rep

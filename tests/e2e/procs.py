@@ -1,0 +1,143 @@
+"""Helpers to run the service's processes in tests: ports, waits, clean environments, shutdown."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+TERMINAL = {"succeeded", "failed", "cancelled"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(
+    check: Callable[[], bool], what: str, timeout: float, proc: subprocess.Popen[bytes] | None = None
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{what}: process exited with {proc.returncode}")
+        if check():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{what}: not ready after {timeout}s")
+
+
+def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, grace: float = 20.0) -> None:
+    """Signal the process group, wait, then kill what remains."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=grace)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAQ_")}
+    env.update(PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+@dataclass
+class Service:
+    """A running API + worker pair and what a test needs to talk to them."""
+
+    url: str
+    key: str
+    env: dict[str, str]
+    data_dir: Path
+    logs: dict[str, Path]
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def client(self, key: str | None = None) -> httpx.Client:
+        auth = {"Authorization": f"Bearer {key or self.key}"}
+        return httpx.Client(base_url=self.url + "/v1", headers=auth, timeout=30)
+
+    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        env = dict(self.env, LORAQ_URL=self.url, LORAQ_API_KEY=self.key)
+        out = subprocess.run(
+            [sys.executable, "-m", "service.cli", *args], env=env, cwd=ROOT, capture_output=True, text=True
+        )
+        if check and out.returncode != 0:
+            raise AssertionError(f"loraq {' '.join(args)} -> {out.returncode}\n{out.stdout}\n{out.stderr}")
+        return out
+
+    def new_key(self, tenant: str) -> str:
+        """A key for `tenant` (created if new), made with `loraq keys create` on the database."""
+        out = subprocess.run(
+            [sys.executable, "-m", "service.cli", "keys", "create", "--tenant", tenant],
+            env=self.env, cwd=ROOT, check=True, capture_output=True, text=True,
+        )  # fmt: skip
+        return out.stdout.strip().splitlines()[-1]
+
+    def log_text(self, name: str) -> str:
+        return self.logs[name].read_text(errors="replace") if self.logs[name].exists() else ""
+
+    def wait_job(
+        self, job_id: str, statuses: set[str], timeout: float = 240, key: str | None = None
+    ) -> dict[str, Any]:
+        """Poll the job until its status is in `statuses`; returns the job object."""
+        seen: list[str] = []
+        with self.client(key) as c:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                job: dict[str, Any] = c.get(f"/fine_tuning/jobs/{job_id}").json()
+                if not seen or seen[-1] != job["status"]:
+                    seen.append(job["status"])
+                if job["status"] in statuses:
+                    job["_seen"] = seen
+                    return job
+                if job["status"] in TERMINAL:
+                    raise AssertionError(f"job ended {job['status']} (wanted {statuses}): {job.get('error')}")
+                time.sleep(0.05)
+        raise AssertionError(
+            f"job {job_id} stuck; statuses seen {seen}\n--- worker log\n{self.log_text('worker')}"
+        )
+
+    def stop_worker(self) -> None:
+        stop_process(self.procs.pop("worker"))
+
+    def start_worker(self) -> None:
+        self.procs["worker"] = start_worker(self.env, self.logs["worker"])
+
+
+def start_worker(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    start = log.stat().st_size if log.exists() else 0
+    out = log.open("ab")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "worker", "--loglevel", "INFO"],
+        env=env,
+        cwd=ROOT,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+    def ready() -> bool:
+        with log.open("rb") as fh:
+            fh.seek(start)
+            return b" ready." in fh.read()
+
+    wait_for(ready, "celery worker", 120, proc)
+    return proc

@@ -1,0 +1,72 @@
+"""Fixtures shared by the engine tests.
+
+- `model_store`: an empty model store (a tmp dir) for tests that register or list models;
+- `tiny`: tiny-llama loaded once per session (fp32, CPU); tests must not modify its weights
+  (wrap or deepcopy the model first);
+- `pulled_store`: a store holding the real pulled smollm2-135m-instruct, cached across sessions under
+  the git-ignored `var/test-models/` so the suite downloads it once;
+- `write_jsonl`: writes rows (dicts, or raw strings for bad lines) to a JSONL file in tmp_path.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from worker.engine.models import LoadedModel, load_base_model
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# A data dir whose model store (`<data dir>/models`, as Settings.model_store) caches the pulled model.
+TEST_DATA_DIR = REPO_ROOT / "var" / "test-models"
+TEST_MODEL_STORE = TEST_DATA_DIR / "models"
+
+WriteJsonl = Callable[..., Path]
+
+
+@pytest.fixture
+def model_store(tmp_path: Path) -> Path:
+    store = tmp_path / "models"
+    store.mkdir()
+    return store
+
+
+@pytest.fixture(scope="session")
+def tiny() -> LoadedModel:
+    return load_base_model("tiny-llama", store=TEST_MODEL_STORE)
+
+
+@pytest.fixture(scope="session")
+def pulled_store() -> Path:
+    from worker.engine.pull import pull_model
+
+    pull_model("smollm2-135m-instruct", TEST_MODEL_STORE)
+    return TEST_MODEL_STORE
+
+
+@pytest.fixture
+def write_jsonl(tmp_path: Path) -> WriteJsonl:
+    """write_jsonl(rows, name="train.jsonl"): a dict row is JSON-encoded; a str row is written as is."""
+
+    def write(rows: list[Any], name: str = "train.jsonl") -> Path:
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lines = [row if isinstance(row, str) else json.dumps(row) for row in rows]
+        path.write_text("".join(line + "\n" for line in lines))
+        return path
+
+    return write
+
+
+def chat(*turns: tuple[str, str] | tuple[str, str, int]) -> dict[str, Any]:
+    """chat(("user", "hi"), ("assistant", "hello", 0)) -> {"messages": [...]} (third item = weight)."""
+    messages: list[dict[str, Any]] = []
+    for turn in turns:
+        msg: dict[str, Any] = {"role": turn[0], "content": turn[1]}
+        if len(turn) == 3:
+            msg["weight"] = turn[2]
+        messages.append(msg)
+    return {"messages": messages}

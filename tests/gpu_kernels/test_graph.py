@@ -1,0 +1,49 @@
+"""GraphedStep and the non-finite monitor, on the paths a machine without a GPU takes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gpu_kernels
+from gpu_kernels import reference
+
+
+def test_warmup_must_allow_one_eager_step() -> None:
+    with pytest.raises(ValueError, match="warmup"):
+        gpu_kernels.GraphedStep(lambda: {}, warmup=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU fallback")
+def test_without_cuda_every_call_runs_eagerly_and_the_reason_is_told_once() -> None:
+    calls: list[int] = []
+    reasons: list[str] = []
+
+    def step() -> dict[str, torch.Tensor]:
+        calls.append(1)
+        return {"loss": torch.tensor(float(len(calls)))}
+
+    graphed = gpu_kernels.GraphedStep(step, warmup=1, on_fallback=reasons.append)
+    outs = [graphed()["loss"].item() for _ in range(3)]
+    assert outs == [1.0, 2.0, 3.0]
+    assert reasons == ["no CUDA device"] and not graphed.captured
+
+
+def test_disabled_capture_runs_eagerly_with_a_reason() -> None:
+    graphed = gpu_kernels.GraphedStep(lambda: {"x": torch.zeros(())}, enabled=False)
+    graphed()
+    assert graphed.fallback_reason == "graph capture disabled"
+
+
+def test_monitor_reads_the_device_flag_only_when_due() -> None:
+    monitor = gpu_kernels.NonFiniteMonitor("cpu", every=3)
+    p = torch.nn.Parameter(torch.zeros(2))
+    seen = []
+    for step in range(1, 7):
+        p.grad = torch.tensor([float("nan") if step == 2 else 1.0, 0.0])
+        reference.clip_grad_norm_([p], 1.0, monitor.state)
+        seen.append(monitor.check(step))
+    assert seen == [None, None, 2, None, None, 2]
+    assert monitor.check(1, force=True) == 2
+    with pytest.raises(ValueError):
+        gpu_kernels.NonFiniteMonitor("cpu", every=0)

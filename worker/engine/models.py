@@ -1,0 +1,137 @@
+"""`load_base_model(name)`: one entry point for every base model in the catalog.
+
+- pretrained (smollm2-135m-instruct): the pulled GGUF, dequantized by transformers' GGUF support
+  (~30 s on a CPU; nothing is cached globally, so a caller that loads it repeatedly keeps the
+  returned LoadedModel).
+- random presets (tiny-llama, llama-1b, llama-8b, smollm2-135m): seeded random init, created
+  directly on the target device (an 8B model never passes through host memory).
+- local directories registered with `loraq models add`: safetensors only, never pickles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from worker.engine.catalog import PRESET_SHAPES, PRETRAINED, get_model_info, validate_model_dir
+from worker.engine.tiny import build_tiny_llama, build_tiny_tokenizer
+from worker.engine.types import ModelError
+
+PRESET_SEED = 0
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+    is_random: bool
+
+
+def load_base_model(
+    name: str,
+    *,
+    store: Path,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> LoadedModel:
+    """Load `name` in eval mode on `device` with floating-point weights in `dtype`."""
+    info = get_model_info(name, store)
+    device = torch.device(device)
+    if name == "tiny-llama":
+        model, tokenizer = build_tiny_llama()
+        loaded = LoadedModel(_move(model, device, dtype), tokenizer, name, is_random=True)
+    elif info.kind == "random":
+        loaded = _load_preset(name, device, dtype)
+    elif info.kind == "pretrained":
+        loaded = _load_pretrained(name, store, device, dtype)
+    else:
+        assert info.path is not None
+        loaded = _load_local(name, Path(info.path), device, dtype)
+    loaded.model.eval()
+    _ensure_pad_token(loaded.tokenizer)
+    return loaded
+
+
+def _load_preset(name: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """Random init directly on `device` (torch's device context), seeded; tokenizer from tiny-llama.
+
+    The ids of the tiny tokenizer (< 512) are valid in every preset's vocabulary, so benchmarks can
+    feed real text.
+    """
+    tokenizer = build_tiny_tokenizer()
+    config = LlamaConfig(
+        **PRESET_SHAPES[name].config_kwargs(),
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(PRESET_SEED)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with device:
+                model = LlamaForCausalLM(config)
+        finally:
+            torch.set_default_dtype(previous)
+    return LoadedModel(model, tokenizer, name, is_random=True)
+
+
+def _load_pretrained(name: str, store: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    source = PRETRAINED[name]
+    directory = store / name
+    if not (directory / source.filename).is_file():
+        raise ModelError(f"model {name!r} is not pulled yet; run `loraq models pull {name}`")
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=source.filename)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=source.filename, dtype=dtype)
+    _drop_gguf_marks(model)
+    return LoadedModel(_move(model, device), tokenizer, name, is_random=False)
+
+
+def _drop_gguf_marks(model: PreTrainedModel) -> None:
+    """Unmark a GGUF-loaded model as quantized: its weights are already dense `dtype` tensors.
+
+    transformers dequantizes GGUF on load but keeps the quantizer and `quantization_config`, so
+    `save_pretrained` (merged export) refuses the model and PEFT would treat it as quantized.
+    """
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and getattr(module.config, "_is_quantized", False):
+            module.config._is_quantized = False
+
+
+def _load_local(name: str, directory: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    # Validate again: the directory may have changed since `loraq models add`.
+    validate_model_dir(directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, use_safetensors=True)
+    return LoadedModel(_move(model, device), tokenizer, name, is_random=False)
+
+
+def _move(model: PreTrainedModel, device: torch.device, dtype: torch.dtype | None = None) -> PreTrainedModel:
+    # nn.Module.to directly: transformers wraps PreTrainedModel.to in a decorator mypy cannot type.
+    moved = torch.nn.Module.to(model, device=device, dtype=dtype)
+    return cast(PreTrainedModel, moved)
+
+
+def _ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Batching pads with pad_token_id (labels are -100 there); fall back to EOS when a model has none."""
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token is None:
+            raise ModelError("the model's tokenizer has neither a pad token nor an EOS token")
+        tokenizer.pad_token = tokenizer.eos_token

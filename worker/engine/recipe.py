@@ -1,0 +1,407 @@
+"""The LoRA fine-tuning recipe: setup → train → save_checkpoint → cleanup.
+
+One optimizer step consumes `grad_accum` micro-batches of `batch_size` rows. The loss of a step is
+
+    L = Σ_micro Σ_tokens CE(logits_t, label_t) / N,    N = trainable tokens of all its micro-batches
+
+so accumulating k micro-batches of b rows gives the same gradient as one batch of k·b rows.
+Gradients flow only into the LoRA factors (fp32); the base model is frozen (bf16 on CUDA under
+bf16 autocast, fp32 on CPU). On CPU a run is a pure function of the config (seeded init, seeded
+data order), and a run resumed from a checkpoint continues the uninterrupted run bit for bit.
+
+The engine knows nothing of databases: progress goes out through `TrainingCallbacks`, and
+cancellation comes in through `callbacks.should_stop()`, checked before every step.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+from typing import cast
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+import gpu_kernels
+from worker.engine import distributed
+from worker.engine.checkpoint import (
+    TRAINING_STATE,
+    TrainingState,
+    checkpoint_dir,
+    load_checkpoint,
+    save_checkpoint,
+)
+from worker.engine.config_file import validate_config
+from worker.engine.data import IGNORE_INDEX, Batch, BatchSampler, TokenizedDataset, load_dataset
+from worker.engine.export import export_adapter
+from worker.engine.fused_llama import fuse_llama, lm_loss_sum
+from worker.engine.lora import apply_lora, lora_modules, remove_lora, trainable_parameters
+from worker.engine.models import LoadedModel, load_base_model
+from worker.engine.schedule import build_scheduler
+from worker.engine.types import (
+    CheckpointInfo,
+    ConfigError,
+    KernelUnavailableError,
+    LimitExceeded,
+    NonFiniteError,
+    StepMetrics,
+    TrainConfig,
+    TrainingCallbacks,
+    TrainResult,
+)
+
+ADAPTER_DIR = "adapter"
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", "device is 'cuda' but no CUDA GPU is available")
+    return torch.device(name)
+
+
+def find_checkpoint(path: Path) -> Path:
+    """`resume_from` may name a checkpoint directory or a directory holding exactly one (an unzipped
+    checkpoint archive); return the checkpoint directory itself."""
+    if (path / TRAINING_STATE).is_file():
+        return path
+    found = sorted(p.parent for p in path.glob(f"*/{TRAINING_STATE}"))
+    if len(found) == 1:
+        return found[0]
+    raise ConfigError("resume_from", f"resume_from {path} holds no checkpoint ({TRAINING_STATE} not found)")
+
+
+class LoRAFinetuneRecipe:
+    def __init__(
+        self, config: TrainConfig, callbacks: TrainingCallbacks, *, loaded: LoadedModel | None = None
+    ) -> None:
+        self.config = config
+        self.callbacks = callbacks
+        self._given = loaded
+        self.loaded: LoadedModel | None = None
+        self.checkpoints: list[CheckpointInfo] = []
+        self._last_checkpoint_step = -1
+        self.dist = distributed.SINGLE
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self) -> None:
+        cfg = self.config
+        validate_config(cfg)
+        self.device = resolve_device(cfg.device)
+        # Under torchrun (WORLD_SIZE > 1): join the group, train on cuda:LOCAL_RANK, and let only
+        # rank 0 report. A no-op in one process. See worker/engine/distributed.py.
+        self.dist, self.device = distributed.init_from_env(self.device)
+        self.callbacks = distributed.wrap_callbacks(self.callbacks, self.dist, self.device)
+        self.on_cuda = self.device.type == "cuda"
+        if self.on_cuda:
+            try:
+                gpu_kernels.require_compiled()
+            except RuntimeError as exc:
+                raise KernelUnavailableError(str(exc)) from exc
+        dtype = torch.bfloat16 if self.on_cuda else torch.float32
+        self.started = time.monotonic()
+
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        self.loaded = self._base_model(dtype)
+        model = self.model
+        tokenizer = self.loaded.tokenizer
+
+        self.train_data = load_dataset(cfg.train_file, tokenizer, cfg.max_seq_len, pack=cfg.pack)
+        self.valid_data: TokenizedDataset | None = None
+        if cfg.validation_file is not None:
+            self.valid_data = load_dataset(
+                cfg.validation_file, tokenizer, cfg.max_seq_len, pack=cfg.pack, file_label="validation_file"
+            )
+        self.sampler = BatchSampler(self.train_data, cfg.batch_size, cfg.seed)
+        self.batches_per_epoch = len(self.sampler)
+        if cfg.max_steps is not None:
+            self.total_steps = cfg.max_steps
+            self.total_micro_batches = cfg.max_steps * cfg.grad_accum
+        else:
+            self.total_micro_batches = cfg.n_epochs * self.batches_per_epoch
+            self.total_steps = math.ceil(self.total_micro_batches / cfg.grad_accum)
+
+        # LoRA init draws from the seeded generator here, independent of what loading consumed.
+        torch.manual_seed(cfg.seed)
+        layers = apply_lora(model, cfg.lora)
+        # GPU fast path (issue 4): fused RMSNorm/SwiGLU modules, grouped q/k/v and gate/up LoRA.
+        # A no-op unless gpu_kernels' compiled path is active, so CPU runs are unchanged.
+        fuse_llama(model)
+        self.params = trainable_parameters(model)
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=cfg.learning_rate,
+            weight_decay=cfg.weight_decay,
+            fused=self.on_cuda,
+        )
+        self.scheduler = build_scheduler(
+            self.optimizer, total_steps=self.total_steps, warmup_ratio=cfg.warmup_ratio, kind=cfg.lr_scheduler
+        )
+        self.state = TrainingState(step=0, micro_batches=0, trained_tokens=0, last_train_loss=math.nan)
+        if cfg.resume_from is not None:
+            ckpt = find_checkpoint(cfg.resume_from)
+            self.state = load_checkpoint(
+                ckpt, model=model, config=cfg, optimizer=self.optimizer, scheduler=self.scheduler
+            )
+            self._last_checkpoint_step = self.state.step
+            self.callbacks.on_event("info", f"Resumed from checkpoint at step {self.state.step}")
+        model.train()
+
+        n_params = sum(p.numel() for p in self.params)
+        self.callbacks.on_event(
+            "info",
+            f"Model {cfg.model} on {self.device.type} ({str(dtype).removeprefix('torch.')}); "
+            f"LoRA r={cfg.lora.r} on {len(layers)} layers, {n_params:,} trainable parameters",
+        )
+        self.callbacks.on_event(
+            "info",
+            f"Training data: {self.train_data.examples} examples, {self.train_data.tokens:,} tokens "
+            f"({self.train_data.trainable_tokens:,} trainable) in {len(self.train_data)} rows; "
+            f"{self.total_steps} steps",
+        )
+
+    def _base_model(self, dtype: torch.dtype) -> LoadedModel:
+        cfg = self.config
+        if self._given is None:
+            return load_base_model(cfg.model, store=cfg.model_store, device=self.device, dtype=dtype)
+        loaded = self._given
+        if loaded.name != cfg.model:
+            raise ConfigError(
+                "model", f"the preloaded model is {loaded.name!r}, the config asks {cfg.model!r}"
+            )
+        # A crashed earlier job may have left adapters on the cached model: start from the plain base.
+        remove_lora(loaded.model)
+        first = next(loaded.model.parameters())
+        if first.device != self.device or first.dtype != dtype:
+            # in place: the cache keeps the move
+            cast(nn.Module, loaded.model).to(device=self.device, dtype=dtype)
+        return loaded
+
+    @property
+    def model(self) -> PreTrainedModel:
+        assert self.loaded is not None, "setup() first"
+        return self.loaded.model
+
+    # ------------------------------------------------------------------ one step
+
+    def _autocast(self) -> torch.autocast:
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.on_cuda)
+
+    def _loss_sum(self, batch: Batch) -> torch.Tensor:
+        """Σ CE over the batch's trainable tokens, fp32 0-d. The head runs only on the positions that
+        carry loss: hidden (B, T, H) → selected (N, H) → logits (N, V)."""
+        model = self.model
+        with self._autocast():
+            decoder = cast(nn.Module, model.base_model)
+            head = cast(nn.Module, model.get_output_embeddings())
+            hidden = decoder(**batch.model_inputs()).last_hidden_state  # (B, T, H)
+            targets = batch.labels[:, 1:]  # (B, T-1): label t+1 is predicted at position t
+            keep = targets != IGNORE_INDEX
+            selected = hidden[:, :-1][keep]  # (N, H)
+        # head + CE; on the compiled path chunked and fused (no (N, V) logits), see fused_llama
+        return lm_loss_sum(selected, head, targets[keep])
+
+    def _train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward + backward over the step's micro-batches, then clip. Returns (loss, grad_norm) as
+        0-d tensors without a host sync; the optimizer has not stepped yet."""
+        n = sum(b.num_trainable_tokens for b in micro_batches)
+        total = torch.zeros((), device=self.device)
+        for batch in micro_batches:
+            shard = distributed.shard_rows(batch, self.dist)  # the whole batch in one process
+            if shard is None:
+                continue
+            loss = self._loss_sum(shard.to(self.device)) / n
+            loss.backward()
+            total += loss.detach()
+        # Multi-GPU: sum the ranks' partial gradients and losses (each was divided by the global n).
+        distributed.all_reduce_grads(self.params, self.dist)
+        distributed.all_reduce_sum(total, self.dist)
+        grad_norm = gpu_kernels.clip_grad_norm_(self.params, self.config.max_grad_norm)
+        return total, grad_norm
+
+    def _optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean CE per trainable token over the whole validation set (dropout off)."""
+        if self.valid_data is None:
+            return None
+        sampler = BatchSampler(self.valid_data, self.config.batch_size, self.config.seed, shuffle=False)
+        self.model.eval()
+        total = torch.zeros((), device=self.device, dtype=torch.float64)
+        n = 0
+        try:
+            for i in range(len(sampler)):
+                # Multi-GPU: each rank scores its rows of every batch (all ranks busy, none waiting
+                # in a collective); one process: the whole batch.
+                batch = distributed.shard_rows(sampler.batch(0, i), self.dist)
+                if batch is None:
+                    continue
+                total += self._loss_sum(batch.to(self.device)).double()
+                n += batch.num_trainable_tokens
+        finally:
+            self.model.train()
+        if self.dist.active:  # add up the ranks' loss sums and token counts
+            stats = torch.stack([total, torch.tensor(float(n), device=self.device, dtype=torch.float64)])
+            distributed.all_reduce_sum(stats, self.dist)
+            return float(stats[0].item()) / float(stats[1].item())
+        return float(total.item()) / n
+
+    # ------------------------------------------------------------------ loop
+
+    def _next_micro_batches(self) -> list[Batch]:
+        out = []
+        for _ in range(self.config.grad_accum):
+            if self.state.micro_batches >= self.total_micro_batches:
+                break
+            epoch, index = divmod(self.state.micro_batches, self.batches_per_epoch)
+            out.append(self.sampler.batch(epoch, index))
+            self.state.micro_batches += 1
+        return out
+
+    def train(self) -> TrainResult:
+        cfg = self.config
+        state = self.state
+        run_start = time.monotonic()
+        steps_this_run = 0
+        valid_loss: float | None = None
+        while state.step < self.total_steps:
+            if self.callbacks.should_stop():
+                self.callbacks.on_event("info", f"Stop requested: stopping after step {state.step}")
+                path = self.save_checkpoint()
+                return self._result(path, valid_loss, stopped=True)
+            t0 = time.monotonic()
+            micro = self._next_micro_batches()
+            step = state.step + 1
+            lr = self.optimizer.param_groups[0]["lr"]
+            loss_t, norm_t = self._train_step(micro)
+            loss, grad_norm = torch.stack([loss_t.float(), norm_t.float().to(loss_t.device)]).tolist()
+            if not math.isfinite(loss):
+                raise NonFiniteError(step, "loss")
+            if not math.isfinite(grad_norm):
+                raise NonFiniteError(step, "gradient norm")
+            self._optimizer_step()
+            tokens = sum(b.num_tokens for b in micro)
+            state.step = step
+            state.trained_tokens += tokens
+            state.last_train_loss = loss
+            steps_this_run += 1
+
+            valid_loss = None
+            last = step == self.total_steps
+            if self.valid_data is not None and (last or (cfg.eval_every and step % cfg.eval_every == 0)):
+                valid_loss = self.evaluate()
+            now = time.monotonic()
+            step_seconds = now - t0
+            per_step = (now - run_start) / steps_this_run
+            self.callbacks.on_step(
+                StepMetrics(
+                    step=step,
+                    total_steps=self.total_steps,
+                    epoch=state.micro_batches / self.batches_per_epoch,
+                    train_loss=loss,
+                    lr=lr,
+                    grad_norm=grad_norm,
+                    tokens=tokens,
+                    trained_tokens=state.trained_tokens,
+                    tokens_per_s=tokens / step_seconds if step_seconds > 0 else 0.0,
+                    step_seconds=step_seconds,
+                    eta_seconds=per_step * (self.total_steps - step),
+                    valid_loss=valid_loss,
+                )
+            )
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and not last:
+                self.save_checkpoint()
+            self._check_limits(last)
+
+        self.save_checkpoint()
+        adapter = cfg.output_dir / ADAPTER_DIR
+        if self.dist.is_main:  # the adapters are identical on every rank: one writer
+            adapter = export_adapter(adapter, self.model, cfg.lora, cfg.model)
+        self.callbacks.on_event("info", f"Adapter exported to {adapter}")
+        return self._result(adapter, valid_loss, stopped=False)
+
+    def _check_limits(self, last: bool) -> None:
+        cfg, state = self.config, self.state
+        reason = None
+        if cfg.max_tokens is not None and state.trained_tokens > cfg.max_tokens:
+            reason = f"max_tokens {cfg.max_tokens} exceeded: {state.trained_tokens} tokens trained"
+        elapsed = time.monotonic() - self.started
+        if cfg.max_wall_seconds is not None and elapsed > cfg.max_wall_seconds:
+            reason = f"max_wall_seconds {cfg.max_wall_seconds:g} exceeded: ran {elapsed:.1f} s"
+        # Every rank must leave the loop together (wall time differs slightly between ranks).
+        exceeded = distributed.any_rank(reason is not None, self.dist, self.device)
+        if not exceeded or last:
+            return
+        reason = reason or "a limit was exceeded on another rank"
+        self.save_checkpoint()
+        raise LimitExceeded(f"{reason} at step {state.step}; checkpoint kept")
+
+    def _result(self, adapter_dir: Path, valid_loss: float | None, *, stopped: bool) -> TrainResult:
+        return TrainResult(
+            adapter_dir=adapter_dir,
+            steps=self.state.step,
+            trained_tokens=self.state.trained_tokens,
+            final_train_loss=self.state.last_train_loss,
+            final_valid_loss=valid_loss,
+            checkpoints=list(self.checkpoints),
+            stopped=stopped,
+        )
+
+    # ------------------------------------------------------------------ checkpoints, cleanup
+
+    def save_checkpoint(self) -> Path:
+        """Write (or, if this step is already saved, reuse) the checkpoint of the current step."""
+        path = checkpoint_dir(self.config.output_dir, self.state.step)
+        if not self.dist.is_main:  # rank 0 writes the (identical) adapters and optimizer state
+            return path
+        if self._last_checkpoint_step == self.state.step and path.is_dir():
+            return path
+        path = save_checkpoint(
+            output_dir=self.config.output_dir,
+            model=self.model,
+            config=self.config,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            state=self.state,
+            batches_per_epoch=self.batches_per_epoch,
+        )
+        self._last_checkpoint_step = self.state.step
+        info = CheckpointInfo(step=self.state.step, path=path)
+        self.checkpoints.append(info)
+        self.callbacks.on_checkpoint(info)
+        return path
+
+    def cleanup(self) -> None:
+        """Remove the adapters so a cached base model is pristine for the next job; free the rest."""
+        if self.loaded is not None and lora_modules(self.loaded.model):
+            remove_lora(self.loaded.model)
+            self.loaded.model.eval()
+        for name in ("optimizer", "scheduler", "params", "train_data", "valid_data", "sampler"):
+            self.__dict__.pop(name, None)
+        if self._given is None:
+            self.loaded = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        distributed.shutdown(self.dist)
+
+
+def train(
+    config: TrainConfig, callbacks: TrainingCallbacks, *, loaded: LoadedModel | None = None
+) -> TrainResult:
+    """Run one fine-tune; `loaded` lets a worker reuse a base model it keeps between jobs."""
+    recipe = LoRAFinetuneRecipe(config, callbacks, loaded=loaded)
+    try:
+        recipe.setup()
+        return recipe.train()
+    finally:
+        recipe.cleanup()

@@ -1,0 +1,175 @@
+"""The engine's public contract: configuration, per-step metrics, callbacks, result, errors.
+
+Pure Python (no torch import) so that the worker glue and tests can build configs cheaply.
+The worker (worker/tasks.py) calls `worker.engine.recipe.train(config, callbacks)`; the engine
+never knows about databases, queues or HTTP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+SchedulerName = Literal["cosine", "linear", "constant"]
+DeviceName = Literal["auto", "cpu", "cuda"]
+
+
+@dataclass
+class LoraConfig:
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    # module leaf names ("q_proj", ...) or the string "all-linear"
+    target_modules: list[str] | str = "all-linear"
+    use_rslora: bool = False
+
+
+@dataclass
+class TrainConfig:
+    model: str
+    train_file: Path
+    output_dir: Path
+    model_store: Path
+    validation_file: Path | None = None
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    max_seq_len: int = 1024
+    batch_size: int = 4
+    grad_accum: int = 1
+    n_epochs: int = 1
+    max_steps: int | None = None
+    learning_rate: float = 2e-4
+    weight_decay: float = 0.0
+    lr_scheduler: SchedulerName = "cosine"
+    warmup_ratio: float = 0.0
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    pack: bool = False
+    eval_every: int = 0  # 0 = only at the end (when a validation file is given)
+    checkpoint_every: int = 0  # 0 = only at the end
+    resume_from: Path | None = None
+    device: DeviceName = "auto"
+    # limits (reliability issue): exceeding one fails the run with the reason, checkpoints kept
+    max_tokens: int | None = None
+    max_wall_seconds: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k, v in d.items():
+            if isinstance(v, Path):
+                d[k] = str(v)
+        return d
+
+
+@dataclass
+class StepMetrics:
+    step: int  # 1-based optimizer step
+    total_steps: int
+    epoch: float
+    train_loss: float
+    lr: float
+    grad_norm: float
+    tokens: int  # tokens in this step (all micro-batches)
+    trained_tokens: int  # cumulative
+    tokens_per_s: float
+    step_seconds: float
+    eta_seconds: float
+    valid_loss: float | None = None
+
+
+@dataclass
+class CheckpointInfo:
+    step: int
+    path: Path  # a directory holding a PEFT adapter plus training state
+
+
+@dataclass
+class TrainResult:
+    adapter_dir: Path  # PEFT layout: adapter_model.safetensors + adapter_config.json
+    steps: int
+    trained_tokens: int
+    final_train_loss: float
+    final_valid_loss: float | None
+    checkpoints: list[CheckpointInfo]
+    stopped: bool = False  # True when should_stop() ended the run early
+
+
+class TrainingCallbacks(Protocol):
+    def on_step(self, metrics: StepMetrics) -> None: ...
+    def on_event(self, level: Literal["info", "warn", "error"], message: str) -> None: ...
+    def on_checkpoint(self, checkpoint: CheckpointInfo) -> None: ...
+    def should_stop(self) -> bool: ...
+
+
+class NullCallbacks:
+    """Callbacks that do nothing; handy for tests and the CLI's base class."""
+
+    def on_step(self, metrics: StepMetrics) -> None:
+        return None
+
+    def on_event(self, level: Literal["info", "warn", "error"], message: str) -> None:
+        return None
+
+    def on_checkpoint(self, checkpoint: CheckpointInfo) -> None:
+        return None
+
+    def should_stop(self) -> bool:
+        return False
+
+
+class EngineError(Exception):
+    """Base of every error the engine raises on purpose. `code` is stable for API mapping."""
+
+    code = "engine_error"
+    param: str | None = None
+
+
+@dataclass
+class LineError:
+    line: int  # 1-based line number in the JSONL file
+    reason: str
+
+
+class DatasetError(EngineError):
+    code = "invalid_training_file"
+
+    def __init__(self, errors: list[LineError], file_label: str = "training_file") -> None:
+        self.errors = errors
+        self.param = file_label
+        shown = "; ".join(f"line {e.line}: {e.reason}" for e in errors[:5])
+        more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+        super().__init__(f"{file_label} has {len(errors)} invalid line(s): {shown}{more}")
+
+
+class ModelError(EngineError):
+    code = "invalid_model"
+    param = "model"
+
+
+class NonFiniteError(EngineError):
+    code = "non_finite"
+
+    def __init__(self, step: int, what: str = "loss") -> None:
+        self.step = step
+        super().__init__(f"non-finite {what} at step {step}; run stopped, last good checkpoint kept")
+
+
+class LimitExceeded(EngineError):
+    code = "limit_exceeded"
+
+
+class KernelUnavailableError(EngineError):
+    """A GPU is present but the compiled kernels failed to build: refuse to train slowly."""
+
+    code = "kernels_unavailable"
+
+
+class ConfigError(EngineError):
+    """A training configuration field is missing, unknown, of the wrong type or out of range."""
+
+    code = "invalid_config"
+
+    def __init__(self, field: str, message: str) -> None:
+        self.param = field
+        self.field = field
+        super().__init__(message)

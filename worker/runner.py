@@ -1,0 +1,382 @@
+"""The glue between a queued job in the database and the training engine.
+
+`run_claimed_job(job_id)`:
+1. claims the job (fenced queued → running; a duplicate delivery gets no claim and returns),
+2. builds a `TrainConfig` from the claim (dataset files from the store, output under
+   `data_dir/jobs/<id>/attempt-<n>`, resume from the last registered checkpoint),
+3. runs `worker.engine.recipe.train` with `JobCallbacks`, which batch metrics into the database,
+   heartbeat, register checkpoints and turn a cancel request into `should_stop() == True`,
+4. ends the job: succeeded (adapter zip + metrics CSV stored, `fine_tuned_model` set), cancelled
+   (partial metrics kept), or failed (an `EngineError`'s code and message; anything unexpected
+   gets a generic message and the traceback goes to the event log).
+
+Every database write after the claim carries the claim's attempt token; once fenced out
+(`StaleAttemptError`, or a heartbeat that no longer matches) this worker stops the run and
+writes nothing more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import logging
+import shutil
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Literal
+
+from service import jobs, storage
+from service.db.session import session_scope
+from service.settings import Settings, get_settings
+from worker import metrics as worker_metrics
+from worker.engine.types import (
+    CheckpointInfo,
+    DatasetError,
+    EngineError,
+    LoraConfig,
+    StepMetrics,
+    TrainConfig,
+    TrainResult,
+)
+from worker.launcher import worker_identity
+
+log = logging.getLogger("loraq.worker")
+
+WORKER_ID = worker_identity()  # "host:gpu2:pid": the job shows which host and GPU ran it
+BASE_LEARNING_RATE = 2e-4  # learning_rate_multiplier scales this
+FLUSH_EVERY_SECONDS = 1.0
+FLUSH_EVERY_STEPS = 50
+CANCEL_CACHE_SECONDS = 1.0
+GENERIC_FAILURE = "The job failed because of an internal error in the worker; the event log has details."
+RESULTS_CSV_COLUMNS = ("step", "train_loss", "train_accuracy", "valid_loss", "valid_mean_token_accuracy")
+
+# Set when the Celery worker starts a warm shutdown (SIGTERM, `loraq up` stopping): the running
+# job stops at its next step, keeps a checkpoint and goes back to the queue to resume elsewhere.
+_worker_shutting_down = threading.Event()
+
+# The last base model this process loaded, keyed by model name: the next job on the same model
+# reuses it instead of reading the weights again. One entry: a GPU holds one base model at a time.
+_model_cache: dict[str, Any] = {}
+
+
+def on_worker_start() -> None:
+    """Called once when the Celery worker is ready: say which kernel path this host will use."""
+    import gpu_kernels
+
+    status = gpu_kernels.available()
+    log.info(
+        "loraq worker %s ready; gpu kernels: compiled=%s (%s)", WORKER_ID, status.compiled, status.reason
+    )
+    # Import the engine now so the first job does not pay for importing torch/transformers.
+    import worker.engine.recipe  # noqa: F401
+
+
+def on_worker_shutting_down() -> None:
+    """Called from Celery's `worker_shutting_down` signal (the signal handler's thread)."""
+    _worker_shutting_down.set()
+
+
+def cached_base_model(name: str, settings: Settings) -> Any:
+    """Load `name` once per process; a different model replaces the cached one."""
+    if name not in _model_cache:
+        from worker.engine.models import load_base_model
+
+        _model_cache.clear()  # free the previous model before loading the next
+        _model_cache[name] = load_base_model(name, store=settings.model_store)
+        log.info("loaded base model %s", name)
+    return _model_cache[name]
+
+
+class JobCallbacks:
+    """`TrainingCallbacks` for one claimed attempt.
+
+    Metrics are buffered and written every `FLUSH_EVERY_SECONDS` or `FLUSH_EVERY_STEPS` rows,
+    whichever comes first, so a fast run does not pay one transaction per step. `should_stop()`
+    reads the cancel flag at most once per `CANCEL_CACHE_SECONDS`, so a cancel is seen within one
+    step once that step takes longer than the cache, and within a second otherwise.
+    """
+
+    def __init__(self, claim: jobs.Claim, *, checkpoint_dir_key: str) -> None:
+        self.claim = claim
+        self.checkpoint_dir_key = checkpoint_dir_key
+        self.fenced = False
+        self.cancel_requested = False
+        self.last_metrics: StepMetrics | None = None
+        self._buffer: list[StepMetrics] = []
+        self._last_flush = time.monotonic()
+        self._cancel_checked_at = float("-inf")
+
+    # -- TrainingCallbacks
+    def on_step(self, metrics: StepMetrics) -> None:
+        worker_metrics.observe_step(self.claim.job_id, metrics)  # issue 5: Prometheus; never raises
+        self.last_metrics = metrics
+        self._buffer.append(metrics)
+        due = time.monotonic() - self._last_flush >= FLUSH_EVERY_SECONDS
+        if due or len(self._buffer) >= FLUSH_EVERY_STEPS:
+            self.flush()
+
+    def on_event(self, level: Literal["info", "warn", "error"], message: str) -> None:
+        if self.fenced:
+            return
+        with session_scope() as session:
+            jobs.add_event(session, job_id=self.claim.job_id, level=level, message=message)
+
+    def on_checkpoint(self, checkpoint: CheckpointInfo) -> None:
+        self.flush()
+        if self.fenced:
+            return
+        key = f"{self.checkpoint_dir_key}/step-{checkpoint.step:06d}.zip"
+        stored = storage.put_dir_zip(checkpoint.path, key)
+        metrics = _metrics_summary(self.last_metrics)
+        with session_scope() as session:
+            jobs.register_checkpoint(
+                session,
+                claim=self.claim,
+                step=checkpoint.step,
+                storage_key=stored.key,
+                sha256=stored.sha256,
+                metrics=metrics,
+            )
+
+    def should_stop(self) -> bool:
+        if self.fenced or self.cancel_requested or _worker_shutting_down.is_set():
+            return True
+        now = time.monotonic()
+        if now - self._cancel_checked_at >= CANCEL_CACHE_SECONDS:
+            self._cancel_checked_at = now
+            with session_scope() as session:
+                self.cancel_requested = jobs.is_cancel_requested(session, job_id=self.claim.job_id)
+        return self.cancel_requested
+
+    # -- helpers
+    def flush(self) -> None:
+        rows, self._buffer = self._buffer, []
+        self._last_flush = time.monotonic()
+        if not rows or self.fenced:
+            return
+        try:
+            with session_scope() as session:
+                jobs.record_metrics(session, claim=self.claim, rows=rows)
+        except jobs.StaleAttemptError:
+            self.fenced = True
+            log.warning(
+                "job %s attempt %s fenced out while writing metrics", self.claim.job_id, self.claim.attempt
+            )
+
+
+class Heartbeat:
+    """Background thread: `jobs.heartbeat` every `interval` s; a refused heartbeat fences the run."""
+
+    def __init__(self, claim: jobs.Claim, callbacks: JobCallbacks, interval: float) -> None:
+        self.claim = claim
+        self.callbacks = callbacks
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{claim.job_id}", daemon=True)
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                with session_scope() as session:
+                    alive = jobs.heartbeat(session, claim=self.claim)
+            except Exception:  # a DB blip must not kill the thread; the next beat retries
+                log.warning("heartbeat for job %s failed", self.claim.job_id, exc_info=True)
+                continue
+            if not alive:
+                self.callbacks.fenced = True
+                return
+
+
+def _metrics_summary(m: StepMetrics | None) -> dict[str, Any]:
+    if m is None:
+        return {}
+    return {
+        "step": m.step,
+        "train_loss": m.train_loss,
+        "valid_loss": m.valid_loss,
+        "full_valid_loss": m.valid_loss,
+    }
+
+
+def attempt_dir(settings: Settings, claim: jobs.Claim) -> Path:
+    return settings.resolved_data_dir / "jobs" / claim.job_id / f"attempt-{claim.attempt}"
+
+
+def build_train_config(claim: jobs.Claim, settings: Settings, out_dir: Path) -> TrainConfig:
+    """Map the claim (API-level fields, "auto" already resolved) onto the engine's config."""
+    hp = claim.hyperparameters
+    lora = LoraConfig(**claim.lora) if claim.lora else LoraConfig()
+    resume: Path | None = None
+    if claim.resume_checkpoint:
+        resume = out_dir / "resume"
+        storage.extract_zip(claim.resume_checkpoint, resume)
+    return TrainConfig(
+        model=claim.model,
+        train_file=storage.local_path(claim.training_file),
+        validation_file=storage.local_path(claim.validation_file) if claim.validation_file else None,
+        output_dir=out_dir,
+        model_store=settings.model_store,
+        lora=lora,
+        max_seq_len=claim.max_seq_len,
+        batch_size=int(hp["batch_size"]),
+        n_epochs=int(hp["n_epochs"]),
+        learning_rate=BASE_LEARNING_RATE * float(hp["learning_rate_multiplier"]),
+        seed=claim.seed,
+        checkpoint_every=settings.checkpoint_every,
+        resume_from=resume,
+        max_wall_seconds=settings.job_max_wall_seconds,
+        max_tokens=settings.job_max_tokens,
+    )
+
+
+def fine_tuned_model_name(claim: jobs.Claim) -> str:
+    return f"ft:{claim.model}:{claim.suffix or ''}:{claim.job_id}"
+
+
+def metrics_csv(rows: list[dict[str, Any]]) -> bytes:
+    """OpenAI's results file: one row per step, accuracy columns empty (not measured)."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(RESULTS_CSV_COLUMNS)
+    for r in rows:
+        valid = r.get("valid_loss")
+        writer.writerow(
+            [r["step"], f"{r['train_loss']:.6f}", "", "" if valid is None else f"{valid:.6f}", ""]
+        )
+    return buf.getvalue().encode()
+
+
+def run_engine(config: TrainConfig, callbacks: JobCallbacks, settings: Settings) -> TrainResult:
+    from worker.engine import recipe
+
+    # issue 5: training series + the registry's current job; ended by worker.tasks (outcome)
+    worker_metrics.job_started(callbacks.claim.job_id, model=config.model, max_grad_norm=config.max_grad_norm)
+    if callbacks.claim.n_gpus > 1:
+        # issue 7: one rank per GPU under torchrun (each rank loads the model); rank 0's reports
+        # come back here as calls on `callbacks`.
+        from worker.engine.distributed import run_torchrun
+
+        n = callbacks.claim.n_gpus
+        return run_torchrun(config, callbacks, n_gpus=n, workdir=config.output_dir / "torchrun")
+    loaded = cached_base_model(config.model, settings)
+    return recipe.train(config, callbacks, loaded=loaded)
+
+
+def run_claimed_job(job_id: str, *, worker_id: str = WORKER_ID) -> str:
+    """Run one job if this delivery can claim it. Returns the outcome, for the task's log line."""
+    settings = get_settings()
+    with session_scope() as session:
+        claim = jobs.claim(session, job_id=job_id, worker_id=worker_id)
+    if claim is None:
+        log.info("job %s: not claimable (duplicate delivery, cancelled or already done)", job_id)
+        return "skipped"
+
+    out_dir = attempt_dir(settings, claim)
+    callbacks = JobCallbacks(claim, checkpoint_dir_key=f"jobs/{job_id}/checkpoints")
+    try:
+        with Heartbeat(claim, callbacks, settings.heartbeat_seconds):
+            callbacks.on_event("info", f"Fine-tuning job started (attempt {claim.attempt})")
+            config = build_train_config(claim, settings, out_dir)
+            result = run_engine(config, callbacks, settings)
+            callbacks.flush()
+        if callbacks.fenced:
+            return "fenced"
+        if result.stopped and not callbacks.cancel_requested and _worker_shutting_down.is_set():
+            return _requeue(claim, reason="the worker shut down; the job resumes from its last checkpoint")
+        if result.stopped:
+            return _cancelled(claim, result)
+        return _succeed(claim, result)
+    except DatasetError as e:
+        callbacks.flush()
+        return _fail(claim, code=e.code, message=str(e), param=e.param or "training_file")
+    except EngineError as e:
+        callbacks.flush()
+        return _fail(claim, code=e.code, message=str(e), param=e.param)
+    except jobs.StaleAttemptError:
+        return "fenced"
+    except Exception:
+        log.exception("job %s crashed", job_id)
+        callbacks.flush()
+        with session_scope() as session:
+            jobs.add_event(
+                session,
+                job_id=job_id,
+                level="error",
+                message="worker exception",
+                data={"traceback": traceback.format_exc(limit=20)},
+            )
+        return _fail(claim, code="internal_error", message=GENERIC_FAILURE, param=None)
+    finally:
+        # The adapter and checkpoints are in the store now; the attempt's scratch space can go.
+        shutil.rmtree(out_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):  # the job's directory, once no attempt is left in it
+            out_dir.parent.rmdir()
+
+
+def _succeed(claim: jobs.Claim, result: TrainResult) -> str:
+    adapter = storage.put_dir_zip(result.adapter_dir, f"jobs/{claim.job_id}/adapter.zip")
+    with session_scope() as session:
+        rows = jobs.metric_rows(session, job_id=claim.job_id)
+        results_file = storage.create_result_file(
+            session,
+            tenant_id=claim.tenant_id,
+            filename=f"{claim.job_id}-results.csv",
+            content=metrics_csv(rows),
+        )
+        ok = jobs.finish(
+            session,
+            claim=claim,
+            status="succeeded",
+            trained_tokens=result.trained_tokens,
+            adapter_key=adapter.key,
+            adapter_sha256=adapter.sha256,
+            result_file_id=results_file.id,
+            fine_tuned_model=fine_tuned_model_name(claim),
+        )
+        if ok:
+            jobs.add_event(
+                session, job_id=claim.job_id, level="info", message="The job has successfully completed"
+            )
+    return "succeeded" if ok else "fenced"
+
+
+def _cancelled(claim: jobs.Claim, result: TrainResult) -> str:
+    """End a run that stopped on a cancel request; its metrics and checkpoints stay."""
+    with session_scope() as session:
+        ok = jobs.finish(session, claim=claim, status="cancelled", trained_tokens=result.trained_tokens)
+        if ok:
+            jobs.add_event(session, job_id=claim.job_id, level="info", message="Fine-tuning job cancelled")
+    return "cancelled" if ok else "fenced"
+
+
+def _fail(claim: jobs.Claim, *, code: str, message: str, param: str | None) -> str:
+    error = {"code": code, "message": message, "param": param}
+    with session_scope() as session:
+        ok = jobs.finish(session, claim=claim, status="failed", error=error)
+        if ok:
+            jobs.add_event(session, job_id=claim.job_id, level="error", message=message)
+    return "failed" if ok else "fenced"
+
+
+def _requeue(claim: jobs.Claim, *, reason: str) -> str:
+    """running → queued for this attempt, then a new wake-up message: the next worker to take it
+    claims a new attempt and resumes from the last registered checkpoint."""
+    from service.queue import enqueue_job
+
+    with session_scope() as session:
+        ok = jobs.requeue(session, job_id=claim.job_id, attempt_token=claim.attempt_token, reason=reason)
+    if not ok:
+        return "fenced"
+    enqueue_job(claim.job_id)
+    return "requeued"
