@@ -38,7 +38,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             upgrade_head(settings.resolved_database_url)
         # Uploads cut off by a crash leave invisible temp files; an hour-old one is nobody's.
         FileStore(settings.artifact_dir).sweep_partials(older_than_s=PARTIAL_MAX_AGE_S)
-        yield
+        # Re-queue jobs of silent workers; re-send queued jobs the broker lost (service/reaper.py).
+        reaper = None
+        if settings.reaper_interval_seconds > 0:
+            from service.reaper import ReaperThread
+
+            reaper = ReaperThread(settings.reaper_interval_seconds).start()
+        try:
+            yield
+        finally:
+            if reaper is not None:
+                reaper.stop()
 
     app = FastAPI(title="Loraq", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
     install_error_handlers(app)

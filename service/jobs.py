@@ -651,3 +651,23 @@ def stale_running_jobs(session: Session, *, older_than: float) -> list[tuple[str
         )
     ).all()
     return [(i, str(t), int(a)) for i, t, a in rows]
+
+
+def queued_jobs(session: Session) -> list[tuple[str, str, int]]:
+    """(job id, worker class, n_gpus) of every `queued` job, oldest first (for the reconciler)."""
+    rows = session.execute(
+        select(Job.id, Job.queue, Job.n_gpus).where(Job.status == "queued").order_by(Job.seq)
+    ).all()
+    return [(i, str(q), int(n)) for i, q, n in rows]
+
+
+def active_counts(session: Session, *, tenant_id: str) -> dict[str, int]:
+    """How many of the tenant's jobs are in each active status (missing statuses count 0)."""
+    rows = session.execute(
+        select(Job.status, func.count())
+        .where(Job.tenant_id == tenant_id, Job.status.in_(ACTIVE))
+        .group_by(Job.status)
+    ).all()
+    counts = dict.fromkeys(ACTIVE, 0)
+    counts.update({str(s): int(n) for s, n in rows})
+    return counts

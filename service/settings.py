@@ -34,6 +34,11 @@ class Settings(BaseSettings):
     heartbeat_seconds: float = 5.0
     heartbeat_timeout_seconds: float = 60.0
     max_attempts: int = 3
+    # The reaper + reconciler loop in the API process (service/reaper.py); 0 turns it off.
+    reaper_interval_seconds: float = Field(5.0, ge=0)
+    # A `queued` job missing from its broker queue this long is sent again (a wake-up sent
+    # moments ago is still in flight to Redis, or just popped by a worker about to claim it).
+    reconcile_grace_seconds: float = Field(5.0, ge=0)
 
     worker_queue: str = "default"
     checkpoint_every: int = 0

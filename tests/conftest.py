@@ -93,6 +93,9 @@ def loraq_env(db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> I
     monkeypatch.setenv("LORAQ_REDIS_URL", REDIS_URL)
     monkeypatch.setenv("LORAQ_WORKER_QUEUE", env.queue)
     monkeypatch.setenv("LORAQ_SECRET_KEY", secrets.token_hex(32))
+    # No reaper loop in API tests: the databases are shared by the session, and a tick would
+    # re-queue or re-send other tests' jobs. tests/service/test_reaper.py runs it on its own.
+    monkeypatch.setenv("LORAQ_REAPER_INTERVAL_SECONDS", "0")
     get_settings.cache_clear()
     yield env
     get_settings.cache_clear()

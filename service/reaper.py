@@ -1,0 +1,193 @@
+"""The reaper and the reconciler: one periodic loop in the API process.
+
+Each tick (every `reaper_interval_seconds`):
+
+1. Reaper. A `running` job whose heartbeat is older than `heartbeat_timeout_seconds` lost its
+   worker (killed, frozen, cut off). While it has attempts left (`attempt < max_attempts`) it goes
+   back to `queued` (`jobs.requeue`, which clears the attempt token so the silent worker's later
+   writes are refused) and is sent again; the next worker resumes it from its last checkpoint.
+   Otherwise it ends `failed` with code `worker_lost` and the reason (`jobs.fail_stale`).
+2. Reconciler. The database is the source of truth and Redis only carries wake-ups, so a Redis
+   restart or flush, or a send that failed, can leave a `queued` job with no message. A `queued`
+   job absent from its queue's Redis list on ticks at least `reconcile_grace_seconds` apart is
+   sent again. Messages a worker already took (Kombu's `unacked` hash) are deliberately not
+   counted: a worker that died holding one never acks it, and a live worker claims the job
+   within milliseconds of taking it, long before the grace period ends.
+
+Re-sending is always safe: `jobs.claim` is a fenced `queued → running` UPDATE, so a duplicate
+message finds the job running (or done) and is skipped. With several API processes
+(`LORAQ_API_WORKERS`) a short Redis lock lets one of them do each tick; if Redis cannot be
+reached the tick still reaps (pure database work) and re-sends are left to a later tick.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from service import jobs
+from service.db.session import session_scope
+from service.queue import enqueue_job
+from service.settings import get_settings
+
+log = logging.getLogger("loraq.reaper")
+
+LOCK_KEY = "loraq:reaper:lock:{}"  # + a digest of the database URL: one lock per deployment
+REDIS_TIMEOUT_S = 2.0
+
+
+@dataclass
+class TickResult:
+    requeued: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    resent: list[str] = field(default_factory=list)
+    skipped: bool = False  # another API process holds this tick's lock
+
+
+def _redis_client() -> Any:
+    import redis
+
+    from worker.celery_app import broker_url
+
+    url = broker_url(get_settings())
+    return redis.Redis.from_url(url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
+
+
+def message_job_id(raw: bytes | str) -> str | None:
+    """The job id of a `loraq.run_job` message as Kombu's Redis transport stores it (JSON with a
+    base64 body holding Celery's `[args, kwargs, embed]`), or None for anything else."""
+    try:
+        message = json.loads(raw)
+        body = message["body"]
+        if message.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        args = json.loads(body)[0]
+        return str(args[0]) if args else None
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+def held_job_ids(client: Any, queues: set[str]) -> set[str]:
+    """Job ids with a message waiting in one of `queues` (Kombu keeps each queue as a Redis list)."""
+    held: set[str] = set()
+    for queue in queues:
+        for raw in client.lrange(queue, 0, -1):
+            job_id = message_job_id(raw)
+            if job_id is not None:
+                held.add(job_id)
+    return held
+
+
+class Reaper:
+    """One tick at a time; keeps, between ticks, when each queued job was first seen missing."""
+
+    def __init__(self) -> None:
+        self._missing_since: dict[str, float] = {}
+        self._lock_token = f"{os.getpid()}-{id(self)}"
+
+    def tick(self, now: float | None = None) -> TickResult:
+        settings = get_settings()
+        now = time.time() if now is None else now
+        result = TickResult()
+        client = _redis_client()
+        try:
+            if not self._take_lock(client, settings.reaper_interval_seconds):
+                result.skipped = True
+                return result
+            self._reap(now, result)
+            self._reconcile(client, now, result)
+        finally:
+            client.close()
+        if result.requeued or result.failed or result.resent:
+            log.warning(
+                "reaper: re-queued %s, failed %s, re-sent %s", result.requeued, result.failed, result.resent
+            )
+        return result
+
+    def _take_lock(self, client: Any, interval: float) -> bool:
+        import redis
+
+        from service.db.session import default_url
+
+        key = LOCK_KEY.format(hashlib.sha256(default_url().encode()).hexdigest()[:16])
+        ttl_ms = max(100, int(interval * 900))  # expires before the next tick of any process
+        try:
+            return bool(client.set(key, self._lock_token, nx=True, px=ttl_ms)) or (
+                client.get(key) == self._lock_token.encode()
+            )
+        except redis.exceptions.RedisError:
+            return True  # no Redis, no lock: reaping is fenced database work, safe to repeat
+
+    def _reap(self, now: float, result: TickResult) -> None:
+        settings = get_settings()
+        timeout, max_attempts = settings.heartbeat_timeout_seconds, settings.max_attempts
+        with session_scope() as session:
+            stale = jobs.stale_running_jobs(session, older_than=now - timeout)
+        for job_id, token, attempt in stale:
+            silent = f"its worker sent no heartbeat for {timeout:g}s (attempt {attempt} of {max_attempts})"
+            with session_scope() as session:
+                if attempt >= max_attempts:
+                    reason = f"Job failed: {silent}; no attempts left"
+                    if jobs.fail_stale(session, job_id=job_id, attempt_token=token, reason=reason):
+                        result.failed.append(job_id)
+                    continue
+                reason = f"{silent}; it resumes from its last checkpoint"
+                requeued = jobs.requeue(session, job_id=job_id, attempt_token=token, reason=reason)
+            if requeued:  # committed: a worker that takes the message finds the job queued
+                result.requeued.append(job_id)
+                if enqueue_job(job_id):
+                    self._missing_since.pop(job_id, None)
+
+    def _reconcile(self, client: Any, now: float, result: TickResult) -> None:
+        import redis
+
+        from worker.launcher import celery_queue
+
+        with session_scope() as session:
+            queued = jobs.queued_jobs(session)
+        routes = {job_id: celery_queue(q, n) for job_id, q, n in queued}
+        try:
+            held = held_job_ids(client, set(routes.values()))
+        except redis.exceptions.RedisError:
+            log.info("reconciler: Redis unreachable; queued jobs are re-sent once it is back")
+            return
+        missing = {job_id for job_id in routes if job_id not in held and job_id not in result.requeued}
+        self._missing_since = {j: t for j, t in self._missing_since.items() if j in missing}
+        grace = get_settings().reconcile_grace_seconds
+        for job_id in (j for j in routes if j in missing):  # oldest first
+            since = self._missing_since.setdefault(job_id, now)
+            if now - since >= grace and enqueue_job(job_id, queue=routes[job_id]):
+                result.resent.append(job_id)
+                del self._missing_since[job_id]
+
+
+class ReaperThread:
+    """Runs `Reaper.tick` every `interval` seconds in a daemon thread until `stop()`."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.reaper = Reaper()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="loraq-reaper", daemon=True)
+
+    def start(self) -> ReaperThread:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.reaper.tick()
+            except Exception:  # a database blip must not end the loop; the next tick retries
+                log.warning("reaper tick failed", exc_info=True)
