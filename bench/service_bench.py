@@ -81,6 +81,9 @@ class Service:
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("LORAQ_")}
         env.update(LORAQ_DATA_DIR=str(data_dir), LORAQ_PORT=str(self.port), LORAQ_API_KEY=self.key)
+        # One key submits 100 jobs and reads ~1,000/s: a throughput measurement, not a tenant, so
+        # the per-tenant queued-job limit and the per-key rate limit (issue 6) are off.
+        env.update(LORAQ_MAX_QUEUED_JOBS_PER_TENANT="0", LORAQ_RATE_LIMIT_PER_MINUTE="0")
         env.update(extra_env)
         self.data_dir = data_dir
         self.log = (data_dir.parent / "up.log").open("wb")

@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session
 from service.db.models import ApiKey, Tenant, now_s
 from service.db.session import SessionDep
 from service.errors import AuthenticationError, InvalidRequestError, NotFoundError
+from service.ratelimit import check_rate
 from service.settings import Settings, get_settings
 
 KEY_PREFIX = "sk-lq-"
@@ -198,8 +199,10 @@ def current_tenant(
     session: SessionDep,
     _: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer_scheme)],
 ) -> AuthenticatedTenant:
-    tenant = authenticate(session, bearer_token(request))
+    token = bearer_token(request)
+    tenant = authenticate(session, token)
     request.state.tenant_id = tenant.id
+    check_rate(hash_key(token)[:24])  # per key; after authentication, so bad keys cannot spend it
     return tenant
 
 

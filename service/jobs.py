@@ -30,7 +30,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service.db.models import Artifact, Checkpoint, File, Job, JobEvent, JobMetric, is_id, now_s
-from service.errors import ConflictError, InvalidRequestError, NotFoundError
+from service.errors import ConflictError, InvalidRequestError, NotFoundError, RateLimitError
 from service.schemas import Hyperparameters, JobCreate
 from service.settings import get_settings
 from worker.engine.types import LoraConfig, ModelError, StepMetrics
@@ -256,6 +256,7 @@ def create_job(
         if existing is not None:
             return existing
 
+    check_job_limits(session, tenant_id=tenant_id)
     from worker.engine.catalog import get_model_info  # pure Python; imported here to keep startup light
 
     try:
@@ -303,6 +304,27 @@ def create_job(
     add_event(session, job_id=job.id, level="info", message="Files validated, moving job to queued state")
     session.refresh(job)
     return job
+
+
+def check_job_limits(session: Session, *, tenant_id: str) -> None:
+    """429 when the tenant already has `max_queued_jobs_per_tenant` jobs waiting (queued or
+    validating) or `max_running_jobs_per_tenant` running; a limit of 0 is no limit. Checked when a
+    job is submitted, so concurrent submissions can overshoot by the few that race."""
+    settings = get_settings()
+    counts = active_counts(session, tenant_id=tenant_id)
+    waiting = counts["queued"] + counts["validating_files"]
+    if 0 < settings.max_queued_jobs_per_tenant <= waiting:
+        raise RateLimitError(
+            f"too many queued jobs: this organization has {waiting} jobs waiting to start and the "
+            f"limit is {settings.max_queued_jobs_per_tenant}; wait for some to start or cancel one",
+            code="too_many_queued_jobs",
+        )
+    if 0 < settings.max_running_jobs_per_tenant <= counts["running"]:
+        raise RateLimitError(
+            f"too many running jobs: this organization has {counts['running']} jobs running and the "
+            f"limit is {settings.max_running_jobs_per_tenant}; wait for one to finish or cancel one",
+            code="too_many_running_jobs",
+        )
 
 
 def find_by_idempotency_key(session: Session, *, tenant_id: str, key: str) -> Job | None:

@@ -18,7 +18,7 @@ from service.storage import default_store
 from service.uploads import receive_upload
 
 router = APIRouter(
-    prefix="/v1/files", tags=["files"], responses=error_responses(400, 401, 404, 409, 413, 500)
+    prefix="/v1/files", tags=["files"], responses=error_responses(400, 401, 404, 409, 413, 429, 500)
 )
 
 UPLOAD_BODY = {

@@ -32,7 +32,9 @@ from service.schemas import (
 from service.storage import default_store
 
 router = APIRouter(
-    prefix="/v1/fine_tuning/jobs", tags=["fine_tuning"], responses=error_responses(400, 401, 404, 409, 500)
+    prefix="/v1/fine_tuning/jobs",
+    tags=["fine_tuning"],
+    responses=error_responses(400, 401, 404, 409, 429, 500),
 )
 
 ZIP_RESPONSE: dict[int | str, dict[str, Any]] = {

@@ -12,7 +12,7 @@ from service.schemas import ModelPublic, ModelsPublic, error_responses
 from service.settings import get_settings
 from worker.engine.catalog import list_models as catalog_models
 
-router = APIRouter(prefix="/v1/models", tags=["models"], responses=error_responses(400, 401, 404))
+router = APIRouter(prefix="/v1/models", tags=["models"], responses=error_responses(400, 401, 404, 429))
 
 BASE_OWNER = "loraq"
 

@@ -1,0 +1,101 @@
+"""429s: per-tenant limits on queued and running jobs, and the per-key request rate limit
+(a fixed window counted in the real local Redis)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from service import jobs, ratelimit
+from service.db.session import session_scope
+from service.settings import get_settings
+from tests.conftest import DATASET, ApiClient, job_body
+
+
+def set_env(monkeypatch: pytest.MonkeyPatch, **values: str) -> None:
+    for name, value in values.items():
+        monkeypatch.setenv(f"LORAQ_{name.upper()}", value)
+    get_settings.cache_clear()
+
+
+def post_job(api: ApiClient, file_id: str, **headers: str) -> object:
+    return api.post("/v1/fine_tuning/jobs", json=job_body(file_id), headers=headers)
+
+
+def test_queued_jobs_per_tenant_limit(api: ApiClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    set_env(monkeypatch, max_queued_jobs_per_tenant="2")
+    file_id = api.upload(DATASET)
+    first = api.post("/v1/fine_tuning/jobs", json=job_body(file_id), headers={"Idempotency-Key": "k1"})
+    assert first.status_code == 200
+    api.create_job(file_id)
+    r = api.post("/v1/fine_tuning/jobs", json=job_body(file_id))
+    assert r.status_code == 429, r.text
+    err = r.json()["error"]
+    assert err["type"] == "rate_limit_error" and err["code"] == "too_many_queued_jobs"
+    assert "2 jobs waiting to start" in err["message"] and "limit is 2" in err["message"]
+    # a retried request (same Idempotency-Key) still gets its job, not a 429
+    again = api.post("/v1/fine_tuning/jobs", json=job_body(file_id), headers={"Idempotency-Key": "k1"})
+    assert again.status_code == 200 and again.json()["id"] == first.json()["id"]
+    # the limit is per tenant
+    assert api.other is not None
+    api.other.create_job(api.other.upload(DATASET))
+    # a cancelled job frees its place
+    assert api.post(f"/v1/fine_tuning/jobs/{first.json()['id']}/cancel").status_code == 200
+    api.create_job(file_id)
+
+
+def test_running_jobs_per_tenant_limit(api: ApiClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    set_env(monkeypatch, max_running_jobs_per_tenant="1")
+    file_id = api.upload(DATASET)
+    job = api.create_job(file_id)
+    with session_scope() as s:
+        assert jobs.claim(s, job_id=job["id"], worker_id="w1") is not None  # now running
+    r = api.post("/v1/fine_tuning/jobs", json=job_body(file_id))
+    assert r.status_code == 429, r.text
+    err = r.json()["error"]
+    assert err["code"] == "too_many_running_jobs"
+    assert "1 jobs running" in err["message"] and "limit is 1" in err["message"]
+
+
+def test_limit_zero_means_no_limit(api: ApiClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    set_env(monkeypatch, max_queued_jobs_per_tenant="0")
+    file_id = api.upload(DATASET)
+    for _ in range(3):
+        api.create_job(file_id)
+
+
+def test_rate_limit_per_key_with_retry_after(api: ApiClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    set_env(monkeypatch, rate_limit_per_minute="5")
+    start = (int(time.time()) // 60 + 1) * 60 + 20.0  # 20 s into a window no other test used
+    monkeypatch.setattr(ratelimit, "now", lambda: start)
+    for _ in range(5):
+        assert api.get("/v1/models").status_code == 200
+    r = api.get("/v1/fine_tuning/jobs")
+    assert r.status_code == 429, r.text
+    assert r.headers["Retry-After"] == "40"  # the window ends 40 s later
+    err = r.json()["error"]
+    assert err["type"] == "rate_limit_error" and err["code"] == "rate_limit_exceeded"
+    assert "5 requests per minute" in err["message"]
+    # other keys have their own budget; health checks and refused keys are not counted or limited
+    assert api.other is not None
+    assert api.other.get("/v1/models").status_code == 200
+    assert api.client.get("/healthz").status_code == 200
+    bad = api.client.get("/v1/models", headers={"Authorization": "Bearer sk-lq-wrong-key-0000000000"})
+    assert bad.status_code == 401
+    # the next window starts afresh
+    monkeypatch.setattr(ratelimit, "now", lambda: start + 40)
+    assert api.get("/v1/models").status_code == 200
+
+
+def test_rate_limit_fails_open_without_redis(api: ApiClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unreachable Redis must not take the API down: requests go through, quickly."""
+    from tests.e2e.procs import free_port
+
+    set_env(monkeypatch, rate_limit_per_minute="1", redis_url=f"redis://127.0.0.1:{free_port()}/0")
+    monkeypatch.setattr(ratelimit, "_broken_until", 0.0)
+    t0 = time.monotonic()
+    for _ in range(3):
+        assert api.get("/v1/models").status_code == 200
+    assert time.monotonic() - t0 < 5
+    assert ratelimit._broken_until > 0  # the breaker skips Redis for a while
