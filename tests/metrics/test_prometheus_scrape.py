@@ -23,6 +23,10 @@ from tests.e2e.procs import Service, free_port, stop_process, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRAPE_INTERVAL = "1s"
+# The job must stay `running` across several scrapes: 128 tiny-llama steps take about 4 s here
+# (24 steps, 0.75 s, once slipped between two scrapes and the running state was never seen).
+TRAIN_EXAMPLES, BATCH, N_EPOCHS = 32, 4, 16
+STEPS = TRAIN_EXAMPLES // BATCH * N_EPOCHS
 
 
 @pytest.fixture
@@ -121,11 +125,11 @@ def test_prometheus_scrapes_api_and_worker_during_a_job(
 
     with svc.client() as c:
         files = {}
-        for name, data in (("train", chat_lines(16)), ("valid", chat_lines(4))):
+        for name, data in (("train", chat_lines(TRAIN_EXAMPLES)), ("valid", chat_lines(4))):
             r = c.post("/files", data={"purpose": "fine-tune"}, files={"file": (f"{name}.jsonl", data)})
             files[name] = r.json()["id"]
         body = {"model": "tiny-llama", "training_file": files["train"], "validation_file": files["valid"],
-                "hyperparameters": {"n_epochs": 6, "batch_size": 4}}  # fmt: skip
+                "hyperparameters": {"n_epochs": N_EPOCHS, "batch_size": BATCH}}  # fmt: skip
         job_id = c.post("/fine_tuning/jobs", json=body).json()["id"]
 
     # While it runs: the worker's live training series and the API's view of the job. Prometheus
@@ -136,12 +140,12 @@ def test_prometheus_scrapes_api_and_worker_during_a_job(
     done = svc.wait_job(job_id, {"succeeded"})
     wait_query(prom, 'max_over_time(loraq_jobs{status="running"}[5m]) == 1')
     wait_query(prom, "max_over_time(loraq_worker_running_jobs[5m]) == 1")
-    assert done["progress"]["step"] == done["progress"]["total_steps"] == 24
+    assert done["progress"]["step"] == done["progress"]["total_steps"] == STEPS
 
     outcome = done["status"]
     wait_query(prom, f'loraq_jobs_finished_total{{outcome="{outcome}"}} == 1')
     wait_query(prom, f'loraq_jobs{{status="{outcome}"}} == 1')
-    wait_query(prom, "loraq_train_steps_total == 24")
+    wait_query(prom, f"loraq_train_steps_total == {STEPS}")
     wait_query(prom, "loraq_worker_running_jobs == 0")
     wait_query(prom, f'loraq_train_valid_loss{{job_id="{job_id}"}} > 0')
     for expr in (
