@@ -327,7 +327,8 @@ class LoRAFinetuneRecipe:
         adapter = cfg.output_dir / ADAPTER_DIR
         if self.dist.is_main:  # the adapters are identical on every rank: one writer
             adapter = export_adapter(adapter, self.model, cfg.lora, cfg.model)
-        self.callbacks.on_event("info", f"Adapter exported to {adapter}")
+        # Events reach the service's users: name the adapter relative to the run, never a host path.
+        self.callbacks.on_event("info", f"Adapter exported to {ADAPTER_DIR}/ (PEFT format)")
         return self._result(adapter, valid_loss, stopped=False)
 
     def _check_limits(self, last: bool) -> None:
