@@ -283,7 +283,9 @@ def run_claimed_job(job_id: str, *, worker_id: str = WORKER_ID) -> str:
         return "skipped"
 
     out_dir = attempt_dir(settings, claim)
-    callbacks = JobCallbacks(claim, checkpoint_dir_key=f"jobs/{job_id}/checkpoints")
+    # Store keys carry the attempt: a fenced-out attempt that keeps running for a moment (a
+    # frozen worker woken up) writes only its own objects and never replaces the current one's.
+    callbacks = JobCallbacks(claim, checkpoint_dir_key=f"jobs/{job_id}/attempt-{claim.attempt}/checkpoints")
     try:
         with Heartbeat(claim, callbacks, settings.heartbeat_seconds):
             callbacks.on_event("info", f"Fine-tuning job started (attempt {claim.attempt})")
@@ -325,7 +327,9 @@ def run_claimed_job(job_id: str, *, worker_id: str = WORKER_ID) -> str:
 
 
 def _succeed(claim: jobs.Claim, result: TrainResult) -> str:
-    adapter = storage.put_dir_zip(result.adapter_dir, f"jobs/{claim.job_id}/adapter.zip")
+    adapter = storage.put_dir_zip(
+        result.adapter_dir, f"jobs/{claim.job_id}/attempt-{claim.attempt}/adapter.zip"
+    )
     with session_scope() as session:
         rows = jobs.metric_rows(session, job_id=claim.job_id)
         results_file = storage.create_result_file(
@@ -348,6 +352,8 @@ def _succeed(claim: jobs.Claim, result: TrainResult) -> str:
             jobs.add_event(
                 session, job_id=claim.job_id, level="info", message="The job has successfully completed"
             )
+        else:
+            session.rollback()  # fenced out: its results file row must not become visible
     return "succeeded" if ok else "fenced"
 
 
