@@ -278,6 +278,9 @@ class ModelPublic(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str
+    # Loraq's extensions: random-init models (tests, benchmarks) say so in every listing.
+    random: bool = False
+    description: str | None = None
 
 
 class ModelsPublic(BaseModel):

@@ -41,7 +41,7 @@ def _check_redis() -> str:
             client.ping()
         finally:
             client.close()
-    except redis.RedisError as e:
+    except (redis.RedisError, ValueError) as e:  # ValueError: a malformed LORAQ_REDIS_URL
         return f"error: {type(e).__name__}"
     return "ok"
 

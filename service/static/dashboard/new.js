@@ -100,8 +100,12 @@ async function loadModels() {
   const body = await loraq.json("/v1/models");
   const select = document.getElementById("model");
   // Base models first; fine-tuned ones ("ft:...") cannot be fine-tuned again.
-  const names = body.data.map((m) => m.id).filter((id) => !id.startsWith("ft:"));
-  select.innerHTML = names.map((n) => `<option>${loraq.esc(n)}</option>`).join("");
+  const base = body.data.filter((m) => !m.id.startsWith("ft:"));
+  const names = base.map((m) => m.id);
+  // Random-init models (tests, benchmarks) are labelled as such; the value stays the bare name.
+  select.innerHTML = base
+    .map((m) => `<option value="${loraq.esc(m.id)}">${loraq.esc(m.id)}${m.random ? " (random weights)" : ""}</option>`)
+    .join("");
   if (names.includes("tiny-llama")) select.value = "tiny-llama";
 }
 
