@@ -434,6 +434,11 @@ if importlib.util.find_spec("service.cli_models") is not None:
 
     app.add_typer(models_app, name="models", help="Base models: list, pull, add.")
 
+if importlib.util.find_spec("service.cli_export") is not None:
+    from service.cli_export import export_app
+
+    app.add_typer(export_app, name="export", help="Export adapters: merged into the base model.")
+
 
 if __name__ == "__main__":
     app()
