@@ -237,6 +237,7 @@ def build_train_config(claim: jobs.Claim, settings: Settings, out_dir: Path) -> 
         resume_from=resume,
         max_wall_seconds=settings.job_max_wall_seconds,
         max_tokens=settings.job_max_tokens,
+        step_limit=settings.job_max_steps,
     )
 
 

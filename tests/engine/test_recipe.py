@@ -125,6 +125,17 @@ def test_max_tokens_limit_checkpoints_then_fails(tmp_path: Path) -> None:
     assert [c.step for c in rec.checkpoints] == [len(rec.steps)]
 
 
+def test_step_limit_fails_before_training(tmp_path: Path) -> None:
+    rec = Recorder()
+    # 32 rows / batch 4 = 8 steps per epoch; 2 epochs = 16 steps > 10
+    with pytest.raises(LimitExceeded, match="needs 16 optimizer steps, over the step limit of 10") as err:
+        train(tiny_config(tmp_path, max_steps=None, n_epochs=2, step_limit=10), rec)
+    assert err.value.code == "limit_exceeded"
+    assert rec.steps == [] and not (tmp_path / "out" / "checkpoints").exists()
+    at_limit = tiny_config(tmp_path / "ok", max_steps=None, n_epochs=2, step_limit=16)
+    assert train(at_limit, Recorder()).steps == 16
+
+
 def test_reused_model_is_left_pristine(tmp_path: Path, tiny: LoadedModel) -> None:
     before = {k: v.clone() for k, v in tiny.model.state_dict().items()}
     ids = torch.randint(0, 500, (1, 8))

@@ -127,6 +127,25 @@ def test_invalid_dataset_fails_with_line_numbers(worker_env: WorkerEnv) -> None:
 
 
 @pytest.mark.parametrize("worker_env", ["sqlite"], indirect=True)
+def test_job_over_the_step_limit_fails_before_training(
+    worker_env: WorkerEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from service.settings import get_settings
+
+    monkeypatch.setenv("LORAQ_JOB_MAX_STEPS", "3")
+    get_settings.cache_clear()
+    # 8 examples, batch 4, 2 epochs: 4 steps > 3
+    job_id = worker_env.create_job(
+        worker_env.upload(chat_lines(8)), hyperparameters={"n_epochs": 2, "batch_size": 4}
+    )
+    assert runner.run_claimed_job(job_id) == "failed"
+    job = job_row(job_id)
+    assert job.error is not None and job.error["code"] == "limit_exceeded", explain(job_id)
+    assert "needs 4 optimizer steps, over the step limit of 3" in job.error["message"]
+    assert events(job_id, "metrics") == []
+
+
+@pytest.mark.parametrize("worker_env", ["sqlite"], indirect=True)
 def test_unexpected_error_fails_generically_and_logs_details(worker_env: WorkerEnv) -> None:
     job_id = worker_env.create_job(worker_env.upload(chat_lines(8)))
     # A plain file where the job's scratch directory must go: creating the output dir fails

@@ -79,6 +79,7 @@ TRAIN_SPECS: dict[str, FieldSpec] = {
     "resume_from": FieldSpec("path", optional=True),
     "device": FieldSpec("choice", choices=("auto", "cpu", "cuda")),
     "max_tokens": FieldSpec("int", optional=True, check=_at_least(1)),
+    "step_limit": FieldSpec("int", optional=True, check=_at_least(1)),
     "max_wall_seconds": FieldSpec("float", optional=True, check=_between(0, math.inf, lo_open=True)),
 }
 

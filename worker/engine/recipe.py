@@ -126,6 +126,12 @@ class LoRAFinetuneRecipe:
         else:
             self.total_micro_batches = cfg.n_epochs * self.batches_per_epoch
             self.total_steps = math.ceil(self.total_micro_batches / cfg.grad_accum)
+        if cfg.step_limit is not None and self.total_steps > cfg.step_limit:
+            # Known before the first step: fail now rather than train up to the limit and stop.
+            raise LimitExceeded(
+                f"the run needs {self.total_steps} optimizer steps, over the step limit of {cfg.step_limit}"
+                " (fewer epochs, a larger batch_size or max_steps)"
+            )
 
         # LoRA init draws from the seeded generator here, independent of what loading consumed.
         torch.manual_seed(cfg.seed)

@@ -52,6 +52,7 @@ class TrainConfig:
     # limits (reliability issue): exceeding one fails the run with the reason, checkpoints kept
     max_tokens: int | None = None
     max_wall_seconds: float | None = None
+    step_limit: int | None = None  # a run planned for more optimizer steps fails before training
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
