@@ -162,7 +162,11 @@ _AUTH_QUERY = (
 
 
 def authenticate(session: Session, plaintext: str) -> AuthenticatedTenant:
-    digest = hash_key(plaintext)
+    return authenticate_digest(session, hash_key(plaintext))
+
+
+def authenticate_digest(session: Session, digest: str) -> AuthenticatedTenant:
+    """The tenant of the key whose HMAC is `digest` (the request path hashes each key once)."""
     row = session.connection().execute(_AUTH_QUERY, {"key_hash": digest}).first()
     # compare_digest: the equality the index lookup implied, re-checked in constant time
     if row is None or not hmac.compare_digest(row[0], digest):
@@ -199,10 +203,10 @@ def current_tenant(
     session: SessionDep,
     _: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer_scheme)],
 ) -> AuthenticatedTenant:
-    token = bearer_token(request)
-    tenant = authenticate(session, token)
+    digest = hash_key(bearer_token(request))
+    tenant = authenticate_digest(session, digest)
     request.state.tenant_id = tenant.id
-    check_rate(hash_key(token)[:24])  # per key; after authentication, so bad keys cannot spend it
+    check_rate(digest[:24])  # per key; after authentication, so bad keys cannot spend it
     return tenant
 
 
