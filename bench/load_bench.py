@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import json
 import os
 import sys
@@ -31,7 +30,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from service_bench import ROOT, Service, device_info, git_commit, summary_ms
+from service_bench import Service, summary_ms, write_report
 
 MAX_CLIENTS = 64
 MAX_SECONDS = 300.0
@@ -217,24 +216,8 @@ def main() -> int:
         "loadavg_1m_before": round(load_before, 2),
         "loadavg_1m_after": round(load_after, 2),
     }
-    now = dt.datetime.now(dt.UTC)
-    report = {
-        "benchmark": "load",
-        "date": now.isoformat(timespec="seconds"),
-        "git_commit": git_commit(),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "device": device_info(),
-        "database": args.database_url.split("://")[0] if args.database_url else "sqlite",
-        "job": body,
-        "results": results,
-        "targets_met": {"jobs_lost_is_0": results["jobs_lost"] == 0},
-        "note": args.note,
-    }
-    out = args.out or ROOT / "bench" / "results" / f"load-{now:%Y-%m-%d}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    targets = {"jobs_lost_is_0": results["jobs_lost"] == 0}
+    write_report("load", args, {"job": body, "results": results, "targets_met": targets})
     return 0 if results["jobs_lost"] == 0 else 1
 
 

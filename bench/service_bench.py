@@ -296,24 +296,29 @@ def main() -> int:
         "reads_at_least_1000_per_s": reads["reads_per_s"] >= 1000,
         "reads_p99_under_100ms": reads["p99_ms"] < 100,
     }
+    write_report("service", args, {"results": results, "targets_met": targets})
+    return 0 if all(targets.values()) else 1
+
+
+def write_report(benchmark: str, args: argparse.Namespace, body: dict[str, Any]) -> None:
+    """Write (and print) `body` with what every result file carries: date, commit, command,
+    device, database and note; to --out or bench/results/<benchmark>-<date>.json."""
     now = dt.datetime.now(dt.UTC)
     report = {
-        "benchmark": "service",
+        "benchmark": benchmark,
         "date": now.isoformat(timespec="seconds"),
         "git_commit": git_commit(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "device": device_info(),
         "database": args.database_url.split("://")[0] if args.database_url else "sqlite",
-        "results": results,
-        "targets_met": targets,
+        **body,
         "note": args.note,
     }
-    out = args.out or ROOT / "bench" / "results" / f"service-{now:%Y-%m-%d}.json"
+    out = args.out or ROOT / "bench" / "results" / f"{benchmark}-{now:%Y-%m-%d}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
     print(f"wrote {out}")
-    return 0 if all(targets.values()) else 1
 
 
 if __name__ == "__main__":

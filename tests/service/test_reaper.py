@@ -16,13 +16,13 @@ import pytest
 import redis
 from sqlalchemy import select, update
 
-from service import jobs, storage
-from service.db.models import File, Job, JobEvent, new_id
+from service import jobs
+from service.db.models import Job, JobEvent
 from service.db.session import session_scope
 from service.queue import enqueue_job
 from service.reaper import Reaper, held_job_ids, message_job_id
 from service.schemas import JobCreate
-from tests.conftest import DATASET, REDIS_URL, create_pg_database, drop_pg_database, job_body
+from tests.conftest import DATASET, REDIS_URL, create_pg_database, drop_pg_database, job_body, store_file
 
 TIMEOUT = 30.0  # heartbeat_timeout_seconds in these tests
 
@@ -35,20 +35,7 @@ class Env:
 
     def new_job(self, *, send: bool = True) -> str:
         """A queued job; `send`: its wake-up sent after commit, as POST /v1/fine_tuning/jobs does."""
-        file_id = new_id("file")
-        stored = storage.put_bytes(storage.file_key(self.tenant_id, file_id), DATASET)
-        with session_scope() as s:
-            s.add(
-                File(
-                    id=file_id,
-                    tenant_id=self.tenant_id,
-                    purpose="fine-tune",
-                    filename="d.jsonl",
-                    bytes=stored.size,
-                    sha256=stored.sha256,
-                    storage_key=stored.key,
-                )
-            )
+        file_id = store_file(self.tenant_id, DATASET, "d.jsonl")
         with session_scope() as s:
             job_id = jobs.create_job(s, tenant_id=self.tenant_id, spec=JobCreate(**job_body(file_id))).id
         if send:

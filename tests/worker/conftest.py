@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import store_file
+
 PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/test"
 
 
@@ -21,26 +23,7 @@ class WorkerEnv:
     tenant_id: str
 
     def upload(self, data: bytes, filename: str = "train.jsonl") -> str:
-        """A fine-tune file row plus its bytes in the store, as POST /v1/files leaves them."""
-        from service import storage
-        from service.db.models import File, new_id
-        from service.db.session import session_scope
-
-        file_id = new_id("file")
-        stored = storage.put_bytes(storage.file_key(self.tenant_id, file_id), data)
-        with session_scope() as s:
-            s.add(
-                File(
-                    id=file_id,
-                    tenant_id=self.tenant_id,
-                    purpose="fine-tune",
-                    filename=filename,
-                    bytes=stored.size,
-                    sha256=stored.sha256,
-                    storage_key=stored.key,
-                )
-            )
-        return file_id
+        return store_file(self.tenant_id, data, filename)
 
     def create_job(self, file_id: str, **spec: Any) -> str:
         from service import jobs
