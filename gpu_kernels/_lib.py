@@ -36,6 +36,11 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "loraq_swiglu_fwd": (_i32, [_p, _i64, _p, _i64, _p, _i32, _i64, _i64, _p]),
     "loraq_swiglu_bwd": (_i32, [_p, _p, _i64, _p, _i64, _p, _i64, _p, _i64, _i32, _i64, _i64, _p]),
     "loraq_cross_entropy_fwd_bwd": (_i32, [_p, _i32, _i64, _i64, _p, _i64, _p, _p, _p]),
+    "loraq_rope_fwd": (_i32, [_p, _p, _p, _i64, _i64, _p, _p, _p, _i32, _i64, _i32, _i32, _i32, _i32, _p]),
+    "loraq_rope_bwd": (
+        _i32,
+        [*[_p, _i64, _i64, _i64] * 3, _p, _p, _i64, _i64, _p, _i32, _i64, _i32, _i32, _i32, _i32, _p],
+    ),
     "loraq_error_string": (ctypes.c_char_p, [_i32]),
 }
 

@@ -133,6 +133,18 @@ def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
     return reference.swiglu_packed(gate_up)
 
 
+def rope_qkv(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split the packed (B, S, (H+2G)·D) q/k/v rows and rotate q and k: q (B, H, S, D), k and
+    v (B, G, S, D). See reference.rope_qkv."""
+    if _compiled(qkv, cos, sin) and _kernel_dtype(qkv) and qkv.dim() == 3:
+        from gpu_kernels.ops import rope
+
+        return rope.rope_qkv(qkv, cos, sin, n_heads, n_kv_heads)
+    return reference.rope_qkv(qkv, cos, sin, n_heads, n_kv_heads)
+
+
 def fused_linear_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
 ) -> torch.Tensor:

@@ -114,6 +114,30 @@ def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
     return swiglu(gate, up)
 
 
+def rope_qkv(
+    qkv: torch.Tensor,  # (B, S, (H + 2G)·D): a token's q, k and v heads side by side
+    cos: torch.Tensor,  # (1 or B, S, D)
+    sin: torch.Tensor,  # (1 or B, S, D)
+    n_heads: int,
+    n_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split q/k/v and rotate q and k (Llama's rotate-half RoPE, in fp32, rounded once).
+
+    Returns q (B, H, S, D), k and v (B, G, S, D): attention's layout, as views of (B, S, ·, D)."""
+    b, s, width = qkv.shape
+    d = width // (n_heads + 2 * n_kv_heads)
+    x = qkv.view(b, s, n_heads + 2 * n_kv_heads, d)
+    q, k, v = x.split([n_heads, n_kv_heads, n_kv_heads], dim=2)
+    c, sn = _acc(cos).unsqueeze(2), _acc(sin).unsqueeze(2)  # (·, S, 1, D)
+
+    def rotate(t: torch.Tensor) -> torch.Tensor:
+        tf = _acc(t)
+        t1, t2 = tf.chunk(2, dim=-1)
+        return (tf * c + torch.cat((-t2, t1), dim=-1) * sn).to(t.dtype)
+
+    return rotate(q).transpose(1, 2), rotate(k).transpose(1, 2), v.transpose(1, 2)
+
+
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,  # (..., d)
     weight: torch.Tensor,  # (V, d)

@@ -267,6 +267,49 @@ def check_norm_act(dtype: torch.dtype, small: bool) -> None:
     )  # fmt: skip
 
 
+def rope_tables(b: int, s: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama-style cos/sin (b, s, d): positions times inverse frequencies, halves repeated."""
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    pos = torch.arange(s, device="cuda").float() + torch.randint(0, 50, (b, 1), device="cuda")
+    ang = pos[..., None] * inv  # (b, s, d/2)
+    return torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
+
+
+def check_rope(dtype: torch.dtype, small: bool) -> None:
+    from gpu_kernels.ops import rope
+
+    shapes = [(1, 1, 1, 1, 2), (2, 7, 6, 2, 10), (3, 33, 9, 3, 64), (1, 129, 32, 8, 128)]
+    shapes += [] if small else [(8, 1024, 9, 3, 64), (2, 2048, 32, 8, 64)]
+    for b, s, heads, kv, d in shapes:
+        qkv = randn(b, s, (heads + 2 * kv) * d, dtype=dtype, grad=True)
+        cos, sin = rope_tables(1 if b == 3 else b, s, d, dtype)  # b = 3: one table broadcast
+        label = f"B{b} S{s} H{heads} G{kv} D{d}"
+
+        def flat(fn, t, cos=cos, sin=sin, heads=heads, kv=kv):  # type: ignore[no-untyped-def]
+            q, k, v = fn(t, cos.to(t.dtype), sin.to(t.dtype), heads, kv)
+            return torch.cat([q.reshape(-1), k.reshape(-1), v.reshape(-1)])
+
+        n_out = b * s * (heads + 2 * kv) * d
+        compare(
+            "rope_qkv", dtype, label, lambda t, flat=flat: flat(rope.rope_qkv, t),
+            lambda t, flat=flat: flat(reference.rope_qkv, t), [qkv], torch.randn(n_out, device="cuda"),
+            ["qkv_out", "dqkv"],
+        )  # fmt: skip
+
+        # as the fused attention uses it: the gradients arrive in SDPA's own strides
+        def attend(fn, t, cos=cos, sin=sin, heads=heads, kv=kv):  # type: ignore[no-untyped-def]
+            q, k, v = fn(t, cos.to(t.dtype), sin.to(t.dtype), heads, kv)
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=heads != kv
+            )
+
+        compare(
+            "rope_qkv + sdpa", dtype, label, lambda t, attend=attend: attend(rope.rope_qkv, t),
+            lambda t, attend=attend: attend(reference.rope_qkv, t), [qkv],
+            torch.randn(b, heads, s, d, device="cuda"), ["attn", "dqkv"],
+        )  # fmt: skip
+
+
 def check_cross_entropy(dtype: torch.dtype, small: bool) -> None:
     from gpu_kernels.ops import cross_entropy
 
@@ -533,6 +576,7 @@ def bench_ops() -> list[dict[str, Any]]:
         lambda: cross_entropy.fused_linear_cross_entropy(h, wv, t).backward(),
         lambda: torch.nn.functional.cross_entropy((h @ wv.t()).float(), t).backward(),
     )
+    bench_attention(add, rows)
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     cross_entropy.fused_linear_cross_entropy(h, wv, t).backward()
@@ -555,6 +599,58 @@ def bench_ops() -> list[dict[str, Any]]:
         lambda: torch.nn.utils.clip_grad_norm_(params, 1e9, foreach=True),
     )
     return rows
+
+
+def bench_attention(
+    add: Callable[[str, Callable[[], Any], Callable[[], Any]], None], rows: list[Any]
+) -> None:
+    """RoPE split + attention fwd+bwd as the fused module runs it vs Hugging Face's sequence, and
+    SDPA's backends on the benchmark presets' attention shapes."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from gpu_kernels.ops import rope
+
+    bf = torch.bfloat16
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for b, s, heads, kv, d in [(8, 1024, 9, 3, 64), (4, 2048, 32, 8, 64), (2, 2048, 32, 8, 128)]:
+        qkv = torch.randn(b, s, (heads + 2 * kv) * d, device="cuda", dtype=bf, requires_grad=True)
+        cos, sin = rope_tables(b, s, d, bf)
+        gy = torch.randn(b, s, heads * d, device="cuda", dtype=bf)
+
+        def ours(qkv=qkv, cos=cos, sin=sin, heads=heads, kv=kv, b=b, s=s):  # type: ignore[no-untyped-def]
+            q, k, v = rope.rope_qkv(qkv, cos, sin, heads, kv)
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return o.transpose(1, 2).reshape(b, s, -1)
+
+        def hf(qkv=qkv, cos=cos, sin=sin, heads=heads, kv=kv, b=b, s=s, d=d):  # type: ignore[no-untyped-def]
+            q, k, v = (t.transpose(1, 2) for t in qkv.view(b, s, -1, d).split([heads, kv, kv], dim=2))
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return o.transpose(1, 2).reshape(b, s, -1).contiguous()
+
+        label = f"B{b} S{s} H{heads} G{kv} D{d}"
+        add(f"rope+sdpa fwd+bwd {label}", lambda ours=ours, gy=gy: ours().backward(gy),
+            lambda hf=hf, gy=gy: hf().backward(gy))  # fmt: skip
+        q = torch.randn(b, s, heads, d, device="cuda", dtype=bf).transpose(1, 2).requires_grad_()
+        k = torch.randn(b, s, kv, d, device="cuda", dtype=bf).transpose(1, 2).requires_grad_()
+        v = torch.randn(b, s, kv, d, device="cuda", dtype=bf).transpose(1, 2).requires_grad_()
+        go = torch.randn(b, heads, s, d, device="cuda", dtype=bf)
+        backends = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
+        for backend in backends:
+
+            def run(backend=backend, q=q, k=k, v=v, go=go):  # type: ignore[no-untyped-def]
+                with sdpa_kernel(backend):
+                    o = sdpa(q, k, v, is_causal=True, enable_gqa=True)
+                o.backward(go)
+
+            try:
+                ms = time_ms(run)
+            except RuntimeError as exc:
+                print(f"sdpa {backend.name} {label}: unavailable ({str(exc)[:80]})")
+                continue
+            rows.append({"op": f"sdpa fwd+bwd {backend.name} {label}", "ms": round(ms, 4)})
+            print(f"sdpa fwd+bwd {backend.name:<20} {label}: {ms:.3f} ms", flush=True)
 
 
 # ------------------------------------------------------------------------------------- train
@@ -679,7 +775,7 @@ def main() -> int:
         checks: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
         for dtype in (torch.float32, torch.bfloat16):
             checks += [(check_lora_both, (dtype, args.small)), (check_norm_act, (dtype, args.small))]
-            checks += [(check_cross_entropy, (dtype, args.small))]
+            checks += [(check_cross_entropy, (dtype, args.small)), (check_rope, (dtype, args.small))]
         checks.append((check_clip, (args.small,)))
         if not args.small:
             checks.append((check_graph, ()))

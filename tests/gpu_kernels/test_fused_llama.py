@@ -39,7 +39,7 @@ def force_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_not_compiled_means_untouched(base: torch.nn.Module) -> None:
     model = copy.deepcopy(base)
     report = fused_llama.fuse_llama(model)
-    assert report.rms_norms == report.qkv_groups == report.mlps == 0
+    assert report.rms_norms == report.qkv_groups == report.attentions == report.mlps == 0
     assert "compiled kernels not in use" in report.skipped[0]
 
 
@@ -47,7 +47,9 @@ def test_fused_model_computes_the_same_loss_and_grads(base: torch.nn.Module, for
     plain, fused = copy.deepcopy(base), copy.deepcopy(base)
     report = fused_llama.fuse_llama(fused)
     layers = fused.config.num_hidden_layers
-    assert (report.rms_norms, report.qkv_groups, report.mlps) == (2 * layers + 1, layers, layers)
+    counts = (report.rms_norms, report.qkv_groups, report.attentions, report.mlps)
+    assert counts == (2 * layers + 1, layers, layers, layers)
+    assert all(isinstance(layer.self_attn, fused_llama.FusedLlamaAttention) for layer in fused.model.layers)
     assert sorted(lora_state_dict(fused)) == sorted(lora_state_dict(plain))
     ids = torch.randint(0, 400, (2, 16), generator=torch.Generator().manual_seed(3))
     labels = ids.clone()
@@ -98,3 +100,34 @@ def test_captured_step_pads_to_its_budget_and_trains(base: torch.nn.Module) -> N
     assert step.graphed.fallback_reason is not None  # CPU: eager, with a reason
     with pytest.raises(ValueError, match="exceeds the captured budget 2x16"):
         step(torch.zeros(3, 4, dtype=torch.int64), torch.zeros(3, 4, dtype=torch.int64), 1e-2)
+
+
+def test_fused_attention_takes_the_rope_path_and_falls_back_with_a_mask(
+    base: torch.nn.Module, force_compiled: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plain, fused = copy.deepcopy(base), copy.deepcopy(base)
+    fused_llama.fuse_llama(fused)
+    calls: list[tuple[int, ...]] = []
+    rope = fused_llama.gpu_kernels.rope_qkv
+
+    def counting_rope(qkv: torch.Tensor, *args: object) -> tuple[torch.Tensor, ...]:
+        calls.append(tuple(qkv.shape))
+        return rope(qkv, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fused_llama.gpu_kernels, "rope_qkv", counting_rope)
+    ids = torch.randint(0, 400, (2, 12), generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(
+        fused(input_ids=ids, use_cache=False).logits, plain(input_ids=ids).logits, rtol=1e-5, atol=1e-5
+    )
+    assert len(calls) == fused.config.num_hidden_layers  # one fused RoPE per layer
+    # a padding mask is not the fast path's business: Hugging Face's forward runs, same result
+    calls.clear()
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    torch.testing.assert_close(
+        fused(input_ids=ids, attention_mask=mask).logits,
+        plain(input_ids=ids, attention_mask=mask).logits,
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    assert calls == []

@@ -104,3 +104,20 @@ def test_hash_dropout_keeps_about_1_minus_p_and_rescales() -> None:
     torch.testing.assert_close(y[y != 0], torch.full_like(y[y != 0], 1 / 0.75))
     assert torch.equal(y, reference.hash_dropout(x, 0.25, seed=1, salt=2))
     assert not torch.equal(y, reference.hash_dropout(x, 0.25, seed=2, salt=2))
+
+
+def test_rope_qkv_matches_hugging_face_rotary_embedding() -> None:
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(5)
+    b, s, heads, kv, d = 2, 7, 6, 2, 10
+    qkv = torch.randn(b, s, (heads + 2 * kv) * d, generator=g, dtype=torch.float64)
+    angles = torch.randn(b, s, d // 2, generator=g, dtype=torch.float64)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    q, k, v = reference.rope_qkv(qkv, cos, sin, heads, kv)
+    hf_q, hf_k, hf_v = (t.transpose(1, 2) for t in qkv.view(b, s, -1, d).split([heads, kv, kv], dim=2))
+    want_q, want_k = apply_rotary_pos_emb(hf_q, hf_k, cos, sin)
+    assert (q.shape, k.shape, v.shape) == ((b, heads, s, d), (b, kv, s, d), (b, kv, s, d))
+    torch.testing.assert_close(q, want_q, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(k, want_k, rtol=1e-12, atol=1e-12)
+    assert torch.equal(v, hf_v)

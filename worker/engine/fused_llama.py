@@ -12,13 +12,19 @@ checkpoints, PEFT export and the optimizer see exactly the same parameters.
 - the LM loss: chunked fused linear + cross-entropy on the final hidden states, so the
   (tokens, vocab) logits never exist at once
 
-Attention keeps Hugging Face's own forward: the first of q/k/v computes all three and hands the
-other two their (view) outputs, which they return when called with the same input tensor.
+- LlamaAttention -> FusedLlamaAttention: the grouped q/k/v output goes through one RoPE kernel
+  that splits and rotates it (gpu_kernels.rope_qkv), then SDPA with native grouped-query heads;
+  Hugging Face's forward still runs whenever the fast path does not apply (a mask, a KV cache)
+
+Called outside FusedLlamaAttention, the first of q/k/v computes all three and hands the other two
+their (view) outputs, which they return when called with the same input tensor.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -123,10 +129,71 @@ class FusedSwiGLUMLP(nn.Module):
         return self.down_proj(gpu_kernels.swiglu_packed(gate_up))
 
 
+class FusedLlamaAttention(nn.Module):
+    """Llama self-attention on the fused path: grouped q/k/v LoRA op -> RoPE split kernel ->
+    SDPA (causal, GQA without repeating k/v) -> o_proj. Same submodules and parameters as the
+    Hugging Face module it replaces, whose forward it calls when the fast path does not apply."""
+
+    def __init__(self, attn: Any) -> None:  # a transformers LlamaAttention
+        super().__init__()
+        self.config = attn.config
+        self.n_heads = int(attn.config.num_attention_heads)
+        self.n_kv_heads = int(attn.config.num_key_value_heads)
+        self.layer_idx = attn.layer_idx
+        self.head_dim = int(attn.head_dim)
+        self.num_key_value_groups = attn.num_key_value_groups
+        self.scaling = float(attn.scaling)
+        self.attention_dropout = float(attn.attention_dropout)
+        self.is_causal = True
+        self.q_proj, self.k_proj, self.v_proj = attn.q_proj, attn.k_proj, attn.v_proj
+        self.o_proj: nn.Module = attn.o_proj
+        self.hf_forward: Callable[..., tuple[torch.Tensor, Any]] = type(attn).forward
+
+    def _fast_group(
+        self, attention_mask: Any, past_key_values: Any, kwargs: dict[str, Any]
+    ) -> LoRAGroup | None:
+        group: LoRAGroup | None = getattr(self.q_proj, "group", None)
+        if (
+            group is None
+            or group.members != [self.q_proj, self.k_proj, self.v_proj]
+            or attention_mask is not None
+            or past_key_values is not None
+            or kwargs.get("output_attentions")
+            or (self.training and self.attention_dropout > 0)
+        ):
+            return None
+        return group
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,  # (B, S, d)
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin (B, S, D)
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, Any]:
+        group = self._fast_group(attention_mask, past_key_values, kwargs)
+        if group is None or position_embeddings is None:
+            return self.hf_forward(
+                self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs
+            )
+        b, s, _ = hidden_states.shape
+        n_heads, n_kv = self.n_heads, self.n_kv_heads
+        cos, sin = position_embeddings
+        # q (B, H, S, D), k and v (B, G, S, D), stored as (B, S, heads, D) rows
+        q, k, v = gpu_kernels.rope_qkv(group.forward_all(hidden_states), cos, sin, n_heads, n_kv)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=s > 1, scale=self.scaling, enable_gqa=n_kv != n_heads
+        )  # (B, H, S, D)
+        out = out.transpose(1, 2).reshape(b, s, n_heads * self.head_dim)
+        return self.o_proj(out), None
+
+
 @dataclass
 class FuseReport:
     rms_norms: int = 0
     qkv_groups: int = 0
+    attentions: int = 0
     mlps: int = 0
     skipped: list[str] = field(default_factory=list)
 
@@ -176,6 +243,9 @@ def fuse_llama(model: nn.Module) -> FuseReport:
         elif cls.endswith("Attention") and hasattr(module, "q_proj"):
             if _group(module, ["q_proj", "k_proj", "v_proj"]) is not None:
                 report.qkv_groups += 1
+                if cls == "LlamaAttention" and module.head_dim % 2 == 0:
+                    setattr(parent, leaf, FusedLlamaAttention(module))
+                    report.attentions += 1
             else:
                 report.skipped.append(f"{name}: q/k/v are not all LoRA layers of one kind")
         elif cls.endswith("MLP") and hasattr(module, "gate_proj"):

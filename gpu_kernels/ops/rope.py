@@ -1,0 +1,86 @@
+"""Rotary embedding fused with the q/k/v split (csrc/rope.cu), forward and backward.
+
+Shapes: qkv (B, S, (H + 2G)·D) from the grouped q/k/v projection; cos, sin (1 or B, S, D).
+Outputs q (B, H, S, D), k and v (B, G, S, D): attention's layout, stored as (B, S, heads, D)
+rows (the strides Hugging Face's transposed views have). The backward writes dq, dk, dv
+un-rotated into one packed (B, S, (H + 2G)·D) gradient, with no slice or concat copies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gpu_kernels import _lib
+
+
+def _bshd(b: int, s: int, heads: int, d: int, like: torch.Tensor) -> torch.Tensor:
+    """An empty (B, heads, S, D) tensor laid out as (B, S, heads, D) rows (not a view)."""
+    strides = (s * heads * d, d, heads * d, 1)
+    return torch.empty_strided((b, heads, s, d), strides, dtype=like.dtype, device=like.device)
+
+
+def _tables(cos: torch.Tensor, sin: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin as contiguous (1 or B, S, D) tables of like's dtype; shapes checked."""
+    b, s, _ = like.shape
+    if cos.shape != sin.shape or cos.dim() != 3 or cos.shape[0] not in (1, b) or cos.shape[1] != s:
+        shapes = f"{tuple(cos.shape)} and {tuple(sin.shape)}"
+        raise ValueError(f"cos/sin must both be (1 or {b}, {s}, D), got {shapes}")
+    return cos.to(like.dtype).contiguous(), sin.to(like.dtype).contiguous()
+
+
+class RoPEQKVFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, s, width = qkv.shape
+        d = width // (n_heads + 2 * n_kv)
+        x = qkv.contiguous()
+        cos, sin = _tables(cos, sin, x)
+        if cos.shape[-1] != d or d % 2:
+            raise ValueError(f"head size {d} must be even and match cos/sin's last dim {cos.shape[-1]}")
+        cs_b = cos.stride(0) if cos.shape[0] > 1 else 0  # 0: one table broadcast over the batch
+        cs_s = cos.stride(1)
+        q, k, v = _bshd(b, s, n_heads, d, x), _bshd(b, s, n_kv, d, x), _bshd(b, s, n_kv, d, x)
+        rc = _lib.load().loraq_rope_fwd(
+            x.data_ptr(), cos.data_ptr(), sin.data_ptr(), cs_b, cs_s, q.data_ptr(), k.data_ptr(),
+            v.data_ptr(), _lib.dtype_code(x.dtype), b, s, n_heads, n_kv, d, _lib.stream(x.device),
+        )  # fmt: skip
+        _lib.check(rc, "loraq_rope_fwd")
+        ctx.save_for_backward(cos, sin)
+        ctx.meta = (b, s, n_heads, n_kv, d, cs_b, cs_s)
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx: Any, dq: torch.Tensor | None, dk: torch.Tensor | None, dv: torch.Tensor | None) -> Any:
+        cos, sin = ctx.saved_tensors
+        b, s, n_heads, n_kv, d, cs_b, cs_s = ctx.meta
+        grads = []
+        for g, heads in ((dq, n_heads), (dk, n_kv), (dv, n_kv)):
+            if g is None:
+                g = torch.zeros(b, heads, s, d, dtype=cos.dtype, device=cos.device)
+            if g.dtype != cos.dtype:
+                g = g.to(cos.dtype)
+            if g.stride(-1) != 1:
+                g = g.contiguous()
+            grads.append(g)
+        gq, gk, gv = grads
+        dqkv = torch.empty(b, s, (n_heads + 2 * n_kv) * d, dtype=cos.dtype, device=cos.device)
+        rc = _lib.load().loraq_rope_bwd(
+            gq.data_ptr(), gq.stride(0), gq.stride(1), gq.stride(2),
+            gk.data_ptr(), gk.stride(0), gk.stride(1), gk.stride(2),
+            gv.data_ptr(), gv.stride(0), gv.stride(1), gv.stride(2),
+            cos.data_ptr(), sin.data_ptr(), cs_b, cs_s, dqkv.data_ptr(), _lib.dtype_code(cos.dtype),
+            b, s, n_heads, n_kv, d, _lib.stream(cos.device),
+        )  # fmt: skip
+        _lib.check(rc, "loraq_rope_bwd")
+        return dqkv, None, None, None, None
+
+
+def rope_qkv(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v = RoPEQKVFunction.apply(qkv, cos, sin, n_heads, n_kv_heads)
+    return q, k, v
