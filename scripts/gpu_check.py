@@ -632,6 +632,18 @@ def bench_attention(
         label = f"B{b} S{s} H{heads} G{kv} D{d}"
         add(f"rope+sdpa fwd+bwd {label}", lambda ours=ours, gy=gy: ours().backward(gy),
             lambda hf=hf, gy=gy: hf().backward(gy))  # fmt: skip
+        outs = rope.rope_qkv(qkv, cos, sin, heads, kv)
+        for layout in ("BSHD", "BHSD"):  # the gradients' memory order as attention hands them back
+            gs = [
+                torch.randn(b, s, t.shape[1], d, device="cuda", dtype=bf).transpose(1, 2)
+                if layout == "BSHD"
+                else torch.randn(b, t.shape[1], s, d, device="cuda", dtype=bf)
+                for t in outs
+            ]
+            ms = time_ms(lambda outs=outs, gs=gs: torch.autograd.backward(outs, gs, retain_graph=True))
+            gbs = 2 * qkv.numel() * 2 / ms / 1e6  # read the grads once, write dqkv once
+            rows.append({"op": f"rope bwd {layout} grads {label}", "ms": round(ms, 4), "GB_s": round(gbs)})
+            print(f"rope bwd alone, {layout} grads {label}: {ms * 1e3:.1f} us ({gbs:.0f} GB/s)", flush=True)
         q = torch.randn(b, s, heads, d, device="cuda", dtype=bf).transpose(1, 2).requires_grad_()
         k = torch.randn(b, s, kv, d, device="cuda", dtype=bf).transpose(1, 2).requires_grad_()
         v = torch.randn(b, s, kv, d, device="cuda", dtype=bf).transpose(1, 2).requires_grad_()

@@ -69,9 +69,14 @@ __global__ void rope_bwd_kernel(GradView dq, GradView dk, GradView dv, const T* 
   const T* sn = sin + b * cs_b + s * cs_s;
   for (int t = threadIdx.x; t < heads * half; t += blockDim.x) {
     const int h = t / half, i = t % half;
-    const GradView& g = h < H ? dq : (h < H + G ? dk : dv);
-    const int hh = h < H ? h : (h < H + G ? h - H : h - H - G);
-    const T* src = static_cast<const T*>(g.p) + b * g.sb + hh * g.sh + s * g.ss;
+    // pick the tensor by value (a runtime-chosen reference to a kernel parameter would put the
+    // parameters in local memory)
+    const bool is_q = h < H, is_k = !is_q && h < H + G;
+    const int hh = is_q ? h : (is_k ? h - H : h - H - G);
+    const void* base = is_q ? dq.p : (is_k ? dk.p : dv.p);
+    const int64_t off = is_q ? b * dq.sb + hh * dq.sh + s * dq.ss
+                             : (is_k ? b * dk.sb + hh * dk.sh + s * dk.ss : b * dv.sb + hh * dv.sh + s * dv.ss);
+    const T* src = static_cast<const T*>(base) + off;
     const float g0 = loraq_load(src, i), g1 = loraq_load(src, i + half);
     if (h >= H + G) {
       loraq_store(out, h * D + i, g0);

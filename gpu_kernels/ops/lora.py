@@ -76,11 +76,13 @@ def rank_update_(
     """out[:, col:col+n_cols] += scale · u[:, u_col:u_col+r_total] · v, in place.
 
     out (M, ld) row-major, bf16 or fp32; u (M, ≥ u_col + r_total) of out's dtype with unit column
-    stride; v (r_total, n_cols) fp32 contiguous (Bᵀ in the forward, A in the backward). Ranks
-    above 16 are split over several launches."""
+    stride; v (r_total, n_cols) in the adapters' dtype, any strides (Bᵀ in the forward, A in the
+    backward). Ranks above 16 are split over several launches."""
     if _RANK_UPDATE == "cublas":  # cuBLAS GEMM with beta = 1, in place on the strided slice
+        # one cast kernel; cuBLAS reads a transposed v as it is
         out[:, col : col + n_cols].addmm_(u[:, u_col : u_col + r_total], v.to(out.dtype), alpha=scale)
         return
+    v = v.float().contiguous()  # our kernel reads fp32 rows
     lib = _lib.load()
     m, ld = out.shape
     elt = out.element_size()
@@ -129,8 +131,7 @@ class LoRALinearFunction(torch.autograd.Function):
         xa = xd @ a_cat.to(x.dtype).t()  # (M, R): one read of x for every adapter
         col = r0 = 0
         for b, r, n, s in zip(b_list, ranks, widths, scales, strict=True):
-            b_t = b.detach().float().t().contiguous()  # (r_j, N_j): tiny
-            rank_update_(y, col, n, xa, r0, r, b_t, s)
+            rank_update_(y, col, n, xa, r0, r, b.detach().t(), s)  # Bᵀ (r_j, N_j): a view
             col += n
             r0 += r
 
@@ -162,13 +163,12 @@ class LoRALinearFunction(torch.autograd.Function):
         dx = None
         if need_x:
             dx = dy2 @ weight  # (M, K)
-            a_cat_f = a_cat.detach().float().contiguous()  # (R, K)
             if dropout_p == 0:
-                rank_update_(dx, 0, k, u, 0, r_total, a_cat_f, 1.0)
+                rank_update_(dx, 0, k, u, 0, r_total, a_cat.detach(), 1.0)  # A (R, K)
             else:
                 # d/dx of drop(x)·Aᵀ is mask/(1-p) ⊙ (U·A): form U·A, mask it like the forward
                 lora_dx = torch.zeros_like(dx)
-                rank_update_(lora_dx, 0, k, u, 0, r_total, a_cat_f, 1.0)
+                rank_update_(lora_dx, 0, k, u, 0, r_total, a_cat.detach(), 1.0)
                 dx += dropout(lora_dx, dropout_p, seed, salt)
             dx = dx.view(*lead, k)
 

@@ -120,6 +120,12 @@ def test_fused_attention_takes_the_rope_path_and_falls_back_with_a_mask(
         fused(input_ids=ids, use_cache=False).logits, plain(input_ids=ids).logits, rtol=1e-5, atol=1e-5
     )
     assert len(calls) == fused.config.num_hidden_layers  # one fused RoPE per layer
+    # the training loss runs the stack without transformers' mask construction, same loss
+    calls.clear()
+    labels = ids.clone()
+    got = fused_llama.causal_lm_loss(fused, ids, labels)
+    torch.testing.assert_close(got, plain(input_ids=ids, labels=labels).loss, rtol=1e-5, atol=1e-6)
+    assert len(calls) == fused.config.num_hidden_layers
     # a padding mask is not the fast path's business: Hugging Face's forward runs, same result
     calls.clear()
     mask = torch.ones_like(ids)
