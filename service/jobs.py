@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from sqlalchemy import Row, Update, bindparam, delete, func, insert, select, update
+from sqlalchemy import Connection, Row, Update, bindparam, delete, func, insert, select, update
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -91,10 +91,10 @@ _JOB_ROW_OF_TENANT = select(*_JOB_COLUMNS).where(
 )
 
 
-def get_job_row(session: Session, *, tenant_id: str, job_id: str) -> Row[Any]:
-    """`get_job` for read-only use: a row with the same attribute names, or 404."""
+def get_job_row(conn: Connection, *, tenant_id: str, job_id: str) -> Row[Any]:
+    """`get_job` for read-only use (`db.session.run_read`): a row with the same attribute names, or 404."""
     params = {"job_id": job_id, "tenant_id": tenant_id}
-    row = session.connection().execute(_JOB_ROW_OF_TENANT, params).first() if is_id(job_id) else None
+    row = conn.execute(_JOB_ROW_OF_TENANT, params).first() if is_id(job_id) else None
     if row is None:
         raise NotFoundError(f"No fine-tuning job found with id {job_id!r}", param="fine_tuning_job_id")
     return row

@@ -11,7 +11,7 @@ from sqlalchemy import Row
 from service import jobs
 from service.auth import CurrentTenant
 from service.db.models import Checkpoint, Job, JobEvent
-from service.db.session import SessionDep
+from service.db.session import SessionDep, run_read
 from service.queue import enqueue_job, job_queue
 from service.schemas import (
     CheckpointPublic,
@@ -133,10 +133,11 @@ def list_jobs(
 
 
 @router.get("/{fine_tuning_job_id}", response_model=JobPublic)
-def retrieve_job(fine_tuning_job_id: str, tenant: CurrentTenant, session: SessionDep) -> Response:
-    # The status-polling hot path: serialised once here instead of re-validated by FastAPI.
-    job = job_public(jobs.get_job_row(session, tenant_id=tenant.id, job_id=fine_tuning_job_id))
-    return Response(job.model_dump_json(), media_type="application/json")
+async def retrieve_job(fine_tuning_job_id: str, tenant: CurrentTenant) -> Response:
+    # The status-polling hot path: one read on a bare connection (no session, no commit), the
+    # body serialised once here instead of re-validated by FastAPI.
+    row = await run_read(jobs.get_job_row, tenant_id=tenant.id, job_id=fine_tuning_job_id)
+    return Response(job_public(row).model_dump_json(), media_type="application/json")
 
 
 @router.post("/{fine_tuning_job_id}/cancel", response_model=JobPublic)

