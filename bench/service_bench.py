@@ -82,7 +82,8 @@ class Service:
         env = {k: v for k, v in os.environ.items() if not k.startswith("LORAQ_")}
         env.update(LORAQ_DATA_DIR=str(data_dir), LORAQ_PORT=str(self.port), LORAQ_API_KEY=self.key)
         # One key submits 100 jobs and reads ~1,000/s: a throughput measurement, not a tenant, so
-        # the per-tenant queued-job limit and the per-key rate limit (issue 6) are off.
+        # the per-tenant queued-job limit and (unless --rate-limit-per-minute) the per-key rate
+        # limit (issue 6) are off.
         env.update(LORAQ_MAX_QUEUED_JOBS_PER_TENANT="0", LORAQ_RATE_LIMIT_PER_MINUTE="0")
         env.update(extra_env)
         self.data_dir = data_dir
@@ -245,11 +246,19 @@ def main() -> int:
     ap.add_argument(
         "--database-url", default=None, help="LORAQ_DATABASE_URL (default: SQLite in the data dir)"
     )
+    ap.add_argument(
+        "--rate-limit-per-minute",
+        type=int,
+        default=0,
+        help="LORAQ_RATE_LIMIT_PER_MINUTE (default 0: off); above the read load, it measures the "
+        "limiter's Redis round trip on every request without refusing any",
+    )
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--note", default="", help="free text stored with the results (what was going on)")
     args = ap.parse_args()
 
     extra_env = {"LORAQ_DATABASE_URL": args.database_url} if args.database_url else {}
+    extra_env["LORAQ_RATE_LIMIT_PER_MINUTE"] = str(args.rate_limit_per_minute)
     with tempfile.TemporaryDirectory(prefix="loraq-bench-") as tmp:
         svc = Service(Path(tmp) / "var", extra_env)
         try:
@@ -296,7 +305,8 @@ def main() -> int:
         "reads_at_least_1000_per_s": reads["reads_per_s"] >= 1000,
         "reads_p99_under_100ms": reads["p99_ms"] < 100,
     }
-    write_report("service", args, {"results": results, "targets_met": targets})
+    body = {"rate_limit_per_minute": args.rate_limit_per_minute, "results": results, "targets_met": targets}
+    write_report("service", args, body)
     return 0 if all(targets.values()) else 1
 
 
