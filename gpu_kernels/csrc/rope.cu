@@ -19,33 +19,71 @@
 
 namespace {
 
-// One block per token; each thread takes a pair (i, i + D/2) of one head, so the loads of a
-// warp are consecutive in i (coalesced) and the rotation needs no exchange between threads.
-template <typename T>
+// kV consecutive elements as fp32: one vector move when kV == 4 (the host checks alignment).
+template <int kV, typename T>
+__device__ __forceinline__ void load_v(const T* p, float (&v)[kV]) {
+  if constexpr (kV == 4) {
+    load4(p, v);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kV; ++j) v[j] = loraq_load(p, j);
+  }
+}
+template <int kV, typename T>
+__device__ __forceinline__ void store_v(T* p, const float (&v)[kV]) {
+  if constexpr (kV == 4) {
+    store4(p, v);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kV; ++j) loraq_store(p, j, v[j]);
+  }
+}
+
+// cos and sin at i.. and i + D/2.. of one token's table row.
+template <int kV, typename T>
+__device__ __forceinline__ void load_angles(const T* c, const T* sn, int i, int half, float (&c0)[kV],
+                                            float (&c1)[kV], float (&s0)[kV], float (&s1)[kV]) {
+  load_v<kV>(c + i, c0);
+  load_v<kV>(c + i + half, c1);
+  load_v<kV>(sn + i, s0);
+  load_v<kV>(sn + i + half, s1);
+}
+
+// One block per token; each thread takes kV consecutive pairs (i, i + D/2) of one head, so a
+// warp's loads are consecutive in i (coalesced, 8- or 16-byte vectors when kV == 4) and the
+// rotation needs no exchange between threads.
+template <typename T, int kV>
 __global__ void rope_fwd_kernel(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __restrict__ sin,
                                 int64_t cs_b, int64_t cs_s, T* __restrict__ q, T* __restrict__ k, T* __restrict__ v,
                                 int S, int H, int G, int D) {
   const int64_t m = blockIdx.x;  // token b·S + s
   const int64_t b = m / S, s = m % S;
-  const int half = D / 2;
+  const int half = D / 2, groups = half / kV;
   const int heads = H + 2 * G;
   const T* x = qkv + m * heads * D;
   const T* c = cos + b * cs_b + s * cs_s;
   const T* sn = sin + b * cs_b + s * cs_s;
-  for (int t = threadIdx.x; t < heads * half; t += blockDim.x) {
-    const int h = t / half, i = t % half;
-    const float x0 = loraq_load(x, h * D + i), x1 = loraq_load(x, h * D + i + half);
+  for (int t = threadIdx.x; t < heads * groups; t += blockDim.x) {
+    const int h = t / groups, i = (t % groups) * kV;
+    float x0[kV], x1[kV];
+    load_v<kV>(x + h * D + i, x0);
+    load_v<kV>(x + h * D + i + half, x1);
     if (h >= H + G) {  // v: copied
       T* o = v + (m * G + (h - H - G)) * D;
-      loraq_store(o, i, x0);
-      loraq_store(o, i + half, x1);
+      store_v<kV>(o + i, x0);
+      store_v<kV>(o + i + half, x1);
       continue;
     }
-    const float c0 = loraq_load(c, i), c1 = loraq_load(c, i + half);
-    const float s0 = loraq_load(sn, i), s1 = loraq_load(sn, i + half);
+    float c0[kV], c1[kV], s0[kV], s1[kV], o0[kV], o1[kV];
+    load_angles<kV>(c, sn, i, half, c0, c1, s0, s1);
+#pragma unroll
+    for (int j = 0; j < kV; ++j) {
+      o0[j] = x0[j] * c0[j] - x1[j] * s0[j];
+      o1[j] = x1[j] * c1[j] + x0[j] * s1[j];
+    }
     T* o = h < H ? q + (m * H + h) * D : k + (m * G + (h - H)) * D;
-    loraq_store(o, i, x0 * c0 - x1 * s0);
-    loraq_store(o, i + half, x1 * c1 + x0 * s1);
+    store_v<kV>(o + i, o0);
+    store_v<kV>(o + i + half, o1);
   }
 }
 
@@ -56,19 +94,19 @@ struct GradView {
   int64_t sb, sh, ss;
 };
 
-template <typename T>
+template <typename T, int kV>
 __global__ void rope_bwd_kernel(GradView dq, GradView dk, GradView dv, const T* __restrict__ cos,
                                 const T* __restrict__ sin, int64_t cs_b, int64_t cs_s, T* __restrict__ dqkv,
                                 int S, int H, int G, int D) {
   const int64_t m = blockIdx.x;
   const int64_t b = m / S, s = m % S;
-  const int half = D / 2;
+  const int half = D / 2, groups = half / kV;
   const int heads = H + 2 * G;
   T* out = dqkv + m * heads * D;
   const T* c = cos + b * cs_b + s * cs_s;
   const T* sn = sin + b * cs_b + s * cs_s;
-  for (int t = threadIdx.x; t < heads * half; t += blockDim.x) {
-    const int h = t / half, i = t % half;
+  for (int t = threadIdx.x; t < heads * groups; t += blockDim.x) {
+    const int h = t / groups, i = (t % groups) * kV;
     // pick the tensor by value (a runtime-chosen reference to a kernel parameter would put the
     // parameters in local memory)
     const bool is_q = h < H, is_k = !is_q && h < H + G;
@@ -77,22 +115,72 @@ __global__ void rope_bwd_kernel(GradView dq, GradView dk, GradView dv, const T* 
     const int64_t off = is_q ? b * dq.sb + hh * dq.sh + s * dq.ss
                              : (is_k ? b * dk.sb + hh * dk.sh + s * dk.ss : b * dv.sb + hh * dv.sh + s * dv.ss);
     const T* src = static_cast<const T*>(base) + off;
-    const float g0 = loraq_load(src, i), g1 = loraq_load(src, i + half);
+    float g0[kV], g1[kV];
+    load_v<kV>(src + i, g0);
+    load_v<kV>(src + i + half, g1);
     if (h >= H + G) {
-      loraq_store(out, h * D + i, g0);
-      loraq_store(out, h * D + i + half, g1);
+      store_v<kV>(out + h * D + i, g0);
+      store_v<kV>(out + h * D + i + half, g1);
       continue;
     }
-    const float c0 = loraq_load(c, i), c1 = loraq_load(c, i + half);
-    const float s0 = loraq_load(sn, i), s1 = loraq_load(sn, i + half);
-    loraq_store(out, h * D + i, g0 * c0 + g1 * s1);
-    loraq_store(out, h * D + i + half, g1 * c1 - g0 * s0);
+    float c0[kV], c1[kV], s0[kV], s1[kV], d0[kV], d1[kV];
+    load_angles<kV>(c, sn, i, half, c0, c1, s0, s1);
+#pragma unroll
+    for (int j = 0; j < kV; ++j) {
+      d0[j] = g0[j] * c0[j] + g1[j] * s1[j];
+      d1[j] = g1[j] * c1[j] - g0[j] * s0[j];
+    }
+    store_v<kV>(out + h * D + i, d0);
+    store_v<kV>(out + h * D + i + half, d1);
   }
 }
 
-int threads_for(int pairs) {
-  const int t = ((pairs + 31) / 32) * 32;
+int threads_for(int work) {
+  const int t = ((work + 31) / 32) * 32;
   return t < 64 ? 64 : (t > 512 ? 512 : t);
+}
+
+// Vector moves need every row start aligned to 4 elements: D/2 % 4 == 0, 4-element-aligned
+// strides and base pointers.
+bool aligned4(const void* p, int elt) { return reinterpret_cast<uintptr_t>(p) % (4 * elt) == 0; }
+bool strides4(int64_t a, int64_t b, int64_t c) { return a % 4 == 0 && b % 4 == 0 && c % 4 == 0; }
+
+template <typename T>
+int launch_fwd(const void* qkv, const void* cos, const void* sin, int64_t cs_b, int64_t cs_s, void* q, void* k,
+               void* v, int64_t B, int S, int H, int G, int D, cudaStream_t stream) {
+  const int elt = sizeof(T);
+  const bool vec = (D / 2) % 4 == 0 && strides4(cs_b, cs_s, 0) && aligned4(qkv, elt) && aligned4(cos, elt) &&
+                   aligned4(sin, elt) && aligned4(q, elt) && aligned4(k, elt) && aligned4(v, elt);
+  const dim3 grid(static_cast<unsigned>(B * S));
+  const auto* x = static_cast<const T*>(qkv);
+  const auto *c = static_cast<const T*>(cos), *sn = static_cast<const T*>(sin);
+  auto *oq = static_cast<T*>(q), *ok = static_cast<T*>(k), *ov = static_cast<T*>(v);
+  if (vec)
+    rope_fwd_kernel<T, 4><<<grid, threads_for((H + 2 * G) * D / 8), 0, stream>>>(x, c, sn, cs_b, cs_s, oq, ok,
+                                                                                   ov, S, H, G, D);
+  else
+    rope_fwd_kernel<T, 1><<<grid, threads_for((H + 2 * G) * D / 2), 0, stream>>>(x, c, sn, cs_b, cs_s, oq, ok,
+                                                                                   ov, S, H, G, D);
+  LORAQ_RETURN_LAST_ERROR;
+}
+
+template <typename T>
+int launch_bwd(GradView gq, GradView gk, GradView gv, const void* cos, const void* sin, int64_t cs_b,
+               int64_t cs_s, void* dqkv, int64_t B, int S, int H, int G, int D, cudaStream_t stream) {
+  const int elt = sizeof(T);
+  bool vec = (D / 2) % 4 == 0 && strides4(cs_b, cs_s, 0) && aligned4(cos, elt) && aligned4(sin, elt) &&
+             aligned4(dqkv, elt);
+  for (const GradView& g : {gq, gk, gv}) vec = vec && aligned4(g.p, elt) && strides4(g.sb, g.sh, g.ss);
+  const dim3 grid(static_cast<unsigned>(B * S));
+  const auto *c = static_cast<const T*>(cos), *sn = static_cast<const T*>(sin);
+  auto* out = static_cast<T*>(dqkv);
+  if (vec)
+    rope_bwd_kernel<T, 4><<<grid, threads_for((H + 2 * G) * D / 8), 0, stream>>>(gq, gk, gv, c, sn, cs_b, cs_s,
+                                                                                   out, S, H, G, D);
+  else
+    rope_bwd_kernel<T, 1><<<grid, threads_for((H + 2 * G) * D / 2), 0, stream>>>(gq, gk, gv, c, sn, cs_b, cs_s,
+                                                                                   out, S, H, G, D);
+  LORAQ_RETURN_LAST_ERROR;
 }
 
 }  // namespace
@@ -105,21 +193,10 @@ int loraq_rope_fwd(const void* qkv, const void* cos, const void* sin, int64_t cs
                    void* k, void* v, int dtype, int64_t B, int S, int H, int G, int D, cudaStream_t stream) {
   if (B == 0 || S == 0) return 0;
   if (D % 2 != 0 || B * S > 2147483647LL) return static_cast<int>(cudaErrorInvalidValue);
-  const dim3 grid(static_cast<unsigned>(B * S));
-  const int threads = threads_for((H + 2 * G) * D / 2);
-  if (dtype == LORAQ_BF16) {
-    using T = __nv_bfloat16;
-    rope_fwd_kernel<T><<<grid, threads, 0, stream>>>(
-        static_cast<const T*>(qkv), static_cast<const T*>(cos), static_cast<const T*>(sin), cs_b, cs_s,
-        static_cast<T*>(q), static_cast<T*>(k), static_cast<T*>(v), S, H, G, D);
-  } else if (dtype == LORAQ_F32) {
-    rope_fwd_kernel<float><<<grid, threads, 0, stream>>>(
-        static_cast<const float*>(qkv), static_cast<const float*>(cos), static_cast<const float*>(sin), cs_b,
-        cs_s, static_cast<float*>(q), static_cast<float*>(k), static_cast<float*>(v), S, H, G, D);
-  } else {
-    return static_cast<int>(cudaErrorInvalidValue);
-  }
-  LORAQ_RETURN_LAST_ERROR;
+  if (dtype == LORAQ_BF16)
+    return launch_fwd<__nv_bfloat16>(qkv, cos, sin, cs_b, cs_s, q, k, v, B, S, H, G, D, stream);
+  if (dtype == LORAQ_F32) return launch_fwd<float>(qkv, cos, sin, cs_b, cs_s, q, k, v, B, S, H, G, D, stream);
+  return static_cast<int>(cudaErrorInvalidValue);
 }
 
 // d* (B, heads, S, D) with strides (s*_b, s*_h, s*_s) and unit last stride; dqkv (B·S, (H+2G)·D).
@@ -130,21 +207,10 @@ int loraq_rope_bwd(const void* dq, int64_t sq_b, int64_t sq_h, int64_t sq_s, con
   if (B == 0 || S == 0) return 0;
   if (D % 2 != 0 || B * S > 2147483647LL) return static_cast<int>(cudaErrorInvalidValue);
   const GradView gq{dq, sq_b, sq_h, sq_s}, gk{dk, sk_b, sk_h, sk_s}, gv{dv, sv_b, sv_h, sv_s};
-  const dim3 grid(static_cast<unsigned>(B * S));
-  const int threads = threads_for((H + 2 * G) * D / 2);
-  if (dtype == LORAQ_BF16) {
-    using T = __nv_bfloat16;
-    rope_bwd_kernel<T><<<grid, threads, 0, stream>>>(gq, gk, gv, static_cast<const T*>(cos),
-                                                     static_cast<const T*>(sin), cs_b, cs_s,
-                                                     static_cast<T*>(dqkv), S, H, G, D);
-  } else if (dtype == LORAQ_F32) {
-    rope_bwd_kernel<float><<<grid, threads, 0, stream>>>(gq, gk, gv, static_cast<const float*>(cos),
-                                                         static_cast<const float*>(sin), cs_b, cs_s,
-                                                         static_cast<float*>(dqkv), S, H, G, D);
-  } else {
-    return static_cast<int>(cudaErrorInvalidValue);
-  }
-  LORAQ_RETURN_LAST_ERROR;
+  if (dtype == LORAQ_BF16)
+    return launch_bwd<__nv_bfloat16>(gq, gk, gv, cos, sin, cs_b, cs_s, dqkv, B, S, H, G, D, stream);
+  if (dtype == LORAQ_F32) return launch_bwd<float>(gq, gk, gv, cos, sin, cs_b, cs_s, dqkv, B, S, H, G, D, stream);
+  return static_cast<int>(cudaErrorInvalidValue);
 }
 
 }  // extern "C"

@@ -128,34 +128,40 @@ class LoRALinearFunction(torch.autograd.Function):
 
         y = torch.nn.functional.linear(x2, weight, bias)  # (M, N)
         a_cat = torch.cat(a_list) if len(a_list) > 1 else a_list[0]  # (R, K)
-        xa = xd @ a_cat.to(x.dtype).t()  # (M, R): one read of x for every adapter
+        # adapters in the activation dtype, cast once per call and kept for the backward:
+        # A (R, K) and s_j·B_jᵀ (r_j, N_j), the scale folded in (one kernel each)
+        a_act = a_cat.detach().to(x.dtype)
+        bs_act = [
+            torch.mul(b.detach().t(), s, out=torch.empty(r, n, dtype=x.dtype, device=x.device))
+            for b, r, n, s in zip(b_list, ranks, widths, scales, strict=True)
+        ]
+        xa = xd @ a_act.t()  # (M, R): one read of x for every adapter
         col = r0 = 0
-        for b, r, n, s in zip(b_list, ranks, widths, scales, strict=True):
-            rank_update_(y, col, n, xa, r0, r, b.detach().t(), s)  # Bᵀ (r_j, N_j): a view
+        for bs, r, n in zip(bs_act, ranks, widths, strict=True):
+            rank_update_(y, col, n, xa, r0, r, bs, 1.0)
             col += n
             r0 += r
 
-        # a_cat (R, K) in the adapters' dtype is kept: the backward's rank update reads it
-        ctx.save_for_backward(x2, weight, xa, seed, a_cat, *adapters)
+        ctx.save_for_backward(x2, weight, xa, seed, a_act, *bs_act, *adapters)
         ctx.meta = (lead, scales, dropout_p, salt, ranks, widths, bias is not None)
         return y.view(*lead, n_total)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x2, weight, xa, seed, a_cat, *adapters = ctx.saved_tensors
         lead, scales, dropout_p, salt, ranks, widths, has_bias = ctx.meta
+        x2, weight, xa, seed, a_act, *rest = ctx.saved_tensors
+        bs_act, adapters = rest[: len(ranks)], rest[len(ranks) :]
         a_list = adapters[0::2]
         b_list = adapters[1::2]
         n_total, k = weight.shape
         dy2 = dy.reshape(-1, n_total).contiguous()
-        dtype = x2.dtype
         need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
 
         # U = [s_j · dY_j · B_j] (M, R) in the activation dtype
         u_parts = []
         col = 0
-        for b, n, s in zip(b_list, widths, scales, strict=True):
-            u_parts.append((dy2[:, col : col + n] @ b.to(dtype)).mul_(s))
+        for bs, n in zip(bs_act, widths, strict=True):
+            u_parts.append(dy2[:, col : col + n] @ bs.t())  # (M, r_j)
             col += n
         u = torch.cat(u_parts, dim=1) if len(u_parts) > 1 else u_parts[0]
         r_total = u.shape[1]
@@ -164,17 +170,17 @@ class LoRALinearFunction(torch.autograd.Function):
         if need_x:
             dx = dy2 @ weight  # (M, K)
             if dropout_p == 0:
-                rank_update_(dx, 0, k, u, 0, r_total, a_cat.detach(), 1.0)  # A (R, K)
+                rank_update_(dx, 0, k, u, 0, r_total, a_act, 1.0)  # A (R, K)
             else:
                 # d/dx of drop(x)·Aᵀ is mask/(1-p) ⊙ (U·A): form U·A, mask it like the forward
                 lora_dx = torch.zeros_like(dx)
-                rank_update_(lora_dx, 0, k, u, 0, r_total, a_cat.detach(), 1.0)
+                rank_update_(lora_dx, 0, k, u, 0, r_total, a_act, 1.0)
                 dx += dropout(lora_dx, dropout_p, seed, salt)
             dx = dx.view(*lead, k)
 
         xd = x2 if dropout_p == 0 else dropout(x2, dropout_p, seed, salt)
         grads_ad: list[torch.Tensor | None] = []
-        da_cat = u.t() @ xd  # (R, K)
+        da_cat = (u.t() @ xd).to(a_list[0].dtype)  # (R, K); rows of adapter j are a contiguous slice
         col = r0 = 0
         for j, (a, b, r, n, s) in enumerate(zip(a_list, b_list, ranks, widths, scales, strict=True)):
             # inputs are (x, weight, bias, scales, dropout_p, A_1, B_1, ...): A_j at 5 + 2j
