@@ -349,6 +349,7 @@ def main() -> int:
         "settings": "LoRA r=16 alpha=32 on q,k,v,o,gate,up,down; bf16 base, fp32 adapters; fused AdamW; "
         "clip 1.0; no gradient checkpointing; random tokens; "
         f"{args.warmup} warm-up + {args.steps} timed steps per cell",
+        "env": {k: v for k, v in os.environ.items() if k in ("LORAQ_RANK_UPDATE", "LORAQ_BENCH_CAPTURE")},
         "rows": [],
     }
     peak = spawn(["--peak"], 120)

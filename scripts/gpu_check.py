@@ -218,13 +218,14 @@ def check_lora(dtype: torch.dtype, small: bool) -> None:
 
 
 def check_lora_both(dtype: torch.dtype, small: bool) -> None:
-    """check_lora with the rank update done by our kernel, then by cuBLAS (the default)."""
+    """check_lora with the LoRA term added by our rank-update kernel, by a cuBLAS rank update, and
+    in the base GEMM's epilogue (the default)."""
     from gpu_kernels.ops import lora as lora_ops
 
     global TAG
     default = lora_ops._RANK_UPDATE
     try:
-        for mode in ("kernel", "cublas"):
+        for mode in ("kernel", "cublas", "epilogue"):
             lora_ops._RANK_UPDATE = mode
             TAG = f"[{mode}]"
             check_lora(dtype, small)

@@ -4,12 +4,12 @@ their input (q/k/v, gate/up).
 Shapes: x (M, K) after flattening the leading dims; W (N, K) with N = Σ N_j the stacked
 projections; A_j (r_j, K), B_j (N_j, r_j), scale s_j; R = Σ r_j.
 
-forward   y  = x·Wᵀ (+ b)                        cuBLAS, (M, N)
-          xa = drop(x)·[A_1; A_2; ...]ᵀ          one skinny GEMM for every adapter, (M, R)
-          y[:, seg_j] += s_j·xa_j·B_jᵀ            rank-r_j update in place (csrc/lora.cu)
-backward  dX = dY·W                              cuBLAS, (M, K), one GEMM over all projections
-          U  = [s_1·dY_1·B_1 | s_2·dY_2·B_2 ...]  (M, R) fp32
-          dX += U·[A_1; A_2; ...]                rank-R update in place: one buffer for dX
+forward   xa = drop(x)·[A_1; A_2; ...]ᵀ          one skinny GEMM for every adapter, (M, R)
+          y  = xa·D (+ b)                        D = blockdiag(s_j·B_jᵀ) (R, N): the LoRA term
+          y += x·Wᵀ                              base GEMM with beta = 1, in place, (M, N)
+backward  U  = dY·Dᵀ = [s_1·dY_1·B_1 | ...]      (M, R), one GEMM for every adapter
+          dX = U·[A_1; A_2; ...]                 (M, K)
+          dX += dY·W                             base GEMM with beta = 1: one buffer for dX
           dA = Uᵀ·drop(x)  (R, K);  dB_j = s_j·dY_jᵀ·xa_j  (N_j, r_j)   cheap order, from saved xa
 
 Dropout on the LoRA input (p > 0, training) uses csrc's hash mask: the backward regenerates
@@ -29,13 +29,17 @@ import torch
 from gpu_kernels import _lib
 
 _MAX_RANK_PER_LAUNCH = 16
-# How the rank-r update is added in place into the base GEMM's output: "cublas" (default: a
-# cuBLAS GEMM with beta = 1 via addmm_, with V rounded to the activation dtype as PEFT's autocast
-# does) or "kernel" (ours, csrc/lora.cu, fp32 V). Measured on an H100 (M8192 N2048 r16, bf16):
-# cuBLAS 40 us, ours 76 us, so cuBLAS is the default until our kernel catches up.
-_RANK_UPDATE = os.environ.get("LORAQ_RANK_UPDATE", "cublas")
-if _RANK_UPDATE not in ("cublas", "kernel"):
-    raise ValueError(f"LORAQ_RANK_UPDATE must be 'cublas' or 'kernel', not {_RANK_UPDATE!r}")
+# How the LoRA term meets the base GEMM's output:
+# - "epilogue" (default): the skinny GEMM writes the LoRA term first and the base GEMM adds into
+#   it with beta = 1, so the full-size output is read inside the compute-bound GEMM's epilogue
+#   instead of by a separate memory-bound pass (which reads and writes all of it once more).
+# - "cublas": base GEMM first, then a rank-r cuBLAS GEMM with beta = 1 in place (addmm_).
+# - "kernel": base GEMM first, then our rank-update kernel (csrc/lora.cu, fp32 V). On an H100
+#   (M8192 N2048 r16, bf16) cuBLAS took 40 us, ours 76 us.
+# Adapter matrices are rounded to the activation dtype, as PEFT's autocast does.
+_RANK_UPDATE = os.environ.get("LORAQ_RANK_UPDATE", "epilogue")
+if _RANK_UPDATE not in ("epilogue", "cublas", "kernel"):
+    raise ValueError(f"LORAQ_RANK_UPDATE must be 'epilogue', 'cublas' or 'kernel', not {_RANK_UPDATE!r}")
 _salts = itertools.count(1)
 _seeds: dict[torch.device, torch.Tensor] = {}
 
@@ -97,6 +101,32 @@ def rank_update_(
         _lib.check(rc, "loraq_rank_update")
 
 
+def _scaled_block_diag(
+    b_list: Sequence[torch.Tensor], scales: Sequence[float], dtype: torch.dtype
+) -> torch.Tensor:
+    """D = blockdiag(s_1·B_1ᵀ, s_2·B_2ᵀ, ...) (R, N) in dtype: xa·D is every adapter's LoRA term
+    side by side, and dY·Dᵀ every adapter's s_j·dY_j·B_j. One scale-and-cast kernel per adapter."""
+    ranks = [b.shape[1] for b in b_list]
+    widths = [b.shape[0] for b in b_list]
+    make = torch.empty if len(b_list) == 1 else torch.zeros
+    d = make(sum(ranks), sum(widths), dtype=dtype, device=b_list[0].device)
+    col = r0 = 0
+    for b, s, r, n in zip(b_list, scales, ranks, widths, strict=True):
+        torch.mul(b.detach().t(), s, out=d[r0 : r0 + r, col : col + n])
+        col += n
+        r0 += r
+    return d
+
+
+def _accumulates_in_epilogue(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether the base GEMM can add into the LoRA term in place: the "epilogue" mode, and the
+    GEMM runs in the operands' own dtype (no autocast cast, which addmm_ does not do)."""
+    if _RANK_UPDATE != "epilogue" or a.dtype != weight.dtype or (bias is not None and bias.dtype != a.dtype):
+        return False
+    kind = a.device.type
+    return not torch.is_autocast_enabled(kind) or torch.get_autocast_dtype(kind) == a.dtype
+
+
 class LoRALinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -126,56 +156,52 @@ class LoRALinearFunction(torch.autograd.Function):
             salt = next(_salts)
             xd = dropout(x2, dropout_p, seed, salt)
 
-        y = torch.nn.functional.linear(x2, weight, bias)  # (M, N)
         a_cat = torch.cat(a_list) if len(a_list) > 1 else a_list[0]  # (R, K)
         # adapters in the activation dtype, cast once per call and kept for the backward:
-        # A (R, K) and s_j·B_jᵀ (r_j, N_j), the scale folded in (one kernel each)
+        # A (R, K) and D = blockdiag(s_j·B_jᵀ) (R, N), the scales folded in
         a_act = a_cat.detach().to(x.dtype)
-        bs_act = [
-            torch.mul(b.detach().t(), s, out=torch.empty(r, n, dtype=x.dtype, device=x.device))
-            for b, r, n, s in zip(b_list, ranks, widths, scales, strict=True)
-        ]
+        d_act = _scaled_block_diag(b_list, scales, x.dtype)
         xa = xd @ a_act.t()  # (M, R): one read of x for every adapter
-        col = r0 = 0
-        for bs, r, n in zip(bs_act, ranks, widths, strict=True):
-            rank_update_(y, col, n, xa, r0, r, bs, 1.0)
-            col += n
-            r0 += r
+        if _accumulates_in_epilogue(x2, weight, bias):
+            y = torch.addmm(bias, xa, d_act) if bias is not None else xa @ d_act  # (M, N) LoRA term
+            y.addmm_(x2, weight.t())  # + x·Wᵀ, beta = 1
+        else:
+            y = torch.nn.functional.linear(x2, weight, bias)  # (M, N)
+            col = r0 = 0
+            for r, n in zip(ranks, widths, strict=True):
+                rank_update_(y, col, n, xa, r0, r, d_act[r0 : r0 + r, col : col + n], 1.0)
+                col += n
+                r0 += r
 
-        ctx.save_for_backward(x2, weight, xa, seed, a_act, *bs_act, *adapters)
+        ctx.save_for_backward(x2, weight, xa, seed, a_act, d_act, *adapters)
         ctx.meta = (lead, scales, dropout_p, salt, ranks, widths, bias is not None)
         return y.view(*lead, n_total)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         lead, scales, dropout_p, salt, ranks, widths, has_bias = ctx.meta
-        x2, weight, xa, seed, a_act, *rest = ctx.saved_tensors
-        bs_act, adapters = rest[: len(ranks)], rest[len(ranks) :]
+        x2, weight, xa, seed, a_act, d_act, *adapters = ctx.saved_tensors
         a_list = adapters[0::2]
         b_list = adapters[1::2]
         n_total, k = weight.shape
         dy2 = dy.reshape(-1, n_total).contiguous()
         need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
 
-        # U = [s_j · dY_j · B_j] (M, R) in the activation dtype
-        u_parts = []
-        col = 0
-        for bs, n in zip(bs_act, widths, strict=True):
-            u_parts.append(dy2[:, col : col + n] @ bs.t())  # (M, r_j)
-            col += n
-        u = torch.cat(u_parts, dim=1) if len(u_parts) > 1 else u_parts[0]
+        u = dy2 @ d_act.t()  # (M, R) = [s_j · dY_j · B_j], one GEMM for every adapter
         r_total = u.shape[1]
 
         dx = None
         if need_x:
-            dx = dy2 @ weight  # (M, K)
-            if dropout_p == 0:
+            if dropout_p == 0 and _accumulates_in_epilogue(dy2, weight):
+                dx = u @ a_act  # (M, K) LoRA term
+                dx.addmm_(dy2, weight)  # + dY·W, beta = 1
+            elif dropout_p == 0:
+                dx = dy2 @ weight  # (M, K)
                 rank_update_(dx, 0, k, u, 0, r_total, a_act, 1.0)  # A (R, K)
             else:
                 # d/dx of drop(x)·Aᵀ is mask/(1-p) ⊙ (U·A): form U·A, mask it like the forward
-                lora_dx = torch.zeros_like(dx)
-                rank_update_(lora_dx, 0, k, u, 0, r_total, a_act, 1.0)
-                dx += dropout(lora_dx, dropout_p, seed, salt)
+                dx = dy2 @ weight
+                dx += dropout(u @ a_act, dropout_p, seed, salt)
             dx = dx.view(*lead, k)
 
         xd = x2 if dropout_p == 0 else dropout(x2, dropout_p, seed, salt)
