@@ -1,0 +1,66 @@
+"""The LoRA op's three orders of adding the LoRA term agree with the reference.
+
+With dropout off, the "epilogue" (LoRA term first, base GEMM with beta = 1) and "cublas" (base GEMM
+first, rank update after) orders are plain torch GEMMs, so the op's forward and backward are
+checked here on the CPU in fp64; the GPU run of the same checks, and of the "kernel" order, is
+`scripts/gpu_check.py ops`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_kernels import reference
+from gpu_kernels.ops import lora as lora_ops
+
+
+def _case(
+    widths: list[int], ranks: list[int], bias: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(sum(widths) * 7 + len(ranks))
+    k = 29
+    x = torch.randn(3, 11, k, generator=g, dtype=torch.float64)
+    w = torch.randn(sum(widths), k, generator=g, dtype=torch.float64)
+    b = torch.randn(sum(widths), generator=g, dtype=torch.float64) if bias else None
+    ab = [
+        t
+        for n, r in zip(widths, ranks, strict=True)
+        for t in (
+            torch.randn(r, k, generator=g, dtype=torch.float64),
+            torch.randn(n, r, generator=g, dtype=torch.float64),
+        )
+    ]
+    dy = torch.randn(3, 11, sum(widths), generator=g, dtype=torch.float64)
+    return x, w, b, dy, ab
+
+
+@pytest.mark.parametrize("order", ["epilogue", "cublas"])
+@pytest.mark.parametrize(("widths", "ranks", "bias"), [([37], [4], False), ([40, 12, 12], [4, 3, 5], True)])
+def test_lora_op_matches_reference(
+    order: str, widths: list[int], ranks: list[int], bias: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(lora_ops, "_RANK_UPDATE", order)
+    scales = [0.5, 2.0, 1.5][: len(widths)]
+    x, w, b, dy, ab = _case(widths, ranks, bias)
+    grads = []
+    for fn in (lora_ops.lora_linear_grouped, reference.lora_linear_grouped):
+        leaves = [t.clone().requires_grad_(True) for t in (x, *ab)]
+        adapters = [(leaves[1 + 2 * j], leaves[2 + 2 * j], s) for j, s in enumerate(scales)]
+        y = fn(leaves[0], w, b, adapters)
+        y.backward(dy)
+        grads.append([y.detach(), *(t.grad for t in leaves)])
+    for ours, ref in zip(*grads, strict=True):
+        torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_epilogue_order_is_used_only_when_the_gemm_keeps_the_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lora_ops, "_RANK_UPDATE", "epilogue")
+    x = torch.zeros(2, 4, dtype=torch.bfloat16)
+    assert lora_ops._accumulates_in_epilogue(x, torch.zeros(3, 4, dtype=torch.bfloat16))
+    assert not lora_ops._accumulates_in_epilogue(x, torch.zeros(3, 4))  # fp32 weight: F.linear path
+    assert not lora_ops._accumulates_in_epilogue(x, torch.zeros(3, 4, dtype=torch.bfloat16), torch.zeros(3))
+    with torch.autocast("cpu", dtype=torch.float16):  # autocast would cast: addmm_ would not
+        assert not lora_ops._accumulates_in_epilogue(x, torch.zeros(3, 4, dtype=torch.bfloat16))
+    monkeypatch.setattr(lora_ops, "_RANK_UPDATE", "cublas")
+    assert not lora_ops._accumulates_in_epilogue(x, torch.zeros(3, 4, dtype=torch.bfloat16))
