@@ -114,6 +114,17 @@ def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
     return swiglu(gate, up)
 
 
+def rope_head_size(width: int, n_heads: int, n_kv_heads: int) -> int:
+    """The head size D of packed q/k/v rows of `width` = (H + 2G)·D features."""
+    heads = n_heads + 2 * n_kv_heads
+    if n_heads < 1 or n_kv_heads < 1 or width % heads:
+        raise ValueError(
+            f"packed q/k/v width {width} is not a whole number of heads: "
+            f"n_heads={n_heads} + 2·n_kv_heads={n_kv_heads} = {heads} heads"
+        )
+    return width // heads
+
+
 def rope_qkv(
     qkv: torch.Tensor,  # (B, S, (H + 2G)·D): a token's q, k and v heads side by side
     cos: torch.Tensor,  # (1 or B, S, D)
@@ -125,7 +136,7 @@ def rope_qkv(
 
     Returns q (B, H, S, D), k and v (B, G, S, D): attention's layout, as views of (B, S, ·, D)."""
     b, s, width = qkv.shape
-    d = width // (n_heads + 2 * n_kv_heads)
+    d = rope_head_size(width, n_heads, n_kv_heads)
     x = qkv.view(b, s, n_heads + 2 * n_kv_heads, d)
     q, k, v = x.split([n_heads, n_kv_heads, n_kv_heads], dim=2)
     c, sn = _acc(cos).unsqueeze(2), _acc(sin).unsqueeze(2)  # (·, S, 1, D)

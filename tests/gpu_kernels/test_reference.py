@@ -121,3 +121,11 @@ def test_rope_qkv_matches_hugging_face_rotary_embedding() -> None:
     torch.testing.assert_close(q, want_q, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(k, want_k, rtol=1e-12, atol=1e-12)
     assert torch.equal(v, hf_v)
+
+
+def test_rope_qkv_names_a_width_that_is_not_whole_heads() -> None:
+    qkv = torch.zeros(1, 2, 6 * 8 + 1)  # 4 q heads + 2·1 kv heads of 8, one feature too many
+    cos = sin = torch.zeros(1, 2, 8)
+    with pytest.raises(ValueError, match=r"width 49 is not a whole number of heads"):
+        reference.rope_qkv(qkv, cos, sin, 4, 1)
+    assert reference.rope_head_size(48, 4, 1) == 8
