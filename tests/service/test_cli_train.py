@@ -35,7 +35,10 @@ def _setup(tmp_path: Path, max_steps: int) -> Path:
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
-    return {**os.environ, "LORAQ_DATA_DIR": str(tmp_path / "var"), "PYTHONPATH": str(REPO)}
+    # a wide "terminal": rich wraps error panels at its width (80 without a tty), which would
+    # split the long tmp paths in the messages the tests match
+    wide = {"COLUMNS": "1000", "TERMINAL_WIDTH": "1000"}
+    return {**os.environ, **wide, "LORAQ_DATA_DIR": str(tmp_path / "var"), "PYTHONPATH": str(REPO)}
 
 
 def test_train_runs_and_exports_an_adapter(tmp_path: Path) -> None:
