@@ -192,16 +192,19 @@ class LoRALinearFunction(torch.autograd.Function):
 
         dx = None
         if need_x:
-            if dropout_p == 0 and _accumulates_in_epilogue(dy2, weight):
-                dx = u @ a_act  # (M, K) LoRA term
-                dx.addmm_(dy2, weight)  # + dY·W, beta = 1
-            elif dropout_p == 0:
+            epilogue = _accumulates_in_epilogue(dy2, weight)
+            if dropout_p == 0 and not epilogue:
                 dx = dy2 @ weight  # (M, K)
                 rank_update_(dx, 0, k, u, 0, r_total, a_act, 1.0)  # A (R, K)
             else:
-                # d/dx of drop(x)·Aᵀ is mask/(1-p) ⊙ (U·A): form U·A, mask it like the forward
-                dx = dy2 @ weight
-                dx += dropout(u @ a_act, dropout_p, seed, salt)
+                dx = u @ a_act  # (M, K) LoRA term
+                if dropout_p > 0:
+                    # d/dx of drop(x)·Aᵀ is mask/(1-p) ⊙ (U·A): mask it like the forward
+                    dx = dropout(dx, dropout_p, seed, salt)
+                if epilogue:
+                    dx.addmm_(dy2, weight)  # + dY·W, beta = 1
+                else:
+                    dx += dy2 @ weight
             dx = dx.view(*lead, k)
 
         xd = x2 if dropout_p == 0 else dropout(x2, dropout_p, seed, salt)

@@ -1,9 +1,9 @@
 """The LoRA op's three orders of adding the LoRA term agree with the reference.
 
-With dropout off, the "epilogue" (LoRA term first, base GEMM with beta = 1) and "cublas" (base GEMM
-first, rank update after) orders are plain torch GEMMs, so the op's forward and backward are
-checked here on the CPU in fp64; the GPU run of the same checks, and of the "kernel" order, is
-`scripts/gpu_check.py ops`.
+The "epilogue" (LoRA term first, base GEMM with beta = 1) and "cublas" (base GEMM first, rank
+update after) orders are plain torch GEMMs, so the op's forward and backward are checked here on
+the CPU in fp64 (with dropout, its hash mask by the reference twin); the GPU run of the same
+checks, and of the "kernel" order, is `scripts/gpu_check.py ops`.
 """
 
 from __future__ import annotations
@@ -64,3 +64,36 @@ def test_epilogue_order_is_used_only_when_the_gemm_keeps_the_dtype(monkeypatch: 
         assert not lora_ops._accumulates_in_epilogue(x, torch.zeros(3, 4, dtype=torch.bfloat16))
     monkeypatch.setattr(lora_ops, "_RANK_UPDATE", "cublas")
     assert not lora_ops._accumulates_in_epilogue(x, torch.zeros(3, 4, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("order", ["epilogue", "cublas"])
+def test_lora_op_with_dropout_matches_the_masked_formula(order: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dropout path with the compiled mask stood in by its reference twin (gpu_check shows the
+    kernel's mask equals reference.dropout_mask exactly): y = x·Wᵀ + b + Σ s_j·(drop(x)·A_jᵀ)·B_jᵀ,
+    where forward and backward must draw the same mask."""
+    masks: list[torch.Tensor] = []
+
+    def hash_dropout(x: torch.Tensor, p: float, seed: torch.Tensor, salt: int) -> torch.Tensor:
+        keep = reference.dropout_mask(x.numel(), p, int(seed), salt).view(x.shape)
+        masks.append(keep)
+        return torch.where(keep, x / (1.0 - p), 0.0)
+
+    monkeypatch.setattr(lora_ops, "_RANK_UPDATE", order)
+    monkeypatch.setattr(lora_ops, "dropout", hash_dropout)
+    p, scales = 0.3, [0.5, 2.0, 1.5]
+    x, w, b, dy, ab = _case([40, 12, 12], [4, 3, 5], True)
+    leaves = [t.clone().requires_grad_(True) for t in (x, *ab)]
+    adapters = [(leaves[1 + 2 * j], leaves[2 + 2 * j], s) for j, s in enumerate(scales)]
+    y = lora_ops.lora_linear_grouped(leaves[0], w, b, adapters, dropout_p=p, training=True)
+    y.backward(dy)
+    ours = [y.detach(), *(t.grad for t in leaves)]
+    # drop(x) in the forward, then the backward's masked U·A and regenerated drop(x): one mask
+    assert len(masks) == 3 and all(torch.equal(m, masks[0]) for m in masks[1:])
+
+    ref_leaves = [t.clone().requires_grad_(True) for t in (x, *ab)]
+    xd = torch.where(masks[0].view(x.shape), ref_leaves[0] / (1.0 - p), 0.0)
+    lora = [s * xd @ ref_leaves[1 + 2 * j].t() @ ref_leaves[2 + 2 * j].t() for j, s in enumerate(scales)]
+    y_ref = ref_leaves[0] @ w.t() + b + torch.cat(lora, dim=-1)
+    y_ref.backward(dy)
+    for got, want in zip(ours, [y_ref.detach(), *(t.grad for t in ref_leaves)], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
