@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 from service.db.models import File, Job, is_id, new_id
 from service.errors import ConflictError, InvalidRequestError, NotFoundError
 from service.jobs import ACTIVE
-from service.storage import FileStore, StoredObject, file_key
+from service.storage import FileStore, StoredObject, file_key, put_bytes
 
 UPLOAD_PURPOSES = ("fine-tune",)
 ALL_PURPOSES = ("fine-tune", "fine-tune-results")
@@ -52,6 +52,17 @@ def create_file(
     session.add(row)
     session.flush()
     return row
+
+
+def create_file_from_bytes(
+    session: Session, *, tenant_id: str, filename: str, purpose: str, content: bytes
+) -> File:
+    """Store `content` under a new file id, then record it (create_file)."""
+    file_id = new_file_id()
+    stored = put_bytes(file_key(tenant_id, file_id), content)
+    return create_file(
+        session, tenant_id=tenant_id, file_id=file_id, filename=filename, purpose=purpose, stored=stored
+    )
 
 
 def get_file(session: Session, *, tenant_id: str, file_id: str) -> File:

@@ -21,15 +21,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 from service.errors import PayloadTooLargeError, StorageError
 from service.settings import get_settings
-
-if TYPE_CHECKING:
-    from sqlalchemy.orm import Session
-
-    from service.db.models import File
 
 CHUNK_BYTES = 1 << 20
 
@@ -225,24 +219,3 @@ def extract_zip(key: str, dest: Path) -> Path:
 
 def file_key(tenant_id: str, file_id: str) -> str:
     return f"files/{tenant_id}/{file_id}"
-
-
-def create_result_file(session: Session, *, tenant_id: str, filename: str, content: bytes) -> File:
-    """Store `content` as a `fine-tune-results` file of the tenant (the job's metrics CSV)."""
-    from service.db.models import File, new_id
-
-    file_id = new_id("file")
-    stored = put_bytes(file_key(tenant_id, file_id), content)
-    row = File(
-        id=file_id,
-        tenant_id=tenant_id,
-        purpose="fine-tune-results",
-        filename=filename,
-        bytes=stored.size,
-        sha256=stored.sha256,
-        storage_key=stored.key,
-        status="processed",
-    )
-    session.add(row)
-    session.flush()
-    return row

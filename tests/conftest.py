@@ -158,27 +158,16 @@ class ApiClient:
         return job
 
 
-def store_file(tenant_id: str, data: bytes, filename: str = "train.jsonl") -> str:
-    """A fine-tune file row plus its bytes in the store, as POST /v1/files leaves them; its id."""
-    from service import storage
-    from service.db.models import File, new_id
+def store_file(tenant_id: str, data: bytes, filename: str = "train.jsonl", purpose: str = "fine-tune") -> str:
+    """A file row plus its bytes in the store, as POST /v1/files leaves them (without its
+    validation, so a test can store a bad dataset); its id."""
+    from service import files
     from service.db.session import session_scope
 
-    file_id = new_id("file")
-    stored = storage.put_bytes(storage.file_key(tenant_id, file_id), data)
     with session_scope() as s:
-        s.add(
-            File(
-                id=file_id,
-                tenant_id=tenant_id,
-                purpose="fine-tune",
-                filename=filename,
-                bytes=stored.size,
-                sha256=stored.sha256,
-                storage_key=stored.key,
-            )
-        )
-    return file_id
+        return files.create_file_from_bytes(
+            s, tenant_id=tenant_id, filename=filename, purpose=purpose, content=data
+        ).id
 
 
 def job_body(file_id: str, **spec: Any) -> dict[str, Any]:

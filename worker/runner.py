@@ -28,7 +28,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Literal
 
-from service import jobs, storage
+from service import files, jobs, storage
 from service.db.session import session_scope
 from service.settings import Settings, get_settings
 from worker import metrics as worker_metrics
@@ -333,10 +333,11 @@ def _succeed(claim: jobs.Claim, result: TrainResult) -> str:
     )
     with session_scope() as session:
         rows = jobs.metric_rows(session, job_id=claim.job_id)
-        results_file = storage.create_result_file(
+        results_file = files.create_file_from_bytes(
             session,
             tenant_id=claim.tenant_id,
             filename=f"{claim.job_id}-results.csv",
+            purpose="fine-tune-results",
             content=metrics_csv(rows),
         )
         ok = jobs.finish(

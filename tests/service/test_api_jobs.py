@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import redis
 
-from service import jobs, storage
+from service import files, jobs, storage
 from service.db.session import session_scope
 from tests.conftest import DATASET, REDIS_URL, ApiClient, LoraqEnv, job_body
 from tests.service.test_api_files import assert_error
@@ -173,8 +173,12 @@ def run_job_to_success(api: ApiClient, job_id: str, steps: int = 3) -> None:
         text = "step,train_loss,train_accuracy,valid_loss,valid_mean_token_accuracy\n" + "".join(
             f"{r['step']},{r['train_loss']},,,\n" for r in rows
         )
-        results = storage.create_result_file(
-            s, tenant_id=c.tenant_id, filename="results.csv", content=text.encode()
+        results = files.create_file_from_bytes(
+            s,
+            tenant_id=c.tenant_id,
+            filename="results.csv",
+            purpose="fine-tune-results",
+            content=text.encode(),
         )
         assert jobs.finish(
             s,

@@ -9,31 +9,18 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from service import jobs, storage
-from service.db.models import Artifact, File, Job, JobEvent, JobMetric, new_id
+from service import files, jobs, storage
+from service.db.models import Artifact, File, Job, JobEvent, JobMetric
 from service.db.session import session_scope
 from service.errors import InvalidRequestError, NotFoundError
 from service.schemas import JobCreate
-from tests.conftest import DATASET, LoraqEnv, job_body, make_tenant_key
+from tests.conftest import DATASET, LoraqEnv, job_body, make_tenant_key, store_file
 from worker.engine.types import StepMetrics
 
 
 def add_file(tenant_id: str, purpose: str = "fine-tune") -> tuple[str, str]:
-    file_id = new_id("file")
-    stored = storage.put_bytes(storage.file_key(tenant_id, file_id), DATASET)
-    with session_scope() as s:
-        s.add(
-            File(
-                id=file_id,
-                tenant_id=tenant_id,
-                purpose=purpose,
-                filename="d.jsonl",
-                bytes=stored.size,
-                sha256=stored.sha256,
-                storage_key=stored.key,
-            )
-        )
-    return file_id, stored.key
+    file_id = store_file(tenant_id, DATASET, "d.jsonl", purpose)
+    return file_id, storage.file_key(tenant_id, file_id)
 
 
 def new_job(tenant_id: str, file_id: str, **spec: Any) -> str:
@@ -256,7 +243,9 @@ def test_finish_records_adapter_and_results_artifacts(tenant: str) -> None:
     assert c is not None
     adapter = storage.put_bytes(f"jobs/{job_id}/adapter.zip", b"PK-not-really")
     with session_scope() as s:
-        results = storage.create_result_file(s, tenant_id=tenant, filename="r.csv", content=b"step\n1\n")
+        results = files.create_file_from_bytes(
+            s, tenant_id=tenant, filename="r.csv", purpose="fine-tune-results", content=b"step\n1\n"
+        )
         assert jobs.finish(
             s,
             claim=c,
