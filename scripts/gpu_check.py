@@ -621,13 +621,13 @@ def bench_attention(
 
         def ours(qkv=qkv, cos=cos, sin=sin, heads=heads, kv=kv, b=b, s=s):  # type: ignore[no-untyped-def]
             q, k, v = rope.rope_qkv(qkv, cos, sin, heads, kv)
-            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            o = sdpa(q, k, v, is_causal=True, enable_gqa=True)
             return o.transpose(1, 2).reshape(b, s, -1)
 
         def hf(qkv=qkv, cos=cos, sin=sin, heads=heads, kv=kv, b=b, s=s, d=d):  # type: ignore[no-untyped-def]
             q, k, v = (t.transpose(1, 2) for t in qkv.view(b, s, -1, d).split([heads, kv, kv], dim=2))
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            o = sdpa(q, k, v, is_causal=True, enable_gqa=True)
             return o.transpose(1, 2).reshape(b, s, -1).contiguous()
 
         label = f"B{b} S{s} H{heads} G{kv} D{d}"
