@@ -1,21 +1,24 @@
-# `make up` and `make test` each create .venv and install what they need.
+# `make up` and `make test` each create .venv and install what they need, from the hashed lock
+# requirements/cpu.txt (regenerate it with `make lock`; see the README's "Moving the lock forward").
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+LOCK := requirements/cpu.txt
 
-.PHONY: up test lint typecheck install clean
+.PHONY: up test test-latest lint typecheck install lock clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# torch first: the CPU build on disk; a looser range would pull a multi-GB CUDA wheel
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	# Exactly the locked bytes: every package pinned and hash-checked, nothing resolved here.
+	# torch is the CPU build on disk (torch==2.13.0+cpu), never a multi-GB CUDA wheel.
+	$(PY) -m pip install -q --require-hashes --no-deps -r $(LOCK)
+	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
 install: $(STAMP)
 
 up: $(STAMP)
+	@echo "loraq is at $(abspath $(VENV))/bin/loraq (or: source $(VENV)/bin/activate)"
 	$(VENV)/bin/loraq up
 
 lint: $(STAMP)
@@ -29,5 +32,14 @@ typecheck: $(STAMP)
 test: $(STAMP) lint typecheck
 	$(VENV)/bin/pytest -q
 
+# Regenerate requirements/{api,cpu,cuda}.txt from pyproject.toml (UPGRADE=1: newest allowed).
+lock: $(STAMP)
+	UV=$(VENV)/bin/uv bash scripts/lock.sh
+
+# The suite on the newest versions pyproject.toml allows, in a throwaway venv; prints what
+# differs from the lock. Green here + `make lock UPGRADE=1` = a reviewed upgrade.
+test-latest:
+	bash scripts/test_latest.sh
+
 clean:
-	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-latest var .pytest_cache .mypy_cache .ruff_cache

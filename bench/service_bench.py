@@ -38,6 +38,8 @@ from typing import Any
 import httpx
 import psutil
 
+from worker.engine.versions import package_versions
+
 ROOT = Path(__file__).resolve().parents[1]
 TERMINAL = {"succeeded", "failed", "cancelled"}
 DATASET_LINE = {
@@ -320,6 +322,7 @@ def write_report(benchmark: str, args: argparse.Namespace, body: dict[str, Any])
         "git_commit": git_commit(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "device": device_info(),
+        "versions": package_versions(),
         "database": args.database_url.split("://")[0] if args.database_url else "sqlite",
         **body,
         "note": args.note,

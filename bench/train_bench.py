@@ -340,9 +340,12 @@ def main() -> int:
 
     import torch
 
+    from worker.engine.versions import package_versions
+
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
         "torch": torch.__version__,
+        "versions": package_versions(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "commit": git_commit(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),

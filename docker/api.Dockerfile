@@ -1,28 +1,25 @@
 # syntax=docker/dockerfile:1.7
 # The API image: FastAPI control plane, database migrations on start. No CUDA, no torch.
 #
-# Why no torch: the `loraq` distribution depends on torch, transformers, safetensors, tokenizers
-# and gguf because workers train with them, but the API process never imports them (import-linter
-# contract "API never imports torch"; tests/deploy/test_api_image_deps.py imports the app with
-# those modules blocked). Installing them would add about 1 GB (CPU torch alone) for nothing, so
-# dependencies come from pyproject.toml minus WORKER_ONLY_DEPS and the package itself is installed
-# with --no-deps.
+# Why no torch: the `loraq` distribution's own dependencies are the control plane; torch,
+# transformers, safetensors, tokenizers and gguf are the `worker` extra, which the API never
+# imports (import-linter contract "API never imports torch"; tests/deploy/test_api_image_deps.py
+# imports the app with those modules blocked). They would add about 1 GB for nothing.
+# Dependencies come from the hashed lock requirements/api.txt (`make lock`): every image built
+# from one commit gets the same bytes. The package itself is installed with --no-deps.
 #
 # Build: docker build -f docker/api.Dockerfile -t loraq-api .
 
 ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
-ARG WORKER_ONLY_DEPS="torch transformers safetensors tokenizers gguf"
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH
 RUN python -m venv /opt/venv
 WORKDIR /app
 # Dependencies first, in their own layer: a source change does not reinstall them.
+COPY requirements/api.txt requirements/
+RUN pip install --require-hashes --no-deps -r requirements/api.txt
 COPY pyproject.toml README.md ./
-COPY docker/requirements_from_pyproject.py docker/
-RUN python docker/requirements_from_pyproject.py pyproject.toml --exclude ${WORKER_ONLY_DEPS} \
-      > /tmp/requirements.txt \
- && pip install -r /tmp/requirements.txt
 COPY service ./service
 COPY worker ./worker
 COPY gpu_kernels ./gpu_kernels

@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1.7
 # The GPU worker image: Celery worker(s) + training engine + Loraq's compiled CUDA kernels.
 #
-# CUDA 13.0 devel base because torch is the cu130 build (the two must agree on the CUDA major
+# CUDA 13.0 devel base because the locked torch is a CUDA 13.0 build (the two must agree on the CUDA major
 # version; the host driver must be >= 580) and because nvcc must be present: the kernels are
 # compiled ahead of time below for the architectures in CUDA_ARCHS, and a GPU of another
 # architecture can still compile them at start instead of failing. Python is Ubuntu 24.04's 3.12.
@@ -12,21 +12,19 @@
 ARG CUDA_IMAGE=nvidia/cuda:13.0.2-devel-ubuntu24.04
 
 FROM ${CUDA_IMAGE} AS build
-ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv python3-dev \
  && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/venv
-# torch alone, from the CUDA index, in its own (largest) layer; nothing below may replace it.
-RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 WORKDIR /app
+# Everything from the hashed lock requirements/cuda.txt (`make lock`, Python 3.12): torch is
+# PyPI's CUDA build, whose nvidia-cuda-runtime pin names the CUDA it needs; its major.minor
+# must be the base image's (tests/deploy/test_dockerfiles.py checks it).
+COPY requirements/cuda.txt requirements/
+RUN pip install --require-hashes --no-deps -r requirements/cuda.txt
 COPY pyproject.toml README.md ./
-COPY docker/requirements_from_pyproject.py docker/
-RUN python docker/requirements_from_pyproject.py pyproject.toml --exclude torch > /tmp/requirements.txt \
- && pip install -r /tmp/requirements.txt
 COPY service ./service
 COPY worker ./worker
 COPY gpu_kernels ./gpu_kernels

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gpu_kernels
 from gpu_kernels import reference
+from worker.engine.versions import package_versions
 
 BOUNDS = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 RESULTS: list[dict[str, Any]] = []
@@ -760,6 +761,7 @@ def header() -> dict[str, Any]:
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
+        "versions": package_versions(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "commit": os.environ.get("LORAQ_COMMIT", "unknown"),
         "kernels": gpu_kernels.available().__dict__,

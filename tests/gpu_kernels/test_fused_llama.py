@@ -137,3 +137,44 @@ def test_fused_attention_takes_the_rope_path_and_falls_back_with_a_mask(
         atol=1e-5,
     )
     assert calls == []
+
+
+def test_generation_with_a_kv_cache_matches_the_unwrapped_model(
+    base: torch.nn.Module, force_compiled: None
+) -> None:
+    """Greedy decoding updates and reads Hugging Face's KV cache under whatever name the installed
+    transformers passes it (`cache` from 5.24, `past_key_values` before): the fused attention must
+    hand every cached step to Hugging Face's forward, or it would attend to the new token alone."""
+    plain, fused = copy.deepcopy(base).eval(), copy.deepcopy(base).eval()
+    assert fused_llama.fuse_llama(fused).attentions == fused.config.num_hidden_layers
+    prompt = torch.randint(0, 400, (2, 7), generator=torch.Generator().manual_seed(8))
+    settings = {"max_new_tokens": 6, "do_sample": False, "use_cache": True, "pad_token_id": 0}
+    with torch.no_grad():
+        want = plain.generate(input_ids=prompt, output_scores=True, return_dict_in_generate=True, **settings)
+        got = fused.generate(input_ids=prompt, output_scores=True, return_dict_in_generate=True, **settings)
+    assert torch.equal(got.sequences, want.sequences)
+    for g, w in zip(got.scores, want.scores, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", fused_llama.KV_CACHE_ARGS)
+def test_a_cache_under_any_name_leaves_the_fast_path(
+    base: torch.nn.Module, force_compiled: None, name: str
+) -> None:
+    from transformers.cache_utils import DynamicCache
+
+    model = copy.deepcopy(base)
+    fused_llama.fuse_llama(model)
+    attn = model.model.layers[0].self_attn
+    assert attn._fast_group(None, {}) is not None
+    assert attn._fast_group(None, {name: DynamicCache()}) is None
+    assert attn._fast_group(None, {"some_future_name": DynamicCache()}) is None
+
+
+def test_an_attention_without_the_keywords_is_left_unfused() -> None:
+    class OddAttention(torch.nn.Module):
+        def forward(self, x: torch.Tensor, cos_sin: object, mask: object) -> torch.Tensor:
+            return x
+
+    reason = fused_llama.hf_attention_signature_ok(OddAttention())
+    assert reason is not None and "hidden_states" in reason

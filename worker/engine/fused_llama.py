@@ -14,7 +14,8 @@ checkpoints, PEFT export and the optimizer see exactly the same parameters.
 
 - LlamaAttention -> FusedLlamaAttention: the grouped q/k/v output goes through one RoPE kernel
   that splits and rotates it (gpu_kernels.rope_qkv), then SDPA with native grouped-query heads;
-  Hugging Face's forward still runs whenever the fast path does not apply (a mask, a KV cache)
+  Hugging Face's forward, called by keyword, still runs whenever the fast path does not apply
+  (a mask, a KV cache under any of its names)
 
 Called outside FusedLlamaAttention, the first of q/k/v computes all three and hands the other two
 their (view) outputs, which they return when called with the same input tensor.
@@ -22,6 +23,7 @@ their (view) outputs, which they return when called with the same input tensor.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.cache_utils import Cache
 
 import gpu_kernels
 from worker.engine.lora import LoRALinear
@@ -129,6 +132,32 @@ class FusedSwiGLUMLP(nn.Module):
         return self.down_proj(gpu_kernels.swiglu_packed(gate_up))
 
 
+# Names under which Hugging Face's attention has taken the KV cache: `past_key_value` (4.x),
+# `past_key_values` (4.56-5.23), `cache` (5.24+). Any of them set means decoding with a cache,
+# which the fast path (no cache update, causal over the call's own tokens) must never serve.
+KV_CACHE_ARGS = ("cache", "past_key_values", "past_key_value")
+# Keywords the fused forward hands to Hugging Face's by name: the installed signature must have them.
+_HF_KEYWORDS = ("hidden_states", "position_embeddings", "attention_mask")
+
+
+def uses_kv_cache(kwargs: dict[str, Any]) -> bool:
+    if any(kwargs.get(name) is not None for name in KV_CACHE_ARGS):
+        return True
+    return any(isinstance(value, Cache) for value in kwargs.values())
+
+
+def hf_attention_signature_ok(attn: nn.Module) -> str | None:
+    """None when Hugging Face's attention forward can be called by keyword as the fused module
+    does; otherwise why not (the module is then left unfused). Inspected once, at wrap time."""
+    params = inspect.signature(type(attn).forward).parameters
+    missing = [name for name in _HF_KEYWORDS if name not in params]
+    if missing:
+        return f"{type(attn).__name__}.forward has no parameter {', '.join(missing)}"
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return f"{type(attn).__name__}.forward takes no **kwargs"
+    return None
+
+
 class FusedLlamaAttention(nn.Module):
     """Llama self-attention on the fused path: grouped q/k/v LoRA op -> RoPE split kernel ->
     SDPA (causal, GQA without repeating k/v) -> o_proj. Same submodules and parameters as the
@@ -149,15 +178,15 @@ class FusedLlamaAttention(nn.Module):
         self.o_proj: nn.Module = attn.o_proj
         self.hf_forward: Callable[..., tuple[torch.Tensor, Any]] = type(attn).forward
 
-    def _fast_group(
-        self, attention_mask: Any, past_key_values: Any, kwargs: dict[str, Any]
-    ) -> LoRAGroup | None:
+    def _fast_group(self, attention_mask: Any, kwargs: dict[str, Any]) -> LoRAGroup | None:
+        """The q/k/v group when the fast path applies: no mask and no KV cache in play (under
+        any name a supported transformers version uses, or any argument that is a Cache)."""
         group: LoRAGroup | None = getattr(self.q_proj, "group", None)
         if (
             group is None
             or group.members != [self.q_proj, self.k_proj, self.v_proj]
             or attention_mask is not None
-            or past_key_values is not None
+            or uses_kv_cache(kwargs)
             or kwargs.get("output_attentions")
             or (self.training and self.attention_dropout > 0)
         ):
@@ -169,13 +198,21 @@ class FusedLlamaAttention(nn.Module):
         hidden_states: torch.Tensor,  # (B, S, d)
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin (B, S, D)
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Any = None,
+        *args: Any,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, Any]:
-        group = self._fast_group(attention_mask, past_key_values, kwargs)
+        group = None if args else self._fast_group(attention_mask, kwargs)
         if group is None or position_embeddings is None:
+            if args:  # a caller that passes more positionally follows the installed signature
+                return self.hf_forward(
+                    self, hidden_states, position_embeddings, attention_mask, *args, **kwargs
+                )
             return self.hf_forward(
-                self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs
+                self,
+                hidden_states=hidden_states,
+                position_embeddings=position_embeddings,
+                attention_mask=attention_mask,
+                **kwargs,
             )
         b, s, _ = hidden_states.shape
         n_heads, n_kv = self.n_heads, self.n_kv_heads
@@ -243,9 +280,12 @@ def fuse_llama(model: nn.Module) -> FuseReport:
         elif cls.endswith("Attention") and hasattr(module, "q_proj"):
             if _group(module, ["q_proj", "k_proj", "v_proj"]) is not None:
                 report.qkv_groups += 1
-                if cls == "LlamaAttention" and module.head_dim % 2 == 0:
+                unfit = hf_attention_signature_ok(module) if cls == "LlamaAttention" else cls
+                if unfit is None and module.head_dim % 2 == 0:
                     setattr(parent, leaf, FusedLlamaAttention(module))
                     report.attentions += 1
+                elif unfit is not None and cls == "LlamaAttention":
+                    report.skipped.append(f"{name}: {unfit}")
             else:
                 report.skipped.append(f"{name}: q/k/v are not all LoRA layers of one kind")
         elif cls.endswith("MLP") and hasattr(module, "gate_proj"):
