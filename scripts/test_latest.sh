@@ -8,10 +8,9 @@ VENV="${LATEST_VENV:-.venv-latest}"
 rm -rf "$VENV"
 python3 -m venv "$VENV"
 PY="$VENV/bin/python"
-# torch: the newest CPU build on this machine's disk that the range admits (no CUDA download).
 "$PY" -m pip install -q --upgrade pip
-"$PY" -m pip install -q --upgrade --upgrade-strategy eager "torch>=2.4,<2.15" \
-  --only-binary=:all: --find-links "${PIP_FIND_LINKS:-/opt/wheels}"
+# torch: pip sees the CPU build on this machine's disk through PIP_FIND_LINKS and prefers it
+# (2.13.0+cpu sorts above 2.13.0); a range that admitted a newer torch would pull a CUDA build.
 "$PY" -m pip install -q --upgrade --upgrade-strategy eager -e '.[worker,dev]'
 "$PY" - <<'PY'
 import re
