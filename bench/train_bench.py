@@ -321,8 +321,31 @@ def main() -> int:
         "--cell", nargs=4, metavar=("PRESET", "VARIANT", "BATCH", "SEQ"), help=argparse.SUPPRESS
     )
     parser.add_argument("--peak", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--job",
+        action="store_true",
+        help="benchmark the job path (recipe.train) on the long-tail chat dataset against the fixed "
+        "step and HF+PEFT padded / padding-free (bench/job_bench.py); --out defaults to "
+        "bench/results/job-<gpu>-<date>.json",
+    )
+    parser.add_argument("--job-cell", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
+    if args.job_cell:
+        from bench import job_bench
+
+        try:
+            row = job_bench.run_job_cell(args.job_cell)
+        except Exception as exc:
+            import traceback
+
+            traceback.print_exc()
+            row = {"model": args.job_cell[0], "variant": args.job_cell[1], "seq": int(args.job_cell[3]),
+                   "error": repr(exc)[:800]}  # fmt: skip
+        print("ROW " + json.dumps(row), flush=True)
+        return 0
+    if args.job:
+        return run_job_mode(args)
     if args.peak:
         print("ROW " + json.dumps({"peak_tflops": matmul_peak_tflops()}), flush=True)
         return 0
@@ -386,6 +409,49 @@ def main() -> int:
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     print_table(result)
+    return 0
+
+
+def run_job_mode(args: argparse.Namespace) -> int:
+    import torch
+
+    from bench import job_bench
+    from worker.engine.versions import package_versions
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    gpu = device.split()[-1].lower().replace("/", "-") if device != "none" else "cpu"
+    date = time.strftime("%Y-%m-%d", time.gmtime())
+    out = args.out or ROOT / "bench" / "results" / f"job-{gpu}-{date}.json"
+    presets = [p for p in args.presets.split(",") if p in job_bench.JOB_SHAPES]
+    result: dict[str, Any] = {
+        "device": device,
+        "versions": package_versions(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": git_commit(),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "settings": "LoRA r=16 alpha=32 on q,k,v,o,gate,up,down; bf16 base, fp32 adapters; fused AdamW; "
+        "clip 1.0; no gradient checkpointing; job = recipe.train (packing on, checkpoint every "
+        f"{job_bench.CHECKPOINT_EVERY} steps, metric callbacks), {job_bench.JOB_WARMUP} warm-up steps "
+        "not timed; tok_s counts real (non-padding) tokens",
+        "shapes": {"job": job_bench.JOB_SHAPES, "long_context": job_bench.LONG_CONTEXT},
+        "dataset": job_bench.dataset_stats(),
+        "rows": [],
+    }
+    peak = spawn(["--peak"], 120)
+    result["peak_tflops"] = round(peak.get("peak_tflops", float("nan")), 1)
+    print(json.dumps(result["dataset"]), flush=True)
+    for cell in job_bench.cells(presets):
+        row = spawn(cell, args.cell_timeout)
+        row.setdefault("model", cell[1])
+        row.setdefault("variant", cell[2])
+        row.setdefault("seq", int(cell[4]))
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        job_bench.summarize_job(result)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(job_bench.dumps(result))
+    print(json.dumps(result["models"], indent=1))
+    print(json.dumps(result["goals"], indent=1))
     return 0
 
 

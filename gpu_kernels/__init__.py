@@ -24,6 +24,7 @@ from gpu_kernels.dispatch import (
     set_backend,
     swiglu,
     swiglu_packed,
+    varlen_attention,
 )
 from gpu_kernels.graph import GraphedStep
 from gpu_kernels.monitor import NonFiniteMonitor
@@ -46,4 +47,5 @@ __all__ = [
     "set_backend",
     "swiglu",
     "swiglu_packed",
+    "varlen_attention",
 ]

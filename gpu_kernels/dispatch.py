@@ -146,15 +146,39 @@ def rope_qkv(
 
 
 def fused_linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Mean CE of hidden·Wᵀ against targets, without materialising all logits on the GPU.
-    A trainable weight takes the reference path (the compiled one forms no weight gradient)."""
-    if _compiled(hidden, weight, targets) and _kernel_dtype(hidden) and not weight.requires_grad:
+    """Mean CE of hidden·Wᵀ against targets (or its sum times `scale`), without materialising
+    all logits on the GPU. A trainable weight takes the reference path (the compiled one forms
+    no weight gradient)."""
+    if _compiled(hidden, weight, targets, scale) and _kernel_dtype(hidden) and not weight.requires_grad:
         from gpu_kernels.ops import cross_entropy
 
-        return cross_entropy.fused_linear_cross_entropy(hidden, weight, targets, ignore_index)
-    return reference.fused_linear_cross_entropy(hidden, weight, targets, ignore_index)
+        return cross_entropy.fused_linear_cross_entropy(hidden, weight, targets, ignore_index, scale=scale)
+    return reference.fused_linear_cross_entropy(hidden, weight, targets, ignore_index, scale)
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention confined to each sequence of a packed (N, heads, D) batch, the
+    sequences given by cu_seqlens (K + 1,) int32; GQA when k/v have fewer heads. No mask and,
+    on the GPU, no host sync (a fixed-size cu_seqlens keeps the call capturable). See
+    reference.varlen_attention."""
+    if _compiled(q, k, v, cu_seqlens) and q.dtype in (torch.float16, torch.bfloat16):
+        from gpu_kernels.ops import varlen
+
+        return varlen.varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
+    return reference.varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
 
 
 def new_nonfinite_state(device: torch.device | str) -> torch.Tensor:

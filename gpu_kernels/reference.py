@@ -154,14 +154,50 @@ def fused_linear_cross_entropy(
     weight: torch.Tensor,  # (V, d)
     targets: torch.Tensor,  # (...,) int64
     ignore_index: int = -100,
+    scale: torch.Tensor | None = None,  # 0-d; replaces 1/count
 ) -> torch.Tensor:
-    """Mean cross-entropy of hidden·Wᵀ over the targets that are not ignore_index (0 if none).
+    """Mean cross-entropy of hidden·Wᵀ over the targets that are not ignore_index (0 if none),
+    or, given `scale`, the sum of those cross-entropies times scale (a training step divides
+    by the trainable tokens of all its micro-batches, which one call does not see).
     Logits are formed in the hidden dtype and the loss is taken in fp32, as HF does."""
     logits = _acc(F.linear(hidden, weight)).reshape(-1, weight.shape[0])
     t = targets.reshape(-1)
     total = F.cross_entropy(logits, t, ignore_index=ignore_index, reduction="sum")
+    if scale is not None:
+        return total * scale.to(total.dtype)
     count = (t != ignore_index).sum().clamp(min=1)
     return total / count.to(total.dtype)
+
+
+def varlen_attention(
+    q: torch.Tensor,  # (N, H, D): the tokens of all sequences, concatenated
+    k: torch.Tensor,  # (N, G, D), H % G == 0
+    v: torch.Tensor,  # (N, G, D)
+    cu_seqlens: torch.Tensor,  # (K + 1,) int32, 0 = cu[0] <= cu[1] <= ... <= cu[K] = N
+    max_seqlen: int,  # >= every cu[i+1] - cu[i]
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention inside each sequence [cu[i], cu[i+1]) and never across: (N, H, D).
+
+    Zero-length sequences (repeated offsets, how a fixed-size cu_seqlens is padded) are allowed.
+    One SDPA call per sequence: exact, mask-free, and slow (it reads the offsets on the host);
+    the compiled twin is one variable-length flash-attention call."""
+    offsets = [int(x) for x in cu_seqlens.tolist()]
+    if offsets[0] != 0 or offsets[-1] != q.shape[0] or any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to {q.shape[0]}, got {offsets}")
+    if max(b - a for a, b in zip(offsets, offsets[1:])) > max_seqlen:
+        raise ValueError(f"a sequence is longer than max_seqlen {max_seqlen}")
+    heads, groups = q.shape[1], k.shape[1]
+    out = torch.empty_like(q)
+    for a, b in zip(offsets, offsets[1:]):
+        if b == a:
+            continue
+        qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))  # (heads, L, D)
+        if groups != heads:
+            ks, vs = ks.repeat_interleave(heads // groups, 0), vs.repeat_interleave(heads // groups, 0)
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+        out[a:b] = o.transpose(0, 1)
+    return out
 
 
 def new_nonfinite_state(device: torch.device | str) -> torch.Tensor:

@@ -312,6 +312,30 @@ def check_rope(dtype: torch.dtype, small: bool) -> None:
         )  # fmt: skip
 
 
+def check_varlen(dtype: torch.dtype, small: bool) -> None:
+    """Variable-length causal attention (flash, GQA) vs one SDPA call per sequence, with
+    zero-length padding sequences at the end of cu_seqlens as the packed step pads them."""
+    from gpu_kernels.ops import varlen
+
+    if dtype != torch.bfloat16:
+        return  # flash attention takes 16-bit inputs only
+    cases = [([5, 1, 17, 0], 4, 2, 16)] + ([] if small else [([300, 41, 700, 128, 513, 366], 32, 8, 64)])
+    for lengths, heads, kv, d in cases:
+        n = sum(lengths)
+        offsets = [0]
+        for length in lengths:
+            offsets.append(offsets[-1] + length)
+        cu = torch.tensor(offsets + [n, n], dtype=torch.int32, device="cuda")
+        q, k, v = randn(n, heads, d, dtype=dtype, grad=True), randn(n, kv, d, dtype=dtype, grad=True), randn(n, kv, d, dtype=dtype, grad=True)  # fmt: skip
+        m = max(lengths)
+        compare(
+            "varlen_attention", dtype, f"N{n} K{len(lengths)} H{heads} G{kv} D{d}",
+            lambda q, k, v, cu=cu, m=m: varlen.varlen_attention(q, k, v, cu, m),
+            lambda q, k, v, cu=cu, m=m: reference.varlen_attention(q, k, v, cu, m), [q, k, v],
+            torch.randn(n, heads, d, device="cuda"), ["out", "dq", "dk", "dv"],
+        )  # fmt: skip
+
+
 def check_cross_entropy(dtype: torch.dtype, small: bool) -> None:
     from gpu_kernels.ops import cross_entropy
 
@@ -753,6 +777,91 @@ def recipe_smoke(steps: int) -> dict[str, Any]:
     return out
 
 
+def packed_check(small: bool = False) -> dict[str, Any]:
+    """The job path's packed step in bf16 on the compiled path: every example's loss and gradient
+    inside a packed row vs the same example alone in a row (both through variable-length
+    attention), a perturbation of one example leaving the others' losses unchanged, and the
+    packed loss vs the float32 reference path (HF attention on the example alone)."""
+    import tempfile
+
+    from worker.engine.data import IGNORE_INDEX, Row, collate
+    from worker.engine.fused_llama import PackedInputs, fuse_llama, packed_lm_loss
+    from worker.engine.lora import apply_lora, trainable_parameters
+    from worker.engine.models import load_base_model
+    from worker.engine.train_step import StepShape, host_step
+    from worker.engine.types import LoraConfig
+
+    model_name = "tiny-llama" if small else "smollm2-135m"
+    seq, lengths = (256, [30, 4, 70, 12, 51, 7]) if small else (2048, [300, 41, 700, 128, 513, 77])
+    g = torch.Generator().manual_seed(5)
+    exs = []
+    for n in lengths:
+        ids = torch.randint(3, 500, (n,), generator=g).tolist()
+        exs.append((ids, [IGNORE_INDEX if t <= n // 2 else x for t, x in enumerate(ids)]))
+
+    def row_of(items: list[tuple[list[int], list[int]]]) -> Row:
+        r = Row([], [], [], [])
+        for i, (ids, labels) in enumerate(items):
+            r.input_ids += ids
+            r.labels += labels
+            r.position_ids += range(len(ids))
+            r.lines.append(i + 1)
+        return r
+
+    torch.manual_seed(0)
+    loaded = load_base_model(model_name, store=Path(tempfile.mkdtemp()), device="cuda", dtype=torch.bfloat16)
+    model = loaded.model
+    apply_lora(model, LoraConfig(r=16, alpha=32))
+    for p in trainable_parameters(model):
+        torch.nn.init.normal_(p, std=0.02)
+    fuse_llama(model)
+    params = trainable_parameters(model)
+    shape = StepShape(1, 1, seq, 16, seq)
+
+    def run(items: list[tuple[list[int], list[int]]], which: int | None) -> tuple[float, torch.Tensor]:
+        host = host_step([collate([row_of(items)], 0, packed=True, pad_to=seq)], shape)
+        targets = host.loss_targets.clone()
+        if which is not None:  # keep only example `which`'s positions
+            start = sum(len(e[0]) for e in items[:which])
+            end = start + len(items[which][0]) - 1
+            keep = (host.loss_index >= start) & (host.loss_index < end)
+            targets[~keep] = IGNORE_INDEX
+        inputs = PackedInputs(
+            host.input_ids.cuda(), host.position_ids.cuda(), host.cu_seqlens.cuda(), seq,
+            host.loss_index.cuda(), targets.cuda(), torch.ones((), device="cuda"),
+        )  # fmt: skip
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = packed_lm_loss(model, inputs, 0)
+        loss.backward()
+        grads = torch.cat(
+            [p.grad.flatten() if p.grad is not None else torch.zeros_like(p).flatten() for p in params]
+        )
+        return float(loss), grads
+
+    rows = []
+    perturbed = list(exs)
+    perturbed[1] = ([(x * 7 + 11) % 497 + 3 for x in exs[1][0]], exs[1][1])
+    for i in range(len(exs)):
+        packed_loss, packed_grad = run(exs, i)
+        alone_loss, alone_grad = run([exs[i]], 0)
+        row = {
+            "example": i,
+            "tokens": lengths[i],
+            "packed_loss": packed_loss,
+            "alone_loss": alone_loss,
+            "loss_rel": abs(packed_loss - alone_loss) / abs(alone_loss),
+            "grad_rel": rel(packed_grad, alone_grad),
+        }
+        if i != 1:
+            other, _ = run(perturbed, i)
+            row["perturbed_rel"] = abs(other - packed_loss) / abs(packed_loss)
+        rows.append(row)
+    worst = {k: max(r.get(k, 0.0) for r in rows) for k in ("loss_rel", "grad_rel", "perturbed_rel")}
+    ok = worst["loss_rel"] <= 1e-2 and worst["grad_rel"] <= 3e-2 and worst["perturbed_rel"] <= 1e-2
+    return {"model": model_name, "seq": seq, "lengths": lengths, "examples": rows, "worst": worst, "ok": ok}
+
+
 # -------------------------------------------------------------------------------------- main
 
 
@@ -770,7 +879,7 @@ def header() -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["ops", "bench", "train", "recipe"])
+    parser.add_argument("what", choices=["ops", "bench", "train", "recipe", "packed"])
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--steps", type=int, default=50)
@@ -791,6 +900,7 @@ def main() -> int:
         for dtype in (torch.float32, torch.bfloat16):
             checks += [(check_lora_both, (dtype, args.small)), (check_norm_act, (dtype, args.small))]
             checks += [(check_cross_entropy, (dtype, args.small)), (check_rope, (dtype, args.small))]
+            checks.append((check_varlen, (dtype, args.small)))
         checks.append((check_clip, (args.small,)))
         if not args.small:
             checks.append((check_graph, ()))
@@ -809,6 +919,15 @@ def main() -> int:
         out["ceilings"] = ceilings()
         print(json.dumps(out["ceilings"]), flush=True)
         out["ops"] = bench_ops()
+    elif args.what == "packed":
+        res = packed_check(args.small)
+        if not res["ok"]:
+            FAILED.append(f"packed per-example loss/grad or isolation off: {res['worst']}")
+        print(
+            f"{'ok  ' if res['ok'] else 'FAIL'} packed bf16 per-example vs alone: {json.dumps(res['worst'])}"
+        )
+        out["packed"] = res
+        out["failed"] = FAILED
     elif args.what == "recipe":
         res = recipe_smoke(args.steps)
         res["ok"] = res["rel_diff"] <= 0.03 and math.isfinite(res["compiled"]["final_train_loss"])

@@ -29,6 +29,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         targets: torch.Tensor,
         ignore_index: int,
         chunk_rows: int,
+        scale: torch.Tensor | None,
     ) -> torch.Tensor:
         d = hidden.shape[-1]
         v = weight.shape[0]
@@ -38,7 +39,10 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         if t.shape[0] != n:
             raise ValueError(f"targets have {t.shape[0]} entries but hidden has {n} rows")
         w = weight.to(h2.dtype).contiguous()
-        inv_count = (t != ignore_index).sum().clamp(min=1).to(torch.float32).reciprocal()  # device 0-d
+        if scale is None:  # the mean over the non-ignored targets
+            inv_count = (t != ignore_index).sum().clamp(min=1).to(torch.float32).reciprocal()  # device 0-d
+        else:  # a sum scaled by the caller (1 / the step's trainable tokens)
+            inv_count = scale.to(device=h2.device, dtype=torch.float32).reshape(())
         losses = torch.empty(n, dtype=torch.float32, device=h2.device)
         dh = torch.empty_like(h2) if hidden.requires_grad else None
         lib = _lib.load()
@@ -64,7 +68,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         dhidden = None
         if ctx.needs_input_grad[0] and dh is not None:
             dhidden = (dh * grad.to(dh.dtype)).view(ctx.shape)
-        return dhidden, None, None, None, None
+        return dhidden, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(
@@ -73,7 +77,11 @@ def fused_linear_cross_entropy(
     targets: torch.Tensor,
     ignore_index: int = -100,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    *,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    out = FusedLinearCrossEntropyFunction.apply(hidden, weight, targets, ignore_index, chunk_rows)
+    """Mean CE over the non-ignored targets, or with `scale` (0-d fp32 device tensor) their sum
+    times scale; the kernel writes d(loss)/dlogits with that same factor."""
+    out = FusedLinearCrossEntropyFunction.apply(hidden, weight, targets, ignore_index, chunk_rows, scale)
     assert isinstance(out, torch.Tensor)
     return out

@@ -44,6 +44,7 @@ def tiny_config(tmp: Path, **overrides: Any) -> TrainConfig:
         "learning_rate": 5e-3,
         "seed": 3,
         "device": "cpu",
+        "pack": False,  # one example per row: these tests count rows and steps
     }
     values.update(overrides)
     return TrainConfig(**values)

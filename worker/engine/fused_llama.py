@@ -26,7 +26,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -201,8 +201,14 @@ class FusedLlamaAttention(nn.Module):
         *args: Any,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, Any]:
+        """`cu_seqlens` (K + 1,) int32 and `max_seqlen` (int) in kwargs: the B·S tokens are
+        packed sequences at those offsets, and each attends only within its own sequence."""
+        cu_seqlens: torch.Tensor | None = kwargs.pop("cu_seqlens", None)
+        max_seqlen: int = kwargs.pop("max_seqlen", 0)
         group = None if args else self._fast_group(attention_mask, kwargs)
         if group is None or position_embeddings is None:
+            if cu_seqlens is not None:
+                raise ValueError("packed sequences (cu_seqlens) need the fused attention path")
             if args:  # a caller that passes more positionally follows the installed signature
                 return self.hf_forward(
                     self, hidden_states, position_embeddings, attention_mask, *args, **kwargs
@@ -219,6 +225,15 @@ class FusedLlamaAttention(nn.Module):
         cos, sin = position_embeddings
         # q (B, H, S, D), k and v (B, G, S, D), stored as (B, S, heads, D) rows
         q, k, v = gpu_kernels.rope_qkv(group.forward_all(hidden_states), cos, sin, n_heads, n_kv)
+        if cu_seqlens is not None:
+            # (B, S, heads, D) rows are already the packed (B·S, heads, D) layout: views, no copies
+            out = gpu_kernels.varlen_attention(
+                *(t.transpose(1, 2).reshape(b * s, t.shape[1], self.head_dim) for t in (q, k, v)),
+                cu_seqlens,
+                max_seqlen,
+                self.scaling,
+            )  # (B·S, H, D)
+            return self.o_proj(out.view(b, s, n_heads * self.head_dim)), None
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=s > 1, scale=self.scaling, enable_gqa=n_kv != n_heads
         )  # (B, H, S, D)
@@ -317,25 +332,40 @@ def lm_loss_sum(selected: torch.Tensor, head: nn.Module, targets: torch.Tensor) 
     return F.cross_entropy(head(selected).float(), targets, reduction="sum")
 
 
-def _fused_decoder_states(backbone: nn.Module, input_ids: torch.Tensor) -> torch.Tensor | None:
-    """Final hidden states (B, S, d) of a Llama stack whose attention layers are all fused, run
-    without Hugging Face's mask construction; None if the stack is not of that kind.
-
-    An all-causal batch needs no mask (SDPA's is_causal covers it). Skipping the construction
-    matters under CUDA-graph capture: there transformers materialises a (S, S) mask (it cannot
-    look at the data while capturing), the fused attention has to fall back to the masked
-    Hugging Face path, and cuDNN's masked attention backward runs ~1.6x slower."""
+def fused_stack(backbone: nn.Module) -> bool:
+    """Whether a decoder stack is a Llama stack whose attention layers are all fused (the only
+    kind `_fused_decoder_states` and packed attention run on)."""
     layers = getattr(backbone, "layers", None)
     parts = [getattr(backbone, name, None) for name in ("embed_tokens", "rotary_emb", "norm")]
     if not isinstance(layers, nn.ModuleList) or not all(isinstance(p, nn.Module) for p in parts):
+        return False
+    return all(isinstance(getattr(layer, "self_attn", None), FusedLlamaAttention) for layer in layers)
+
+
+def _fused_decoder_states(
+    backbone: nn.Module,
+    input_ids: torch.Tensor,  # (B, S)
+    position_ids: torch.Tensor | None = None,  # (B, S); None: 0..S-1 in every row
+    **attention: Any,  # cu_seqlens, max_seqlen: packed sequences (see FusedLlamaAttention)
+) -> torch.Tensor | None:
+    """Final hidden states (B, S, d) of a Llama stack whose attention layers are all fused, run
+    without Hugging Face's mask construction; None if the stack is not of that kind.
+
+    An all-causal batch needs no mask (SDPA's is_causal covers it), and a packed one gets its
+    per-sequence offsets instead. Skipping the construction matters under CUDA-graph capture:
+    there transformers materialises a (S, S) mask (it cannot look at the data while capturing),
+    the fused attention has to fall back to the masked Hugging Face path, and cuDNN's masked
+    attention backward runs ~1.6x slower."""
+    if not fused_stack(backbone):
         return None
-    if not all(isinstance(getattr(layer, "self_attn", None), FusedLlamaAttention) for layer in layers):
-        return None
-    embed, rotary, norm = parts
-    assert embed is not None and rotary is not None and norm is not None
+    layers = cast(nn.ModuleList, backbone.layers)
+    embed, rotary, norm = (
+        cast(nn.Module, getattr(backbone, n)) for n in ("embed_tokens", "rotary_emb", "norm")
+    )
     hidden = embed(input_ids)  # (B, S, d)
-    position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)  # (1, S)
-    position_embeddings = rotary(hidden, position_ids=position_ids)  # cos, sin (1, S, D)
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)  # (1, S)
+    position_embeddings = rotary(hidden, position_ids=position_ids)  # cos, sin (1 or B, S, D)
     for layer in layers:
         out = layer(
             hidden,
@@ -343,6 +373,7 @@ def _fused_decoder_states(backbone: nn.Module, input_ids: torch.Tensor) -> torch
             position_ids=position_ids,
             position_embeddings=position_embeddings,
             use_cache=False,
+            **attention,
         )
         hidden = out[0] if isinstance(out, tuple) else out  # older transformers return tuples
     states: torch.Tensor = norm(hidden)
@@ -363,3 +394,43 @@ def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tens
     head = getattr(model, "get_output_embeddings")()  # noqa: B009 (nn.Module's __getattr__ types it as Tensor)
     assert isinstance(head, nn.Linear)
     return gpu_kernels.fused_linear_cross_entropy(hidden, head.weight, targets)
+
+
+@dataclass
+class PackedInputs:
+    """Static device buffers of a packed step: k micro-batches of B rows of S tokens."""
+
+    input_ids: torch.Tensor  # (k, B, S) int64
+    position_ids: torch.Tensor  # (k, B, S) int64, restarting at 0 at every sequence start
+    cu_seqlens: torch.Tensor  # (k, K + 1) int32, sequence offsets into the flattened B·S tokens
+    max_seqlen: int  # bound on every sequence's length (S)
+    loss_index: torch.Tensor  # (k, M) int64, flat positions whose next token carries loss
+    loss_targets: torch.Tensor  # (k, M) int64, those next tokens (-100 on unused entries)
+    loss_scale: torch.Tensor  # () fp32, 1 / trainable tokens of the whole step
+
+
+def packed_lm_loss(model: nn.Module, inputs: PackedInputs, i: int) -> torch.Tensor:
+    """Σ CE over micro-batch i's trainable tokens × inputs.loss_scale, shape (), fp32.
+
+    Every sequence attends only to itself (variable-length attention over cu_seqlens, no mask),
+    and the LM head runs on the M gathered trainable positions only: hidden (B, S, d) → (B·S, d)
+    → (M, d) → chunked fused linear + cross-entropy. Gathering by a host-built index keeps the
+    shapes static and reads nothing back to the host."""
+    backbone = getattr(model, "base_model")  # noqa: B009
+    ids = inputs.input_ids[i]
+    hidden = _fused_decoder_states(
+        backbone,
+        ids,
+        inputs.position_ids[i],
+        cu_seqlens=inputs.cu_seqlens[i],
+        max_seqlen=inputs.max_seqlen,
+    )
+    if hidden is None:
+        raise ValueError("packed training needs a fused Llama stack (see fuse_llama)")
+    head = getattr(model, "get_output_embeddings")()  # noqa: B009
+    assert isinstance(head, nn.Linear)
+    flat = hidden.reshape(-1, hidden.shape[-1])  # (B·S, d)
+    selected = flat.index_select(0, inputs.loss_index[i])  # (M, d); unused entries read row 0
+    return gpu_kernels.fused_linear_cross_entropy(
+        selected, head.weight, inputs.loss_targets[i], scale=inputs.loss_scale
+    )

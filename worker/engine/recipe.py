@@ -15,6 +15,7 @@ cancellation comes in through `callbacks.should_stop()`, checked before every st
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import time
@@ -37,10 +38,11 @@ from worker.engine.checkpoint import (
 from worker.engine.config_file import validate_config
 from worker.engine.data import IGNORE_INDEX, Batch, BatchSampler, TokenizedDataset, load_dataset
 from worker.engine.export import export_adapter
-from worker.engine.fused_llama import fuse_llama, lm_loss_sum
+from worker.engine.fused_llama import FuseReport, fuse_llama, fused_stack, lm_loss_sum
 from worker.engine.lora import apply_lora, lora_modules, remove_lora, trainable_parameters
 from worker.engine.models import LoadedModel, load_base_model
 from worker.engine.schedule import build_scheduler
+from worker.engine.train_step import CapturedTrainStep, HostStep, StepShape, host_step
 from worker.engine.types import (
     CheckpointInfo,
     ConfigError,
@@ -54,6 +56,7 @@ from worker.engine.types import (
 )
 
 ADAPTER_DIR = "adapter"
+log = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -138,14 +141,19 @@ class LoRAFinetuneRecipe:
         layers = apply_lora(model, cfg.lora)
         # GPU fast path (issue 4): fused RMSNorm/SwiGLU modules, grouped q/k/v and gate/up LoRA.
         # A no-op unless gpu_kernels' compiled path is active, so CPU runs are unchanged.
-        fuse_llama(model)
+        report = fuse_llama(model)
         self.params = trainable_parameters(model)
+        # The captured step (issue 12) on the GPU; the eager step on the CPU and as the fallback.
+        self.eager_reason = self._eager_reason(report)
+        captured = self.eager_reason is None
         self.optimizer = torch.optim.AdamW(
             self.params,
             lr=cfg.learning_rate,
             weight_decay=cfg.weight_decay,
             fused=self.on_cuda,
+            capturable=captured,
         )
+        # built while lr is a float, so its base_lrs stay floats (checkpoints load anywhere)
         self.scheduler = build_scheduler(
             self.optimizer, total_steps=self.total_steps, warmup_ratio=cfg.warmup_ratio, kind=cfg.lr_scheduler
         )
@@ -158,6 +166,9 @@ class LoRAFinetuneRecipe:
             self._last_checkpoint_step = self.state.step
             self.callbacks.on_event("info", f"Resumed from checkpoint at step {self.state.step}")
         model.train()
+        self.step_fn: CapturedTrainStep | None = None
+        if captured:
+            self.step_fn = self._captured_step()
 
         n_params = sum(p.numel() for p in self.params)
         self.callbacks.on_event(
@@ -170,6 +181,76 @@ class LoRAFinetuneRecipe:
             f"Training data: {self.train_data.examples} examples, {self.train_data.tokens:,} tokens "
             f"({self.train_data.trainable_tokens:,} trainable) in {len(self.train_data)} rows; "
             f"{self.total_steps} steps",
+        )
+        if self.step_fn is not None:
+            shape = self.step_fn.shape
+            assert shape is not None
+            layout = "packed" if self.train_data.packed else "one example per row"
+            self.callbacks.on_event(
+                "info",
+                f"Training step: fused kernels, CUDA graph; {shape.micro_batches}x{shape.rows} rows of "
+                f"{shape.seq} tokens ({layout}), attention confined to each example (variable-length)",
+            )
+        elif self.on_cuda:
+            log.warning("eager training step: %s", self.eager_reason)
+            self.callbacks.on_event("warn", f"Training step runs eagerly (slower): {self.eager_reason}")
+
+    def _eager_reason(self, report: FuseReport) -> str | None:
+        """Why this run cannot take the captured fused step (None: it can)."""
+        if not self.on_cuda:
+            return "CPU run"
+        if not fused_stack(cast(nn.Module, self.model.base_model)):
+            skipped = "; ".join(report.skipped[:3]) or "not a Llama decoder stack"
+            return f"the fused path does not cover model {self.config.model!r} ({skipped})"
+        return None
+
+    def _step_shape(self) -> StepShape:
+        """Static buffers just big enough for every micro-batch this run will see: B rows (per
+        rank) of max_seq_len tokens, and the most sequences and trainable tokens that any
+        micro-batch's rows hold (the data order is a function of the seed, so this is exact).
+        Tight bounds matter: flash attention's backward takes memory per sequence slot, and the
+        LM head runs on every trainable-token slot."""
+        cfg, data, world = self.config, self.train_data, self.dist.world_size
+        rows = -(-cfg.batch_size // world)
+        seq = cfg.max_seq_len
+        segments = [len(r.lines) + int(data.packed and len(r.input_ids) < seq) for r in data.rows]
+        trainable = [sum(1 for x in r.labels if x != IGNORE_INDEX) for r in data.rows]
+        most_segments = most_trainable = 1
+        for n in range(self.total_micro_batches):
+            epoch, index = divmod(n, self.batches_per_epoch)
+            ids = self.sampler.order(epoch)[index * cfg.batch_size : (index + 1) * cfg.batch_size]
+            for rank in range(world):  # distributed.shard_rows: rows rank, rank + W, ...
+                shard = ids[rank::world]
+                most_segments = max(most_segments, sum(segments[i] for i in shard) + rows - len(shard))
+                most_trainable = max(most_trainable, sum(trainable[i] for i in shard))
+        loss_tokens = min(rows * seq, -(-most_trainable // 8) * 8)
+        return StepShape(cfg.grad_accum, rows, seq, max(most_segments, rows), loss_tokens)
+
+    def _captured_step(self) -> CapturedTrainStep:
+        shape = self._step_shape()
+        group = self.optimizer.param_groups[0]
+        # the graph reads the learning rate from this tensor; _set_lr refills it every step
+        group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=self.device)
+        reduce = None
+        if self.dist.active:
+
+            def reduce(loss: torch.Tensor) -> None:
+                distributed.all_reduce_grads(self.params, self.dist)
+                distributed.all_reduce_sum(loss, self.dist)
+
+        return CapturedTrainStep(
+            self.model,
+            self.params,
+            batch=shape.rows,
+            seq=shape.seq,
+            lr=self.config.learning_rate,
+            max_grad_norm=self.config.max_grad_norm,
+            # NCCL collectives are not captured (yet): multi-GPU runs the same step eagerly
+            capture=not self.dist.active,
+            on_fallback=lambda why: self.callbacks.on_event("warn", f"Training step runs eagerly: {why}"),
+            shape=shape,
+            optimizer=self.optimizer,
+            reduce=reduce,
         )
 
     def _base_model(self, dtype: torch.dtype) -> LoadedModel:
@@ -264,15 +345,36 @@ class LoRAFinetuneRecipe:
 
     # ------------------------------------------------------------------ loop
 
-    def _next_micro_batches(self) -> list[Batch]:
+    def _micro_batches_at(self, start: int) -> list[Batch]:
+        """The micro-batches of the optimizer step whose first micro-batch is number `start`."""
         out = []
-        for _ in range(self.config.grad_accum):
-            if self.state.micro_batches >= self.total_micro_batches:
-                break
-            epoch, index = divmod(self.state.micro_batches, self.batches_per_epoch)
+        for n in range(start, min(start + self.config.grad_accum, self.total_micro_batches)):
+            epoch, index = divmod(n, self.batches_per_epoch)
             out.append(self.sampler.batch(epoch, index))
-            self.state.micro_batches += 1
         return out
+
+    def _host_step(self, micro: list[Batch]) -> HostStep:
+        """This rank's rows of the step, laid out for the captured step; the loss divides by the
+        trainable tokens of the whole step on all ranks."""
+        assert self.step_fn is not None and self.step_fn.shape is not None
+        shards = [s for s in (distributed.shard_rows(b, self.dist) for b in micro) if s is not None]
+        host = host_step(shards, self.step_fn.shape)
+        host.trainable_tokens = sum(b.num_trainable_tokens for b in micro)
+        return host
+
+    def _current_lr(self) -> float:
+        """The learning rate of the next step, on the host (never read back from the device)."""
+        return self.config.learning_rate * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+
+    def _captured_train_step(self, host: HostStep) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.step_fn is not None
+        group = self.optimizer.param_groups[0]
+        if group["lr"] is not self.step_fn.lr:  # an older LRScheduler assigns a float: undo it
+            group["lr"] = self.step_fn.lr
+        self.step_fn.set_lr(self._current_lr())
+        self.step_fn.load_step(host)
+        out = self.step_fn.run()
+        return out["loss"], out["grad_norm"]
 
     def train(self) -> TrainResult:
         cfg = self.config
@@ -280,22 +382,36 @@ class LoRAFinetuneRecipe:
         run_start = time.monotonic()
         steps_this_run = 0
         valid_loss: float | None = None
+        # the next step's batches, built while the GPU runs the current one
+        upcoming: tuple[list[Batch], HostStep | None] | None = None
         while state.step < self.total_steps:
             if self.callbacks.should_stop():
                 self.callbacks.on_event("info", f"Stop requested: stopping after step {state.step}")
                 path = self.save_checkpoint()
                 return self._result(path, valid_loss, stopped=True)
             t0 = time.monotonic()
-            micro = self._next_micro_batches()
+            micro, host = upcoming or self._prepare(state.micro_batches)
             step = state.step + 1
-            lr = self.optimizer.param_groups[0]["lr"]
-            loss_t, norm_t = self._train_step(micro)
+            lr = self._current_lr()
+            if host is not None:
+                loss_t, norm_t = self._captured_train_step(host)
+                slots = self._slots()
+                nxt = state.micro_batches + len(micro)
+                upcoming = self._prepare(nxt) if nxt < self.total_micro_batches else None
+            else:
+                loss_t, norm_t = self._train_step(micro)
+                slots = sum(b.input_ids.numel() for b in micro)
+            # the one host read of the step (it waits for the GPU)
             loss, grad_norm = torch.stack([loss_t.float(), norm_t.float().to(loss_t.device)]).tolist()
             if not math.isfinite(loss):
                 raise NonFiniteError(step, "loss")
             if not math.isfinite(grad_norm):
                 raise NonFiniteError(step, "gradient norm")
-            self._optimizer_step()
+            if host is None:
+                self._optimizer_step()
+            else:  # the graph stepped the optimizer; the schedule moves on the host
+                self.scheduler.step()
+            state.micro_batches += len(micro)
             tokens = sum(b.num_tokens for b in micro)
             state.step = step
             state.trained_tokens += tokens
@@ -323,6 +439,7 @@ class LoRAFinetuneRecipe:
                     step_seconds=step_seconds,
                     eta_seconds=per_step * (self.total_steps - step),
                     valid_loss=valid_loss,
+                    padding_fraction=1.0 - tokens / slots if slots else 0.0,
                 )
             )
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and not last:
@@ -336,6 +453,15 @@ class LoRAFinetuneRecipe:
         # Events reach the service's users: name the adapter relative to the run, never a host path.
         self.callbacks.on_event("info", f"Adapter exported to {ADAPTER_DIR}/ (PEFT format)")
         return self._result(adapter, valid_loss, stopped=False)
+
+    def _prepare(self, start: int) -> tuple[list[Batch], HostStep | None]:
+        micro = self._micro_batches_at(start)
+        return micro, (self._host_step(micro) if self.step_fn is not None else None)
+
+    def _slots(self) -> int:
+        """Token slots one captured step computes on (real or padding), all ranks."""
+        assert self.step_fn is not None and self.step_fn.shape is not None
+        return self.step_fn.shape.slots * self.dist.world_size
 
     def _check_limits(self, last: bool) -> None:
         cfg, state = self.config, self.state
@@ -393,7 +519,7 @@ class LoRAFinetuneRecipe:
         if self.loaded is not None and lora_modules(self.loaded.model):
             remove_lora(self.loaded.model)
             self.loaded.model.eval()
-        for name in ("optimizer", "scheduler", "params", "train_data", "valid_data", "sampler"):
+        for name in ("step_fn", "optimizer", "scheduler", "params", "train_data", "valid_data", "sampler"):
             self.__dict__.pop(name, None)
         if self._given is None:
             self.loaded = None

@@ -1,23 +1,120 @@
-"""One training step at a fixed token budget, captured as a CUDA graph where possible.
+"""One optimizer step at a fixed token budget, captured as a CUDA graph where possible.
 
-The step reads static (batch, seq) buffers that each call refills (rows padded with labels
--100: right padding under a causal mask changes no real token's output), runs forward with the
-fused loss, backward, sync-free clipping, and `AdamW(fused=True, capturable=True)` with the
-learning rate held in a device tensor, so a replay needs no host work at all. The first
-`warmup` calls run eagerly (that is also when the optimizer state is created), the next one
-captures; if capture fails the step stays eager and `on_fallback` hears why.
-Non-finite gradients are flagged on the device and read every `check_every` steps.
+The step reads static device buffers that each call refills, runs forward with the fused loss,
+backward, sync-free clipping, and `AdamW(fused=True, capturable=True)` with the learning rate held
+in a device tensor, so a replay needs no host work at all. The first `warmup` calls run eagerly
+(that is also when the optimizer state is created), the next one captures; if capture fails the
+step stays eager and `on_fallback` hears why. Non-finite gradients are flagged on the device.
+
+Two ways to fill the buffers:
+
+- `load_step(HostStep)`: the job path. `micro_batches` (k) micro-batches of `batch` (B) rows of
+  `seq` (T) tokens. Attention is confined to each example by variable-length attention over
+  per-micro-batch offsets `cu_seqlens` (k, K + 1) (K = `segments`, padded by repeating B·T, so
+  the shape never changes); position ids restart per example. The LM head and cross-entropy run
+  only on the trainable positions, gathered through `loss_index` (k, M) (M = `loss_tokens`,
+  padded with target -100). The loss of the step is
+
+      L = Σ_micro Σ_trainable CE / N,    N = the trainable tokens of all k micro-batches,
+
+  with 1/N in a device scalar: never a mean of per-row or per-micro-batch means.
+- `load_batch(input_ids, labels)`: one (B, T) batch with plain causal rows (the fixed-shape
+  benchmark step, and tests).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 import gpu_kernels
-from worker.engine.fused_llama import causal_lm_loss
+from worker.engine.data import IGNORE_INDEX, Batch
+from worker.engine.fused_llama import PackedInputs, causal_lm_loss, packed_lm_loss
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The static shape of one optimizer step's buffers."""
+
+    micro_batches: int  # k
+    rows: int  # B, rows per micro-batch
+    seq: int  # T, tokens per row
+    segments: int  # K, sequences per micro-batch that cu_seqlens can describe (>= B)
+    loss_tokens: int  # M, trainable positions per micro-batch that loss_index can hold
+
+    @property
+    def slots(self) -> int:
+        """Token slots per step: what the GPU computes on, real or padding."""
+        return self.micro_batches * self.rows * self.seq
+
+
+@dataclass
+class HostStep:
+    """One optimizer step's inputs as CPU tensors, laid out for `StepShape`."""
+
+    input_ids: torch.Tensor  # (k, B, T) int64
+    position_ids: torch.Tensor  # (k, B, T) int64, restarting at 0 at every sequence start
+    cu_seqlens: torch.Tensor  # (k, K + 1) int32, offsets into the flattened B·T tokens
+    loss_index: torch.Tensor  # (k, M) int64, flat positions t whose next token is trained
+    loss_targets: torch.Tensor  # (k, M) int64, that next token (-100 on padding entries)
+    trainable_tokens: int  # N: Σ over micro-batches, the loss's divisor
+    real_tokens: int  # non-padding tokens
+
+
+def segment_count(position_ids: torch.Tensor) -> int:
+    """Sequences in a (..., T) position-id tensor: every 0 starts one."""
+    return int((position_ids == 0).sum())
+
+
+def host_step(batches: Sequence[Batch], shape: StepShape) -> HostStep:
+    """Lay the micro-batches (each (b <= B, t <= T), on the CPU) into the step's static shape.
+
+    Missing rows and micro-batches are padding: one sequence each, no trainable tokens. A
+    sequence starts wherever position_ids is 0, so packed examples (and a packed row's padding
+    tail) are separate sequences, and an unpacked row's padding stays in the row's own sequence,
+    after its real tokens (causal: no real token sees it)."""
+    k, b_max, t_max, segs, m_max = (
+        shape.micro_batches, shape.rows, shape.seq, shape.segments, shape.loss_tokens
+    )  # fmt: skip
+    if not 0 < len(batches) <= k:
+        raise ValueError(f"{len(batches)} micro-batches for a step of {k}")
+    n = b_max * t_max
+    input_ids = torch.zeros(k, b_max, t_max, dtype=torch.int64)
+    position_ids = torch.arange(t_max, dtype=torch.int64).repeat(k, b_max, 1)
+    cu_seqlens = torch.full((k, segs + 1), n, dtype=torch.int32)
+    loss_index = torch.zeros(k, m_max, dtype=torch.int64)
+    loss_targets = torch.full((k, m_max), IGNORE_INDEX, dtype=torch.int64)
+    trainable = real = 0
+    for i, batch in enumerate(batches):
+        b, t = batch.input_ids.shape
+        if b > b_max or t > t_max:
+            raise ValueError(f"micro-batch {b}x{t} exceeds the step's {b_max}x{t_max}")
+        input_ids[i, :b, :t] = batch.input_ids
+        position_ids[i, :b, :t] = batch.position_ids
+        if t < t_max:  # widen each row: the extra columns continue the row's last sequence
+            last = batch.position_ids[:, -1:] + 1
+            position_ids[i, :b, t:] = last + torch.arange(t_max - t)
+        starts = (position_ids[i].reshape(-1) == 0).nonzero().flatten()
+        if starts.numel() > segs:
+            raise ValueError(f"micro-batch {i} has {starts.numel()} sequences, over the step's {segs}")
+        cu_seqlens[i, : starts.numel()] = starts.to(torch.int32)
+        # position t (flat b·T + t) predicts labels[b, t + 1]
+        targets = torch.full((b_max, t_max), IGNORE_INDEX, dtype=torch.int64)
+        targets[:b, : t - 1] = batch.labels[:, 1:]
+        flat = targets.reshape(-1)
+        keep = (flat != IGNORE_INDEX).nonzero().flatten()
+        if keep.numel() > m_max:
+            raise ValueError(f"micro-batch {i} has {keep.numel()} trainable tokens, over the step's {m_max}")
+        loss_index[i, : keep.numel()] = keep
+        loss_targets[i, : keep.numel()] = flat[keep]
+        trainable += keep.numel()
+        real += int(batch.attention_mask.sum())
+    for i in range(len(batches), k):  # absent micro-batches: B whole-row sequences
+        cu_seqlens[i, :b_max] = torch.arange(0, n, t_max, dtype=torch.int32)
+    return HostStep(input_ids, position_ids, cu_seqlens, loss_index, loss_targets, trainable, real)
 
 
 class CapturedTrainStep:
@@ -35,34 +132,70 @@ class CapturedTrainStep:
         warmup: int = 3,
         check_every: int = 50,
         on_fallback: Callable[[str], None] | None = None,
+        shape: StepShape | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        reduce: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
+        """`shape` set: the packed job step (`load_step`); unset: one fixed (batch, seq) batch
+        (`load_batch`). `optimizer`, if given, must be a capturable AdamW whose lr is a device
+        tensor (see `capturable_adamw`). `reduce(loss)` runs after the backward: multi-GPU
+        sums gradients and the loss there."""
         device = params[0].device
         self.device = device
         self.model = model
         self.params = params
         self.batch = batch
         self.seq = seq
+        self.shape = shape
         self.max_grad_norm = max_grad_norm
+        self.reduce = reduce
         self.input_ids = torch.zeros(batch, seq, dtype=torch.int64, device=device)
-        self.labels = torch.full((batch, seq), -100, dtype=torch.int64, device=device)
-        self.lr = torch.tensor(lr, dtype=torch.float32, device=device)
-        fused = device.type == "cuda"
-        self.optimizer = torch.optim.AdamW(
-            params, lr=self.lr, weight_decay=weight_decay, fused=fused, capturable=fused
-        )
+        self.labels = torch.full((batch, seq), IGNORE_INDEX, dtype=torch.int64, device=device)
+        self.packed: PackedInputs | None = None
+        fused_ok = device.type == "cuda"
+        if shape is not None:
+            k, m = shape.micro_batches, shape.loss_tokens
+            self.packed = PackedInputs(
+                input_ids=torch.zeros(k, batch, seq, dtype=torch.int64, device=device),
+                position_ids=torch.zeros(k, batch, seq, dtype=torch.int64, device=device),
+                cu_seqlens=torch.zeros(k, shape.segments + 1, dtype=torch.int32, device=device),
+                max_seqlen=seq,
+                loss_index=torch.zeros(k, m, dtype=torch.int64, device=device),
+                loss_targets=torch.full((k, m), IGNORE_INDEX, dtype=torch.int64, device=device),
+                # fp32 for the kernels; float64 on the CPU, where the reference path is the oracle
+                loss_scale=torch.ones((), dtype=torch.float32 if fused_ok else torch.float64, device=device),
+            )
+        if optimizer is None:
+            optimizer = capturable_adamw(params, lr=lr, weight_decay=weight_decay)
+        self.optimizer = optimizer
+        self.lr = optimizer.param_groups[0]["lr"]
         self.monitor = gpu_kernels.NonFiniteMonitor(device, every=check_every)
         self.graphed = gpu_kernels.GraphedStep(
-            self._step, warmup=warmup, enabled=capture and fused, on_fallback=on_fallback
+            self._step, warmup=warmup, enabled=capture and fused_ok, on_fallback=on_fallback
         )
+
+    def _loss(self) -> torch.Tensor:
+        """The step's loss, after running its backward (gradients accumulate over micro-batches)."""
+        if self.packed is None:
+            loss = causal_lm_loss(self.model, self.input_ids, self.labels)
+            loss.backward()
+            return loss.detach()
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for i in range(self.packed.input_ids.shape[0]):
+            loss = packed_lm_loss(self.model, self.packed, i)
+            loss.backward()
+            total = total + loss.detach()
+        return total
 
     def _step(self) -> dict[str, torch.Tensor]:
         self.optimizer.zero_grad(set_to_none=True)
         gpu_kernels.dropout_seed_step_(self.device)
-        loss = causal_lm_loss(self.model, self.input_ids, self.labels)
-        loss.backward()
+        loss = self._loss()
+        if self.reduce is not None:
+            self.reduce(loss)
         norm = gpu_kernels.clip_grad_norm_(self.params, self.max_grad_norm, self.monitor.state)
         self.optimizer.step()
-        return {"loss": loss.detach(), "grad_norm": norm}
+        return {"loss": loss, "grad_norm": norm}
 
     def load_batch(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
         """Copy a (b <= batch, s <= seq) batch into the static buffers, padding the rest."""
@@ -70,12 +203,50 @@ class CapturedTrainStep:
         if b > self.batch or s > self.seq:
             raise ValueError(f"batch {b}x{s} exceeds the captured budget {self.batch}x{self.seq}")
         self.input_ids.zero_()
-        self.labels.fill_(-100)
+        self.labels.fill_(IGNORE_INDEX)
         self.input_ids[:b, :s].copy_(input_ids, non_blocking=True)
         self.labels[:b, :s].copy_(labels, non_blocking=True)
+
+    def load_step(self, host: HostStep) -> None:
+        """Copy one packed step's inputs into the static buffers (asynchronously: pinned memory
+        on CUDA, whose caching host allocator keeps each block until its copy has run)."""
+        p = self.packed
+        if p is None:
+            raise ValueError("this step was built without a StepShape: use load_batch")
+        pairs = [
+            (p.input_ids, host.input_ids),
+            (p.position_ids, host.position_ids),
+            (p.cu_seqlens, host.cu_seqlens),
+            (p.loss_index, host.loss_index),
+            (p.loss_targets, host.loss_targets),
+            (p.loss_scale, torch.tensor(1.0 / max(host.trainable_tokens, 1), dtype=torch.float64)),
+        ]
+        pin = self.device.type == "cuda"
+        for dst, src in pairs:
+            dst.copy_(src.pin_memory() if pin else src, non_blocking=pin)
+
+    def set_lr(self, lr: float) -> None:
+        if isinstance(self.lr, torch.Tensor):
+            self.lr.fill_(lr)
+        else:
+            self.optimizer.param_groups[0]["lr"] = lr
+
+    def run(self) -> dict[str, torch.Tensor]:
+        """One optimizer step on the loaded buffers; returns device tensors (read when needed)."""
+        return self.graphed()
 
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor, lr: float) -> dict[str, torch.Tensor]:
         """One optimizer step on this batch; returns device tensors (read them when needed)."""
         self.load_batch(input_ids, labels)
-        self.lr.fill_(lr)
+        self.set_lr(lr)
         return self.graphed()
+
+
+def capturable_adamw(params: list[nn.Parameter], *, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW as a captured step needs it on CUDA: fused, capturable, lr a device tensor (so an
+    LR scheduler's update reaches the graph). On the CPU: the plain AdamW."""
+    device = params[0].device
+    if device.type != "cuda":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    lr_t = torch.tensor(lr, dtype=torch.float32, device=device)
+    return torch.optim.AdamW(params, lr=lr_t, weight_decay=weight_decay, fused=True, capturable=True)

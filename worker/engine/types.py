@@ -44,7 +44,7 @@ class TrainConfig:
     warmup_ratio: float = 0.0
     max_grad_norm: float = 1.0
     seed: int = 0
-    pack: bool = False
+    pack: bool = True  # padding-free: examples packed into rows of max_seq_len tokens
     eval_every: int = 0  # 0 = only at the end (when a validation file is given)
     checkpoint_every: int = 0  # 0 = only at the end
     resume_from: Path | None = None
@@ -76,6 +76,8 @@ class StepMetrics:
     step_seconds: float
     eta_seconds: float
     valid_loss: float | None = None
+    # share of the token slots the step computed on that were padding (0 = padding-free)
+    padding_fraction: float = 0.0
 
 
 @dataclass

@@ -1,0 +1,324 @@
+"""The job path, benchmarked as users run it: `train_bench.py --job`.
+
+On the committed long-tail chat dataset (bench/data/chat-longtail.jsonl, made by
+bench/chat_dataset.py), per model, in one invocation, each cell in its own subprocess:
+
+  job                 `recipe.train` exactly as the worker calls it (packing on, checkpoints every
+                      `CHECKPOINT_EVERY` steps, metric callbacks), B rows of T tokens per step
+  fixed               the fixed-shape captured step on random tokens at the same B x T
+  peft_padded         HF+PEFT, batches of E examples in a seeded random order, padded to the
+                      batch's longest (dynamic padding)
+  peft_padding_free   HF+PEFT, the same examples concatenated into one row of B·T tokens with
+                      position_ids restarting per example (transformers builds the per-example
+                      mask from them)
+
+plus a long-context case: the job path and the fixed step with rows of 8,192 tokens.
+Tokens/s count real (non-padding) tokens; the timed steps start after the job's warm-up and
+capture. Settings as train_bench: LoRA r=16/alpha=32 on all seven projections, fp32 adapters,
+bf16 base, fused AdamW, clip 1.0, no gradient checkpointing.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DATASET = ROOT / "bench" / "data" / "chat-longtail.jsonl"
+CHECKPOINT_EVERY = 25
+# (rows B, row tokens T, HF+PEFT examples per padded batch, timed steps) per preset
+JOB_SHAPES: dict[str, tuple[int, int, int, int]] = {
+    "smollm2-135m": (4, 2048, 8, 60),
+    "llama-1b": (4, 2048, 8, 40),
+    "llama-8b": (2, 2048, 4, 20),
+}
+LONG_CONTEXT: dict[str, tuple[int, int, int, int]] = {"llama-1b": (1, 8192, 0, 30)}
+LONG_CONTEXT_KEYS = {(m, shape[1]) for m, shape in LONG_CONTEXT.items()}
+JOB_WARMUP = 8  # eager warm-up, capture and the timed first replays happen in these steps
+PEFT_WARMUP = 3
+
+
+def _rows(preset: str, seq: int) -> tuple[Any, Any]:
+    """The dataset tokenized as the engine does (the presets share tiny-llama's tokenizer)."""
+    from worker.engine.data import load_dataset
+    from worker.engine.tiny import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    return load_dataset(DATASET, tok, seq, pack=False), tok
+
+
+class _Collector:
+    def __init__(self) -> None:
+        self.steps: list[Any] = []
+        self.events: list[tuple[str, str]] = []
+
+    def on_step(self, metrics: Any) -> None:
+        self.steps.append(metrics)
+
+    def on_event(self, level: str, message: str) -> None:
+        self.events.append((level, message))
+
+    def on_checkpoint(self, checkpoint: Any) -> None:
+        return None
+
+    def should_stop(self) -> bool:
+        return False
+
+
+def job_cell(preset: str, batch: int, seq: int, steps: int, pack: bool = True) -> dict[str, Any]:
+    import torch
+
+    from worker.engine.recipe import train
+    from worker.engine.types import LoraConfig, TrainConfig
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    tmp = Path(tempfile.mkdtemp())
+    config = TrainConfig(
+        model=preset,
+        train_file=DATASET,
+        output_dir=tmp / "out",
+        model_store=tmp / "models",
+        lora=LoraConfig(r=16, alpha=32, dropout=0.0, target_modules=targets),
+        max_seq_len=seq,
+        batch_size=batch,
+        max_steps=JOB_WARMUP + steps,
+        learning_rate=1e-4,
+        lr_scheduler="cosine",
+        checkpoint_every=CHECKPOINT_EVERY,
+        pack=pack,
+        device="cuda",
+    )
+    rec = _Collector()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.time()
+    result = train(config, rec)
+    wall = time.time() - t0
+    timed = rec.steps[JOB_WARMUP:]
+    seconds = sum(m.step_seconds for m in timed)
+    tokens = sum(m.tokens for m in timed)
+    data, _ = _rows(preset, seq)
+    return {
+        "model": preset,
+        "variant": "job" if pack else "job_unpacked",
+        "batch": batch,
+        "seq": seq,
+        "steps_timed": len(timed),
+        "tok_s": round(tokens / seconds),
+        "trainable_tok_s": round(tokens / seconds * data.trainable_tokens / data.tokens),
+        "step_ms": round(1e3 * seconds / len(timed), 2),
+        "padding_fraction": round(sum(m.padding_fraction for m in timed) / len(timed), 4),
+        "mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "loss_first_last": [round(rec.steps[0].train_loss, 4), round(result.final_train_loss, 4)],
+        "checkpoints": len(result.checkpoints),
+        "events": [m for level, m in rec.events if "Training step" in m or level != "info"],
+        "run_wall_s": round(wall, 1),
+    }
+
+
+def _peft_model(preset: str) -> tuple[Any, Any, Any]:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from worker.engine.catalog import PRESET_SHAPES
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    cfg = LlamaConfig(**PRESET_SHAPES[preset].config_kwargs(), attn_implementation="sdpa")
+    cfg.max_position_embeddings = 8192
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg)
+    torch.set_default_dtype(torch.float32)
+    peft_model = get_peft_model(
+        model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets)
+    )
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    for p in params:
+        p.data = p.data.float()
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    return peft_model, params, opt
+
+
+def peft_cell(preset: str, variant: str, batch: int, seq: int, examples: int, steps: int) -> dict[str, Any]:
+    """HF+PEFT on the same data: padded batches of `examples`, or padding-free rows of B·T."""
+    import torch
+
+    model, params, opt = _peft_model(preset)
+    data, tok = _rows(preset, seq)
+    rng = random.Random(0)
+    order = list(range(len(data.rows)))
+    rng.shuffle(order)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    batches: list[dict[str, Any]] = []
+    cursor = 0
+    while len(batches) < PEFT_WARMUP + steps:
+        if variant == "peft_padded":
+            rows = [data.rows[order[(cursor + i) % len(order)]] for i in range(examples)]
+            cursor += examples
+            width = max(len(r.input_ids) for r in rows)
+            ids = torch.full((len(rows), width), pad)
+            labels = torch.full((len(rows), width), -100)
+            mask = torch.zeros((len(rows), width), dtype=torch.long)
+            for i, r in enumerate(rows):
+                n = len(r.input_ids)
+                ids[i, :n], labels[i, :n], mask[i, :n] = torch.tensor(r.input_ids), torch.tensor(r.labels), 1
+            batches.append(
+                {"input_ids": ids, "labels": labels, "attention_mask": mask, "real": int(mask.sum())}
+            )
+        else:  # one row of up to B·T tokens, position_ids restarting per example
+            budget = batch * seq
+            ids_l: list[int] = []
+            lab_l: list[int] = []
+            pos_l: list[int] = []
+            while True:
+                r = data.rows[order[cursor % len(order)]]
+                if len(ids_l) + len(r.input_ids) > budget:
+                    break
+                ids_l += r.input_ids
+                lab_l += r.labels
+                pos_l += range(len(r.input_ids))
+                cursor += 1
+            batches.append(
+                {
+                    "input_ids": torch.tensor([ids_l]),
+                    "labels": torch.tensor([lab_l]),
+                    "position_ids": torch.tensor([pos_l]),
+                    "real": len(ids_l),
+                }
+            )
+
+    def step(b: dict[str, Any]) -> Any:
+        inputs = {k: v.cuda(non_blocking=True) for k, v in b.items() if k != "real"}
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**inputs, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    torch.cuda.reset_peak_memory_stats()
+    for b in batches[:PEFT_WARMUP]:
+        step(b)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for b in batches[PEFT_WARMUP:]:
+        loss = step(b)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    tokens = sum(b["real"] for b in batches[PEFT_WARMUP:])
+    return {
+        "model": preset,
+        "variant": variant,
+        "batch": examples if variant == "peft_padded" else 1,
+        "seq": seq,
+        "steps_timed": steps,
+        "tok_s": round(tokens / seconds),
+        "trainable_tok_s": round(tokens / seconds * data.trainable_tokens / data.tokens),
+        "step_ms": round(1e3 * seconds / steps, 2),
+        "padding_fraction": round(1 - tokens / sum(b["input_ids"].numel() for b in batches[PEFT_WARMUP:]), 4),
+        "mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "loss": round(float(loss.item()), 4),
+    }
+
+
+def dataset_stats(seq: int = 2048) -> dict[str, Any]:
+    from bench.chat_dataset import length_stats
+
+    data, _ = _rows("llama-1b", seq)
+    lengths = [len(r.input_ids) for r in data.rows]
+    stats: dict[str, Any] = length_stats(lengths)
+    stats["trainable_share"] = round(data.trainable_tokens / data.tokens, 3)
+    # mean attended context per token (causal, within an example): Σ L² / Σ L / 2 ... the attention
+    # FLOPs of train_bench's formula use s, so the equivalent s is Σ L² / Σ L
+    stats["attention_equivalent_seq"] = round(sum(n * n for n in lengths) / sum(lengths))
+    stats["file"] = str(DATASET.relative_to(ROOT))
+    return stats
+
+
+def summarize_job(result: dict[str, Any]) -> None:
+    """Per model (and the long-context case, `MODEL@8192`): `models` holds job_tok_s, fixed_tok_s,
+    peft_padded_tok_s and peft_padding_free_tok_s; `goals` the ratios and whether the targets
+    (job >= 90% of fixed, >= 4x HF+PEFT padded, peak memory <= fixed's) are met."""
+    peak = result.get("peak_tflops") or float("nan")
+    attn_seq = result["dataset"]["attention_equivalent_seq"]
+    from bench.train_bench import flops_per_token
+
+    by: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for r in result["rows"]:
+        if "error" in r:
+            continue
+        s = r["seq"] if r["variant"] == "fixed" else min(r["seq"], attn_seq)
+        r["mfu"] = round(100 * flops_per_token(r["model"], s) * r["tok_s"] / 1e12 / peak, 1)
+        by[(r["model"], r["variant"], r["seq"])] = r
+    models: dict[str, Any] = {}
+    goals: dict[str, Any] = {}
+    for model, (_, seq, _, _) in [*JOB_SHAPES.items(), *LONG_CONTEXT.items()]:
+        job = by.get((model, "job", seq))
+        if not job:
+            continue
+        key = f"{model}@{seq}" if (model, seq) in LONG_CONTEXT_KEYS else model
+        fixed = by.get((model, "fixed", seq))
+        padded = by.get((model, "peft_padded", seq))
+        free = by.get((model, "peft_padding_free", seq))
+        models[key] = {
+            "job_tok_s": job["tok_s"],
+            "job_trainable_tok_s": job["trainable_tok_s"],
+            "job_mem_gib": job["mem_gib"],
+            "job_padding_fraction": job["padding_fraction"],
+            "fixed_tok_s": fixed["tok_s"] if fixed else None,
+            "fixed_mem_gib": fixed["mem_gib"] if fixed else None,
+            "peft_padded_tok_s": padded["tok_s"] if padded else None,
+            "peft_padding_free_tok_s": free["tok_s"] if free else None,
+        }
+        g: dict[str, Any] = {}
+        if fixed:
+            g["job_vs_fixed"] = round(job["tok_s"] / fixed["tok_s"], 3)
+            g["mem_le_fixed"] = job["mem_gib"] <= fixed["mem_gib"]
+        if padded:
+            g["job_vs_peft_padded"] = round(job["tok_s"] / padded["tok_s"], 2)
+        g["met"] = bool(
+            g.get("job_vs_fixed", 0) >= 0.9
+            and g.get("mem_le_fixed", False)
+            and (padded is None or g.get("job_vs_peft_padded", 0) >= 4)
+        )
+        goals[key] = g
+    result["models"] = models
+    result["goals"] = goals
+
+
+def cells(presets: list[str]) -> list[list[str]]:
+    """The subprocess argument lists of one `--job` invocation, in run order."""
+    out: list[list[str]] = []
+    for preset in presets:
+        batch, seq, examples, steps = JOB_SHAPES[preset]
+        for variant in ("job", "fixed", "peft_padded", "peft_padding_free"):
+            out.append(["--job-cell", preset, variant, str(batch), str(seq), str(examples), str(steps)])
+    for preset, (batch, seq, examples, steps) in LONG_CONTEXT.items():
+        if preset in presets:
+            for variant in ("job", "fixed"):
+                out.append(["--job-cell", preset, variant, str(batch), str(seq), str(examples), str(steps)])
+    return out
+
+
+def run_job_cell(args: list[str]) -> dict[str, Any]:
+    preset, variant = args[0], args[1]
+    batch, seq, examples, steps = (int(x) for x in args[2:6])
+    if variant in ("job", "job_unpacked"):
+        return job_cell(preset, batch, seq, steps, pack=variant == "job")
+    if variant == "fixed":
+        from bench.train_bench import run_cell
+
+        row = run_cell(preset, "loraq", batch, seq, steps, 7, None)
+        row["variant"] = "fixed"
+        return row
+    return peft_cell(preset, variant, batch, seq, examples, steps)
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, indent=1)

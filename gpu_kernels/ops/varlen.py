@@ -1,0 +1,61 @@
+"""Variable-length causal attention on the GPU: PyTorch's flash-attention kernels over packed
+sequences, called through their aten entry points (what `torch.nn.attention.varlen` wraps, whose
+Python signature has changed between releases; the aten ops' has not).
+
+Shapes: q (N, H, D), k and v (N, G, D) with H % G == 0 (grouped-query attention without
+repeating k/v), cu_seqlens (K + 1,) int32 offsets of the K sequences in the N tokens,
+max_seqlen a host int bounding every sequence's length. Zero-length sequences (a cu_seqlens
+padded to a fixed K by repeating N) cost an early exit per block. Nothing reads device values
+on the host, so a call is capturable in a CUDA graph when cu_seqlens lives in a static buffer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class VarlenAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        scale: float | None,
+    ) -> torch.Tensor:
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, max_seqlen, max_seqlen, 0.0, True, False, scale=scale
+        )
+        ctx.save_for_backward(q, k, v, out, lse, cu, rng_state, unused)
+        ctx.max_seqlen = max_seqlen
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
+        q, k, v, out, lse, cu, rng_state, unused = ctx.saved_tensors
+        m = ctx.max_seqlen
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad_out.contiguous(), q, k, v, out, lse, cu, cu, m, m, 0.0, True, rng_state, unused,
+            scale=ctx.scale,
+        )  # fmt: skip
+        return dq, dk, dv, None, None, None
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    out = VarlenAttentionFunction.apply(q, k, v, cu_seqlens, max_seqlen, scale)
+    assert isinstance(out, torch.Tensor)
+    return out
