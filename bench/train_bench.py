@@ -188,6 +188,7 @@ def run_cell(
         "step_ms": round(ms, 2),
         "tok_s": round(batch * seq / (ms / 1e3)),
         "mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "mem_bytes": torch.cuda.max_memory_allocated(),
         "loss": round(float(loss.item()), 4),
     }
     if variant == "loraq":

@@ -115,12 +115,14 @@ def test_host_step_layout() -> None:
     exs = examples()
     row = packed_row(exs)
     host = host_step([collate([row], 0, packed=True)], shape())
-    # sequences start at 0, 7, 19, 24; the 7 columns that widen the row to 40 continue the last
-    # one (after its real tokens: causal attention keeps them unseen); the rest repeat the end
+    # sequences start at 0, 7, 19, 24; the 7 padding columns continue the last one (after its
+    # real tokens: causal attention keeps them unseen); the unused offsets repeat the end
     assert host.cu_seqlens[0].tolist() == [0, 7, 19, 24, 40, 40, 40, 40, 40]
     assert host.position_ids[0, 0].tolist() == [*range(7), *range(12), *range(5), *range(16)]
-    padded = host_step([collate([row], 0, packed=True, pad_to=SEQ)], shape())  # a padding sequence
-    assert padded.cu_seqlens[0].tolist() == [0, 7, 19, 24, 33, 40, 40, 40, 40]
+    padded = host_step([collate([row], 0, packed=True, pad_to=SEQ)], shape())  # the same, padded first
+    assert torch.equal(padded.cu_seqlens, host.cu_seqlens) and torch.equal(
+        padded.position_ids, host.position_ids
+    )
     assert host.trainable_tokens == sum(1 for _, labels in exs for x in labels if x != IGNORE_INDEX)
     assert host.real_tokens == 33
     n = host.trainable_tokens
@@ -129,8 +131,8 @@ def test_host_step_layout() -> None:
     assert all(host.input_ids[0, 0, t + 1] == host.loss_targets[0, k] for k, t in enumerate(index))
     assert not {6, 18, 23} & set(index)
     assert (host.loss_targets[0, n:] == IGNORE_INDEX).all()
-    with pytest.raises(ValueError, match="5 sequences, over the step's 4"):
-        host_step([collate([row], 0, packed=True, pad_to=SEQ)], StepShape(1, 1, SEQ, 4, SEQ))
+    with pytest.raises(ValueError, match="4 sequences, over the step's 3"):
+        host_step([collate([row], 0, packed=True, pad_to=SEQ)], StepShape(1, 1, SEQ, 3, SEQ))
     with pytest.raises(ValueError, match="trainable tokens, over"):
         host_step([collate([row], 0, packed=True)], StepShape(1, 1, SEQ, 8, 8))
 

@@ -346,6 +346,7 @@ def _fused_decoder_states(
     backbone: nn.Module,
     input_ids: torch.Tensor,  # (B, S)
     position_ids: torch.Tensor | None = None,  # (B, S); None: 0..S-1 in every row
+    final_norm: bool = True,  # False: the last layer's output, before the final RMSNorm
     **attention: Any,  # cu_seqlens, max_seqlen: packed sequences (see FusedLlamaAttention)
 ) -> torch.Tensor | None:
     """Final hidden states (B, S, d) of a Llama stack whose attention layers are all fused, run
@@ -376,6 +377,8 @@ def _fused_decoder_states(
             **attention,
         )
         hidden = out[0] if isinstance(out, tuple) else out  # older transformers return tuples
+    if not final_norm:
+        return hidden
     states: torch.Tensor = norm(hidden)
     return states
 
@@ -413,8 +416,8 @@ def packed_lm_loss(model: nn.Module, inputs: PackedInputs, i: int) -> torch.Tens
     """Σ CE over micro-batch i's trainable tokens × inputs.loss_scale, shape (), fp32.
 
     Every sequence attends only to itself (variable-length attention over cu_seqlens, no mask),
-    and the LM head runs on the M gathered trainable positions only: hidden (B, S, d) → (B·S, d)
-    → (M, d) → chunked fused linear + cross-entropy. Gathering by a host-built index keeps the
+    and the final norm and LM head run on the M gathered trainable positions only: hidden
+    (B, S, d) → (B·S, d) → (M, d) → RMSNorm → chunked fused linear + cross-entropy. Gathering by a host-built index keeps the
     shapes static and reads nothing back to the host."""
     backbone = getattr(model, "base_model")  # noqa: B009
     ids = inputs.input_ids[i]
@@ -422,6 +425,7 @@ def packed_lm_loss(model: nn.Module, inputs: PackedInputs, i: int) -> torch.Tens
         backbone,
         ids,
         inputs.position_ids[i],
+        final_norm=False,
         cu_seqlens=inputs.cu_seqlens[i],
         max_seqlen=inputs.max_seqlen,
     )
@@ -430,7 +434,9 @@ def packed_lm_loss(model: nn.Module, inputs: PackedInputs, i: int) -> torch.Tens
     head = getattr(model, "get_output_embeddings")()  # noqa: B009
     assert isinstance(head, nn.Linear)
     flat = hidden.reshape(-1, hidden.shape[-1])  # (B·S, d)
-    selected = flat.index_select(0, inputs.loss_index[i])  # (M, d); unused entries read row 0
+    # gather, then the final RMSNorm (row-wise, so the same values): it runs and keeps its input
+    # for the M trained rows only; unused index entries read row 0 and carry no loss
+    selected = cast(nn.Module, backbone.norm)(flat.index_select(0, inputs.loss_index[i]))  # (M, d)
     return gpu_kernels.fused_linear_cross_entropy(
         selected, head.weight, inputs.loss_targets[i], scale=inputs.loss_scale
     )

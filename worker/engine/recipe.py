@@ -213,7 +213,7 @@ class LoRAFinetuneRecipe:
         cfg, data, world = self.config, self.train_data, self.dist.world_size
         rows = -(-cfg.batch_size // world)
         seq = cfg.max_seq_len
-        segments = [len(r.lines) + int(data.packed and len(r.input_ids) < seq) for r in data.rows]
+        segments = [len(r.lines) for r in data.rows]  # padding continues a row's last sequence
         trainable = [sum(1 for x in r.labels if x != IGNORE_INDEX) for r in data.rows]
         most_segments = most_trainable = 1
         for n in range(self.total_micro_batches):

@@ -93,10 +93,13 @@ def host_step(batches: Sequence[Batch], shape: StepShape) -> HostStep:
         if b > b_max or t > t_max:
             raise ValueError(f"micro-batch {b}x{t} exceeds the step's {b_max}x{t_max}")
         input_ids[i, :b, :t] = batch.input_ids
-        position_ids[i, :b, :t] = batch.position_ids
-        if t < t_max:  # widen each row: the extra columns continue the row's last sequence
-            last = batch.position_ids[:, -1:] + 1
-            position_ids[i, :b, t:] = last + torch.arange(t_max - t)
+        for r, n_real in enumerate(batch.attention_mask.sum(dim=1).tolist()):
+            # real tokens keep their positions; the row's padding, and the columns that widen it to
+            # T, continue its last sequence (after its real tokens, so causal attention keeps them
+            # unseen): no sequence slot is spent on padding
+            position_ids[i, r, :n_real] = batch.position_ids[r, :n_real]
+            last = int(batch.position_ids[r, n_real - 1]) + 1 if n_real else 0
+            position_ids[i, r, n_real:] = torch.arange(last, last + t_max - n_real)
         starts = (position_ids[i].reshape(-1) == 0).nonzero().flatten()
         if starts.numel() > segs:
             raise ValueError(f"micro-batch {i} has {starts.numel()} sequences, over the step's {segs}")
