@@ -214,6 +214,7 @@ def job_body(
     max_seq_len: int | None,
     queue: str | None = None,
     n_gpus: int | None = None,
+    packing: bool | None = None,
 ) -> dict[str, Any]:
     """The POST /v1/fine_tuning/jobs body; unset options are left out so the server's "auto" applies."""
     hp = {
@@ -243,6 +244,8 @@ def job_body(
         body["queue"] = queue
     if n_gpus is not None:
         body["n_gpus"] = n_gpus
+    if packing is not None:  # padding-free packed rows (server default: on)
+        body["packing"] = packing
     return body
 
 
@@ -261,6 +264,12 @@ def jobs_create(
     max_seq_len: Annotated[int | None, typer.Option(min=8)] = None,
     queue: Annotated[str | None, typer.Option(help="Worker class (queue), e.g. h100, cpu.")] = None,
     n_gpus: Annotated[int | None, typer.Option(min=1, help="GPUs on one host (> 1: torchrun).")] = None,
+    packing: Annotated[
+        bool | None,
+        typer.Option(
+            "--packing/--no-packing", help="Pack examples into full rows, padding-free (server default: on)."
+        ),
+    ] = None,
     url: UrlOpt = None,
     api_key: KeyOpt = None,
 ) -> None:
@@ -279,6 +288,7 @@ def jobs_create(
         max_seq_len=max_seq_len,
         queue=queue,
         n_gpus=n_gpus,
+        packing=packing,
     )
     with _client(url, api_key) as c:
         _print_json(_api_call(c.create_job, body))

@@ -74,6 +74,7 @@ class Claim:
     suffix: str | None
     resume_checkpoint: str | None  # storage key of the latest registered checkpoint zip
     n_gpus: int = 1  # > 1: the worker runs the engine under torchrun (issue 7)
+    packing: bool = True  # padding-free packed rows (issue 12)
 
 
 # ---------------------------------------------------------------- reads
@@ -278,6 +279,7 @@ def create_job(
         method_type="supervised",
         lora=lora,
         max_seq_len=spec.max_seq_len,
+        packing=spec.packing,
         queue=spec.queue or get_settings().worker_queue,  # routing (issue 7)
         n_gpus=spec.n_gpus,
         suffix=spec.suffix or None,
@@ -422,6 +424,7 @@ def claim(session: Session, *, job_id: str, worker_id: str) -> Claim | None:
         suffix=job.suffix,
         resume_checkpoint=resume,
         n_gpus=job.n_gpus,
+        packing=job.packing,
     )
 
 
@@ -463,6 +466,7 @@ def _metrics_data(m: StepMetrics) -> dict[str, Any]:
         "tokens": m.tokens,
         "trained_tokens": m.trained_tokens,
         "tokens_per_s": _finite(m.tokens_per_s),
+        "padding_fraction": _finite(m.padding_fraction),
         "step_seconds": _finite(m.step_seconds),
         "eta_seconds": _finite(m.eta_seconds),
     }
@@ -480,6 +484,7 @@ def record_metrics(session: Session, *, claim: Claim, rows: list[StepMetrics]) -
         total_steps=last.total_steps,
         train_loss=last.train_loss,
         tokens_per_s=last.tokens_per_s,
+        padding_fraction=_finite(last.padding_fraction),
         eta_seconds=last.eta_seconds,
         trained_tokens=last.trained_tokens,
         estimated_finish=int(now + last.eta_seconds) if math.isfinite(last.eta_seconds) else None,

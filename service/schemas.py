@@ -129,6 +129,9 @@ class JobCreate(Forbid):
     integrations: list[dict[str, Any]] | None = Field(None, max_length=0)
     lora: LoraBlock | None = None
     max_seq_len: int = Field(1024, ge=16, le=MAX_SEQ_LEN)
+    # Loraq extension: pack examples into rows of max_seq_len tokens, each attending only to
+    # itself (padding-free, the fast path); false trains one example per row, padded
+    packing: bool = True
     # Loraq extensions (deployment): the worker class to run on (its queue, e.g. "h100", "cpu";
     # default LORAQ_WORKER_QUEUE) and GPUs on one host (> 1 runs data-parallel under torchrun).
     queue: str | None = Field(None, min_length=1, max_length=40, pattern=r"^[A-Za-z0-9_-]+$")
@@ -199,8 +202,9 @@ class ProgressPublic(BaseModel):
     step: int
     total_steps: int | None
     train_loss: float | None
-    tokens_per_s: float | None
+    tokens_per_s: float | None  # real (non-padding) tokens per second
     eta_seconds: float | None
+    padding_fraction: float | None = None  # share of the step's token slots that were padding
 
 
 class JobPublic(BaseModel):
@@ -226,6 +230,7 @@ class JobPublic(BaseModel):
     user_provided_suffix: str | None
     lora: LoraPublic
     max_seq_len: int
+    packing: bool = True
     progress: ProgressPublic
     # deployment extensions: where the job is routed, and which host/GPU runs (or ran) it
     queue: str = "default"

@@ -229,6 +229,7 @@ def build_train_config(claim: jobs.Claim, settings: Settings, out_dir: Path) -> 
         model_store=settings.model_store,
         lora=lora,
         max_seq_len=claim.max_seq_len,
+        pack=claim.packing,
         batch_size=int(hp["batch_size"]),
         n_epochs=int(hp["n_epochs"]),
         learning_rate=BASE_LEARNING_RATE * float(hp["learning_rate_multiplier"]),

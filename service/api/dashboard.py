@@ -93,6 +93,7 @@ def progress(job: Job) -> dict[str, Any]:
         "total_steps": job.total_steps,
         "train_loss": job.train_loss,
         "tokens_per_s": job.tokens_per_s,
+        "padding_fraction": job.padding_fraction,
         "eta_seconds": job.eta_seconds,
         "trained_tokens": job.trained_tokens,
         "created_at": job.created_at,

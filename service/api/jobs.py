@@ -67,6 +67,7 @@ def job_public(job: Job | Row[Any]) -> JobPublic:
         user_provided_suffix=job.suffix,
         lora=LoraPublic(**job.lora),
         max_seq_len=job.max_seq_len,
+        packing=job.packing,
         queue=job.queue,
         n_gpus=job.n_gpus,
         worker_id=job.worker_id,
@@ -76,6 +77,7 @@ def job_public(job: Job | Row[Any]) -> JobPublic:
             train_loss=job.train_loss,
             tokens_per_s=job.tokens_per_s,
             eta_seconds=job.eta_seconds,
+            padding_fraction=job.padding_fraction,
         ),
     )
 

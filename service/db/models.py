@@ -25,6 +25,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    true,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -117,6 +118,8 @@ class Job(Base):
     # host (> 1: torchrun); the Celery queue is worker.launcher.celery_queue(queue, n_gpus)
     queue: Mapped[str] = mapped_column(String(48), default="default", server_default="default")
     n_gpus: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    # pack examples into rows of max_seq_len tokens (padding-free); false: one example per row
+    packing: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
     suffix: Mapped[str | None] = mapped_column(String(64), default=None)
     seed: Mapped[int] = mapped_column(BigInteger)
     metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON, default=None)
@@ -142,6 +145,7 @@ class Job(Base):
     train_loss: Mapped[float | None] = mapped_column(Float, default=None)
     tokens_per_s: Mapped[float | None] = mapped_column(Float, default=None)
     eta_seconds: Mapped[float | None] = mapped_column(Float, default=None)
+    padding_fraction: Mapped[float | None] = mapped_column(Float, default=None)
     trained_tokens: Mapped[int | None] = mapped_column(BigInteger, default=None)
     fine_tuned_model: Mapped[str | None] = mapped_column(String(255), default=None, index=True)
     result_files: Mapped[list[Any]] = mapped_column(JSON, default=list)

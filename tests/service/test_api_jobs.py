@@ -7,6 +7,7 @@ import base64
 import csv
 import io
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -51,10 +52,24 @@ def test_create_job_returns_openai_object_and_enqueues_by_task_name(
         "target_modules": "all-linear",
         "use_rslora": False,
     }
+    assert job["packing"] is True  # padding-free packed rows unless the request opts out
     (msg,) = queued_messages(loraq_env)
     assert msg["headers"]["task"] == "loraq.run_job"
     assert json.loads(base64.b64decode(msg["body"]))[0] == [job["id"]]
     assert api.get(f"/v1/fine_tuning/jobs/{job['id']}").json() == job
+
+
+def test_packing_opt_out_is_stored_and_reaches_the_engine_config(api: ApiClient, tmp_path: Path) -> None:
+    from service.settings import get_settings
+    from worker.runner import build_train_config
+
+    file_id = api.upload(DATASET)
+    job = api.create_job(file_id, packing=False)
+    assert job["packing"] is False and api.get(f"/v1/fine_tuning/jobs/{job['id']}").json()["packing"] is False
+    with session_scope() as session:
+        claim = jobs.claim(session, job_id=job["id"], worker_id="test-worker")
+    assert claim is not None and claim.packing is False
+    assert build_train_config(claim, get_settings(), tmp_path).pack is False
 
 
 def test_method_hyperparameters_and_auto(api: ApiClient) -> None:
@@ -87,6 +102,7 @@ def test_method_hyperparameters_and_auto(api: ApiClient) -> None:
         ({"lora": {"dropout": 1.0}}, "lora.dropout"),
         ({"lora": {"target_modules": "everything"}}, "lora.target_modules"),
         ({"max_seq_len": 4}, "max_seq_len"),
+        ({"packing": "sometimes"}, "packing"),
         ({"seed": -1}, "seed"),
         ({"suffix": "bad suffix!"}, "suffix"),
         ({"status": "succeeded"}, "status"),
