@@ -6,6 +6,7 @@ math; gpu_kernels.dispatch picks one per call.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -183,13 +184,13 @@ def varlen_attention(
     One SDPA call per sequence: exact, mask-free, and slow (it reads the offsets on the host);
     the compiled twin is one variable-length flash-attention call."""
     offsets = [int(x) for x in cu_seqlens.tolist()]
-    if offsets[0] != 0 or offsets[-1] != q.shape[0] or any(b < a for a, b in zip(offsets, offsets[1:])):
+    if offsets[0] != 0 or offsets[-1] != q.shape[0] or any(b < a for a, b in itertools.pairwise(offsets)):
         raise ValueError(f"cu_seqlens must rise from 0 to {q.shape[0]}, got {offsets}")
-    if max(b - a for a, b in zip(offsets, offsets[1:])) > max_seqlen:
+    if max(b - a for a, b in itertools.pairwise(offsets)) > max_seqlen:
         raise ValueError(f"a sequence is longer than max_seqlen {max_seqlen}")
     heads, groups = q.shape[1], k.shape[1]
     out = torch.empty_like(q)
-    for a, b in zip(offsets, offsets[1:]):
+    for a, b in itertools.pairwise(offsets):
         if b == a:
             continue
         qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))  # (heads, L, D)

@@ -325,8 +325,9 @@ def check_varlen(dtype: torch.dtype, small: bool) -> None:
         offsets = [0]
         for length in lengths:
             offsets.append(offsets[-1] + length)
-        cu = torch.tensor(offsets + [n, n], dtype=torch.int32, device="cuda")
-        q, k, v = randn(n, heads, d, dtype=dtype, grad=True), randn(n, kv, d, dtype=dtype, grad=True), randn(n, kv, d, dtype=dtype, grad=True)  # fmt: skip
+        cu = torch.tensor([*offsets, n, n], dtype=torch.int32, device="cuda")
+        q = randn(n, heads, d, dtype=dtype, grad=True)
+        k, v = randn(n, kv, d, dtype=dtype, grad=True), randn(n, kv, d, dtype=dtype, grad=True)
         m = max(lengths)
         compare(
             "varlen_attention", dtype, f"N{n} K{len(lengths)} H{heads} G{kv} D{d}",

@@ -10,11 +10,12 @@ import torch
 from safetensors.torch import load_file
 
 from tests.engine.recipe_helpers import Recorder, tiny_config
+from worker.engine.data import BatchSampler, load_dataset
 from worker.engine.lora import lora_modules
 from worker.engine.models import LoadedModel
 from worker.engine.recipe import LoRAFinetuneRecipe, train
 from worker.engine.schedule import lr_factor, warmup_steps
-from worker.engine.types import ConfigError, DatasetError, LimitExceeded, NonFiniteError
+from worker.engine.types import ConfigError, DatasetError, LimitExceeded, NonFiniteError, TrainConfig
 
 
 def test_loss_decreases_on_a_tiny_dataset(tmp_path: Path) -> None:
@@ -43,6 +44,25 @@ def test_grad_accumulation_matches_one_big_batch(tmp_path: Path) -> None:
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6)
+
+
+def test_packing_is_the_default_and_reports_its_padding(tmp_path: Path, tiny: LoadedModel) -> None:
+    """Packed rows (the engine's default) hold several examples: fewer steps on the same real
+    tokens, and every step reports the share of its token slots that were padding."""
+    assert TrainConfig.__dataclass_fields__["pack"].default is True
+    runs = {}
+    for pack in (True, False):
+        rec = Recorder()
+        config = tiny_config(tmp_path / str(pack), pack=pack, max_steps=None, n_epochs=1)
+        train(config, rec)
+        runs[pack] = (config, rec.steps)
+    (config, packed), (_, plain) = runs[True], runs[False]
+    assert len(packed) < len(plain)
+    assert sum(m.tokens for m in packed) == sum(m.tokens for m in plain)
+    data = load_dataset(config.train_file, tiny.tokenizer, config.max_seq_len, pack=True)
+    first = BatchSampler(data, config.batch_size, config.seed).batch(0, 0)
+    assert packed[0].padding_fraction == pytest.approx(1 - first.num_tokens / first.input_ids.numel())
+    assert all(0 <= m.padding_fraction < 1 for m in packed + plain)
 
 
 def test_callbacks_receive_every_field(tmp_path: Path) -> None:

@@ -38,6 +38,7 @@ class WorkerEnv:
             "hyperparameters": {"n_epochs": 1, "batch_size": 4, "learning_rate_multiplier": 5.0},
             "lora": {"r": 4, "alpha": 8},
             "max_seq_len": 128,
+            "packing": False,  # one example per row: these tests count rows and steps
             **spec,
         }
         with session_scope() as s:

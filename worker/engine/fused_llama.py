@@ -227,11 +227,9 @@ class FusedLlamaAttention(nn.Module):
         q, k, v = gpu_kernels.rope_qkv(group.forward_all(hidden_states), cos, sin, n_heads, n_kv)
         if cu_seqlens is not None:
             # (B, S, heads, D) rows are already the packed (B·S, heads, D) layout: views, no copies
+            qp, kp, vp = (t.transpose(1, 2).reshape(b * s, t.shape[1], self.head_dim) for t in (q, k, v))
             out = gpu_kernels.varlen_attention(
-                *(t.transpose(1, 2).reshape(b * s, t.shape[1], self.head_dim) for t in (q, k, v)),
-                cu_seqlens,
-                max_seqlen,
-                self.scaling,
+                qp, kp, vp, cu_seqlens, max_seqlen, self.scaling
             )  # (B·S, H, D)
             return self.o_proj(out.view(b, s, n_heads * self.head_dim)), None
         out = F.scaled_dot_product_attention(
@@ -417,8 +415,8 @@ def packed_lm_loss(model: nn.Module, inputs: PackedInputs, i: int) -> torch.Tens
 
     Every sequence attends only to itself (variable-length attention over cu_seqlens, no mask),
     and the final norm and LM head run on the M gathered trainable positions only: hidden
-    (B, S, d) → (B·S, d) → (M, d) → RMSNorm → chunked fused linear + cross-entropy. Gathering by a host-built index keeps the
-    shapes static and reads nothing back to the host."""
+    (B, S, d) → (B·S, d) → (M, d) → RMSNorm → chunked fused linear + cross-entropy. Gathering
+    by a host-built index keeps the shapes static and reads nothing back to the host."""
     backbone = getattr(model, "base_model")  # noqa: B009
     ids = inputs.input_ids[i]
     hidden = _fused_decoder_states(
