@@ -57,3 +57,26 @@ def test_norm_swiglu_ce_clip_bf16() -> None:
     expect = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in ps))  # type: ignore[union-attr]
     norm = gpu_kernels.clip_grad_norm_(ps, 1.0)
     assert abs(norm.item() - expect.item()) / expect.item() < 1e-5
+
+
+def test_varlen_attention_matches_one_sdpa_per_sequence() -> None:
+    """Flash varlen (the packed job step's attention) against the reference, GQA, with empty
+    sequences padding cu_seqlens to a fixed length as the step pads it."""
+    lengths, heads, kv, d = [300, 1, 77, 0, 512], 8, 2, 64
+    n = sum(lengths)
+    offsets = [0]
+    for length in lengths:
+        offsets.append(offsets[-1] + length)
+    cu = torch.tensor([*offsets, n, n], dtype=torch.int32, device="cuda")
+    q, k, v = (
+        torch.randn(n, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (heads, kv, kv)
+    )
+    out = gpu_kernels.varlen_attention(q, k, v, cu, max(lengths))
+    gy = torch.randn_like(out)
+    out.backward(gy)
+    q2, k2, v2 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference.varlen_attention(q2, k2, v2, cu, max(lengths))
+    ref.backward(gy.double())
+    assert rel(out, ref) < 2e-2
+    for g, g2 in ((q.grad, q2.grad), (k.grad, k2.grad), (v.grad, v2.grad)):
+        assert g is not None and g2 is not None and rel(g, g2) < 2e-2
