@@ -48,11 +48,12 @@ def test_files_and_jobs_commands(e2e: Service, tmp_path: Path) -> None:
     created = json.loads(
         e2e.cli(
             "jobs", "create", "--model", "tiny-llama", "--training-file", uploaded["id"],
-            "--n-epochs", "400", "--suffix", "cli", "--lora-r", "4", "--max-seq-len", "128", *env_key,
+            "--n-epochs", "400", "--suffix", "cli", "--lora-r", "4", "--max-seq-len", "128", "--no-packing",
+            *env_key,
         ).stdout
     )  # fmt: skip
     job_id = created["id"]
-    assert created["hyperparameters"]["n_epochs"] == 400
+    assert created["hyperparameters"]["n_epochs"] == 400 and created["packing"] is False
     assert created["model"] == "tiny-llama" and created["training_file"] == uploaded["id"]
 
     assert job_id in e2e.cli("jobs", "list", *env_key).stdout

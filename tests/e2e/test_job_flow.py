@@ -56,6 +56,7 @@ def tiny_job(file_id: str, **extra: Any) -> dict[str, Any]:
         "hyperparameters": {"n_epochs": 2, "batch_size": 4, "learning_rate_multiplier": 5.0},
         "lora": {"r": 4, "alpha": 8},
         "max_seq_len": 128,
+        "packing": False,  # one example per row: the test counts steps
         **extra,
     }
 

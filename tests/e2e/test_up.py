@@ -193,6 +193,7 @@ def test_ctrl_c_requeues_a_running_job_and_the_next_up_finishes_it(tmp_path: Pat
             "hyperparameters": {"n_epochs": 6, "batch_size": 4},  # 24 steps
             "lora": {"r": 4},
             "max_seq_len": 128,
+            "packing": False,  # one example per row: the test counts steps
         }
         job_id = api.post("/fine_tuning/jobs", json=body).json()["id"]
 

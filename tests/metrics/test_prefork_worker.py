@@ -42,7 +42,7 @@ def test_prefork_child_metrics_are_served_by_the_main_process(stack: Service, tm
 
         with svc.client() as c:
             up = c.post("/files", data={"purpose": "fine-tune"}, files={"file": ("t.jsonl", chat_lines(16))})
-            body = {"model": "tiny-llama", "training_file": up.json()["id"],
+            body = {"model": "tiny-llama", "training_file": up.json()["id"], "packing": False,
                     "hyperparameters": {"n_epochs": 2, "batch_size": 4}}  # fmt: skip
             job_id = c.post("/fine_tuning/jobs", json=body).json()["id"]
         done = svc.wait_job(job_id, {"succeeded"})

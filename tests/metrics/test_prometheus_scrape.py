@@ -129,7 +129,7 @@ def test_prometheus_scrapes_api_and_worker_during_a_job(
             r = c.post("/files", data={"purpose": "fine-tune"}, files={"file": (f"{name}.jsonl", data)})
             files[name] = r.json()["id"]
         body = {"model": "tiny-llama", "training_file": files["train"], "validation_file": files["valid"],
-                "hyperparameters": {"n_epochs": N_EPOCHS, "batch_size": BATCH}}  # fmt: skip
+                "packing": False, "hyperparameters": {"n_epochs": N_EPOCHS, "batch_size": BATCH}}  # fmt: skip
         job_id = c.post("/fine_tuning/jobs", json=body).json()["id"]
 
     # While it runs: the worker's live training series and the API's view of the job. Prometheus

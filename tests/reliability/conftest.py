@@ -139,6 +139,7 @@ class Stack:
             "hyperparameters": {"n_epochs": n_epochs, "batch_size": 4, "learning_rate_multiplier": 5.0},
             "lora": {"r": 4, "alpha": 8},
             "max_seq_len": 128,
+            "packing": False,  # one example per row: step counts and run lengths as planned
         }
         with self.client() as c:
             r = c.post("/fine_tuning/jobs", json=body)
