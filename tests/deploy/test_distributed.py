@@ -63,7 +63,9 @@ def make_config(tmp_path: Path, out: str, **overrides: object) -> TrainConfig:
         model_store=MODEL_STORE,
         lora=LoraConfig(r=4, alpha=8.0, dropout=0.0),
         max_seq_len=128,
-        # 3 rows per micro-batch (ranks get 2 and 1 rows), 2 micro-batches per step, 3 steps.
+        # 3 rows per micro-batch (ranks get 2 and 1 rows), 2 micro-batches per step, 3 steps;
+        # one example per row, so that the rows are this file's lines
+        pack=False,
         batch_size=3,
         grad_accum=2,
         max_steps=3,
