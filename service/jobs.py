@@ -680,6 +680,17 @@ def stale_running_jobs(session: Session, *, older_than: float) -> list[tuple[str
     return [(i, str(t), int(a)) for i, t, a in rows]
 
 
+def running_jobs_of_worker(session: Session, *, host: str, pid: int) -> list[tuple[str, str, int]]:
+    """(job id, attempt token, attempt) of running jobs held by process `pid` on `host` (worker ids
+    are `host:<device>:pid`, see worker.launcher.worker_identity)."""
+    rows = session.execute(
+        select(Job.id, Job.attempt_token, Job.attempt).where(
+            Job.status == "running", Job.worker_id.like(f"{host}:%:{pid}")
+        )
+    ).all()
+    return [(i, str(t), int(a)) for i, t, a in rows]
+
+
 def queued_jobs(session: Session) -> list[tuple[str, str, int]]:
     """(job id, worker class, n_gpus) of every `queued` job, oldest first (for the reconciler)."""
     rows = session.execute(

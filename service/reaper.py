@@ -132,18 +132,8 @@ class Reaper:
             stale = jobs.stale_running_jobs(session, older_than=now - timeout)
         for job_id, token, attempt in stale:
             silent = f"its worker sent no heartbeat for {timeout:g}s (attempt {attempt} of {max_attempts})"
-            with session_scope() as session:
-                if attempt >= max_attempts:
-                    reason = f"Job failed: {silent}; no attempts left"
-                    if jobs.fail_stale(session, job_id=job_id, attempt_token=token, reason=reason):
-                        result.failed.append(job_id)
-                    continue
-                reason = f"{silent}; it resumes from its last checkpoint"
-                requeued = jobs.requeue(session, job_id=job_id, attempt_token=token, reason=reason)
-            if requeued:  # committed: a worker that takes the message finds the job queued
-                result.requeued.append(job_id)
-                if enqueue_job(job_id):
-                    self._missing_since.pop(job_id, None)
+            if release_attempt(job_id, token, attempt, silent, result):
+                self._missing_since.pop(job_id, None)
 
     def _reconcile(self, client: Any, now: float, result: TickResult) -> None:
         import redis
@@ -166,6 +156,40 @@ class Reaper:
             if now - since >= grace and enqueue_job(job_id, queue=routes[job_id]):
                 result.resent.append(job_id)
                 del self._missing_since[job_id]
+
+
+def release_attempt(job_id: str, token: str, attempt: int, why: str, result: TickResult) -> bool:
+    """A running attempt whose worker is gone: back to `queued` and re-sent while attempts are
+    left (True once sent), else `failed` with code `worker_lost`. Both are fenced on the token."""
+    max_attempts = get_settings().max_attempts
+    with session_scope() as session:
+        if attempt >= max_attempts:
+            reason = f"Job failed: {why}; no attempts left"
+            if jobs.fail_stale(session, job_id=job_id, attempt_token=token, reason=reason):
+                result.failed.append(job_id)
+            return False
+        requeued = jobs.requeue(
+            session, job_id=job_id, attempt_token=token, reason=f"{why}; it resumes from its last checkpoint"
+        )
+    if not requeued:
+        return False
+    result.requeued.append(job_id)  # committed: a worker that takes the message finds it queued
+    return enqueue_job(job_id)
+
+
+def release_jobs_of_worker(worker_pid: int) -> TickResult:
+    """Release the attempts held by worker process `worker_pid` of this host, which is known dead
+    (`loraq up` saw it exit): the job resumes now, not after the heartbeat timeout."""
+    import socket
+
+    max_attempts = get_settings().max_attempts
+    result = TickResult()
+    with session_scope() as session:
+        held = jobs.running_jobs_of_worker(session, host=socket.gethostname(), pid=worker_pid)
+    for job_id, token, attempt in held:
+        why = f"its worker (pid {worker_pid}) died (attempt {attempt} of {max_attempts})"
+        release_attempt(job_id, token, attempt, why, result)
+    return result
 
 
 class ReaperThread:

@@ -1,106 +1,95 @@
 """`loraq up`: the whole service on one machine, in the foreground.
 
-Starts, in order: a private `redis-server` (only when `LORAQ_REDIS_URL` is unset), database
-migrations, the API key, the API (uvicorn) and one Celery worker. Every child runs in its own
-process group (`start_new_session`), so a terminal's Ctrl-C reaches only this supervisor, which
-then stops the children in reverse order and kills whatever a group still holds after a grace
-period. The children's PIDs are written to `<data_dir>/up.pids.json` while they run.
+Before starting anything it takes an exclusive lock on its data dir (`up.lock`) and checks that
+the API port is free, so a second `loraq up` exits at once, naming the cause, and touches nothing
+of the first. Then it starts, in order: a private `redis-server` (only when `LORAQ_REDIS_URL` is
+unset; append-only file under the data dir), database migrations, the API key, the API (uvicorn)
+and one Celery worker. service/supervisor.py watches the children: one that exits is restarted
+with backoff, a crash loop stops everything with a non-zero exit, and children die with this
+process even on `kill -9`. The children's PIDs are in `<data_dir>/up.pids.json` while they run.
+
+Without `LORAQ_API_KEY`, the first start creates one admin key for tenant `default` and stores it
+(with its hash as the database holds it) in `<data_dir>/admin_key.json`, readable by the owner
+only; later starts reuse it and print where it is.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import IO, TYPE_CHECKING
 
 import httpx
 
 from service.settings import Settings
+from service.supervisor import RESTARTS_FILE, Child, CrashLoopError, Supervisor, free_port
 
-GRACE_SECONDS = 15.0
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+__all__ = ["Supervisor", "free_port", "run_up"]
+
 READY_TIMEOUT_SECONDS = 120.0
 PID_FILE = "up.pids.json"
+LOCK_FILE = "up.lock"
+KEY_FILE = "admin_key.json"
+POLL_SECONDS = 0.2
 
 
 class UpError(RuntimeError):
-    """`loraq up` could not start; the message says which part and why."""
+    """`loraq up` could not start; the message says which part, why, and what to do."""
 
 
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen[bytes]
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-
-@dataclass
-class Supervisor:
-    """Owns the child processes; `stop()` is idempotent and safe from a signal handler."""
-
-    children: list[Child] = field(default_factory=list)
-    pid_file: Path | None = None
-    grace: float = GRACE_SECONDS
-    _stopping: threading.Event = field(default_factory=threading.Event)
-
-    def spawn(self, name: str, argv: list[str], *, env: dict[str, str], log_path: Path | None) -> Child:
-        out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - lives as long as the child
-        proc = subprocess.Popen(
-            argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
-        )
-        child = Child(name, proc)
-        self.children.append(child)
-        self._write_pids()
-        return child
-
-    def _write_pids(self) -> None:
-        if self.pid_file is None:
-            return
-        pids = {c.name: c.pid for c in self.children}
-        self.pid_file.write_text(json.dumps({"supervisor": os.getpid(), **pids}))
-
-    def first_exited(self) -> Child | None:
-        return next((c for c in self.children if c.proc.poll() is not None), None)
-
-    def stop(self) -> None:
-        if self._stopping.is_set():
-            return
-        self._stopping.set()
-        # Reverse start order: API and worker first, Redis last (the worker acks into it).
-        for child in reversed(self.children):
-            _terminate_group(child, self.grace)
-        if self.pid_file is not None:
-            self.pid_file.unlink(missing_ok=True)
+@contextlib.contextmanager
+def data_dir_lock(data_dir: Path) -> Iterator[None]:
+    """Hold an exclusive `flock` on `<data_dir>/up.lock` (released by the kernel however this
+    process ends); raise `UpError` naming the holder's pid when another `loraq up` has it."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    path = data_dir / LOCK_FILE
+    fh: IO[str] = open(path, "a+")  # noqa: SIM115 - held until the context ends
+    try:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "?"
+            raise UpError(
+                f"data dir {data_dir} is used by pid {holder} (another `loraq up`): stop that one "
+                "first, or give this one its own LORAQ_DATA_DIR"
+            ) from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"{os.getpid()}\n")
+        fh.flush()
+        yield
+    finally:
+        fh.close()
 
 
-def _terminate_group(child: Child, grace: float) -> None:
-    """SIGTERM the child's process group, then SIGKILL what is left after `grace` seconds."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(child.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        child.proc.wait(timeout=grace)
-    # The group may hold grandchildren (uvicorn reloader, celery pool) even after the leader exits.
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(child.pid, signal.SIGKILL)
-    child.proc.wait()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def check_port_free(host: str, port: int) -> None:
+    """Bind the API's address as uvicorn will (SO_REUSEADDR): `UpError` if something holds it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                why = f"cannot listen on {host}:{port}: {e.strerror}"
+                raise UpError(f"{why}; set LORAQ_HOST and LORAQ_PORT") from None
+            raise UpError(
+                f"port {port} in use on {host}: stop what listens there, or set LORAQ_PORT to a free port"
+            ) from None
 
 
 def start_redis(sup: Supervisor, data_dir: Path, env: dict[str, str]) -> str:
@@ -143,7 +132,9 @@ def _wait_until(ready: Callable[[], bool], child: Child, what: str, timeout: flo
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if child.proc.poll() is not None:
-            raise UpError(f"{what} exited with code {child.proc.returncode} while starting; see its log")
+            raise UpError(
+                f"{what} exited with code {child.proc.returncode} while starting; see {child.log_path}"
+            )
         if ready():
             return
         time.sleep(0.1)
@@ -157,18 +148,37 @@ def _http_ready(url: str) -> bool:
         return False
 
 
-def prepare_database_and_key(settings: Settings) -> tuple[str, bool]:
-    """Run migrations and make sure an API key works; return (key, generated)."""
-    from service.auth import create_key, ensure_bootstrap_key
+def prepare_database_and_key(settings: Settings) -> tuple[str, str]:
+    """Run migrations and make sure an admin key works; return (key, what to print about it)."""
+    from service.auth import DEFAULT_TENANT, ensure_bootstrap_key
     from service.db.migrate import upgrade_head
     from service.db.session import session_scope
 
     upgrade_head(settings.resolved_database_url)
+    path = settings.resolved_data_dir / KEY_FILE
     with session_scope() as session:
         if settings.api_key:
             ensure_bootstrap_key(session, settings.api_key)
-            return settings.api_key, False
-        return create_key(session, "default"), True
+            return settings.api_key, f"API key (LORAQ_API_KEY, tenant {DEFAULT_TENANT}): {settings.api_key}"
+        if path.exists():
+            key = str(json.loads(path.read_text())["key"])
+            ensure_bootstrap_key(session, key)  # a no-op unless the database is new
+            return key, f"API key: in {path} (owner-only; `loraq keys create --tenant NAME` makes more)"
+        key = _create_admin_key(session, path)
+    return key, f"API key (generated for tenant {DEFAULT_TENANT}): {key}  (stored in {path}, owner-only)"
+
+
+def _create_admin_key(session: Session, path: Path) -> str:
+    """A new key for the default tenant, written to `path` (mode 0600, never overwritten) with
+    the prefix and hash the database holds for it, so it can be found and revoked."""
+    from service.auth import DEFAULT_TENANT, PREFIX_CHARS, create_key, hash_key
+
+    key = create_key(session, DEFAULT_TENANT)
+    record = {"tenant": DEFAULT_TENANT, "key": key, "prefix": key[:PREFIX_CHARS], "key_hash": hash_key(key)}
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(record, fh, indent=1)
+    return key
 
 
 def child_env(settings: Settings, redis_url: str) -> dict[str, str]:
@@ -198,11 +208,22 @@ def worker_argv(settings: Settings) -> list[str]:
 
 
 def run_up(settings: Settings, echo: Callable[[str], None] = print) -> int:
-    """Start everything, block until a signal or a child's exit, stop everything. Returns exit code."""
+    """Check, start everything, supervise until a signal or a crash loop, stop everything.
+    Returns the exit code: 0 after Ctrl-C/SIGTERM, 1 when it could not start or gave up."""
     data_dir = settings.resolved_data_dir
+    try:
+        with data_dir_lock(data_dir):
+            check_port_free(settings.host, settings.port)
+            return _run_locked(settings, data_dir, echo)
+    except UpError as e:
+        echo(f"loraq up: {e}")
+        return 1
+
+
+def _run_locked(settings: Settings, data_dir: Path, echo: Callable[[str], None]) -> int:
     logs = data_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    sup = Supervisor(pid_file=data_dir / PID_FILE)
+    sup = Supervisor(pid_file=data_dir / PID_FILE, restarts_file=data_dir / RESTARTS_FILE, echo=echo)
     stop_signal: list[int] = []
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -219,24 +240,28 @@ def run_up(settings: Settings, echo: Callable[[str], None] = print) -> int:
         os.environ.update({k: env[k] for k in ("LORAQ_DATA_DIR", "LORAQ_DATABASE_URL", "LORAQ_REDIS_URL")})
         _reset_cached_settings()
 
-        key, generated = prepare_database_and_key(settings)
+        key, key_line = prepare_database_and_key(settings)
         env["LORAQ_API_KEY"] = key
 
         api = sup.spawn("api", api_argv(settings), env=env, log_path=logs / "api.log")
         sup.spawn("worker", worker_argv(settings), env=env, log_path=logs / "worker.log")
+        sup.on_exit["worker"] = lambda _child, pid: _release_jobs_of(pid, echo)
         base = f"http://{settings.host}:{settings.port}"
         _wait_until(lambda: _http_ready(f"{base}/readyz"), api, "the API", timeout=READY_TIMEOUT_SECONDS)
 
         echo(f"Loraq is up: {base}  (OpenAI base_url {base}/v1, docs {base}/docs)")
-        echo(f"API key{' (generated for tenant default)' if generated else ''}: {key}")
+        echo(key_line)
         echo(f"Data: {data_dir}   Redis: {redis_url}   Logs: {logs}")
         echo("Press Ctrl-C to stop.")
-        while (dead := sup.first_exited()) is None:
-            time.sleep(0.5)
-        echo(f"{dead.name} exited with code {dead.proc.returncode}; stopping (see {logs})")
-        return 1
+        while True:
+            sup.poll()
+            time.sleep(POLL_SECONDS)
     except KeyboardInterrupt:
         return 0
+    except CrashLoopError as e:
+        echo(f"loraq up: {e}")
+        echo("loraq up: stopping everything")
+        return 1
     except UpError as e:
         echo(f"loraq up: {e}")
         return 1
@@ -249,6 +274,18 @@ def run_up(settings: Settings, echo: Callable[[str], None] = print) -> int:
             signal.signal(s, handler)
         if stop_signal:
             echo("Stopped.")
+
+
+def _release_jobs_of(worker_pid: int, echo: Callable[[str], None]) -> None:
+    """The worker died holding a job: put it back now, so the restarted worker resumes it from
+    its last checkpoint instead of waiting out the heartbeat timeout."""
+    from service.reaper import release_jobs_of_worker
+
+    result = release_jobs_of_worker(worker_pid)
+    for job_id in result.requeued:
+        echo(f"worker: job {job_id} re-queued; it resumes from its last checkpoint")
+    for job_id in result.failed:
+        echo(f"worker: job {job_id} failed: no attempts left")
 
 
 def _reset_cached_settings() -> None:

@@ -1,9 +1,10 @@
 """Shared fixtures for control-plane tests.
 
 - `db_url`: a migrated database, parametrised over SQLite (a file) and PostgreSQL (a database
-  `loraq_test_<random>` created in the local server for this test session, dropped after).
+  `loraq_test_<random>` created for this test session on the suite's server, dropped after).
+  tests/servers.py says which servers: given by `LORAQ_TEST_*_URL`, or throwaway ones.
   Both live for the session; tests isolate themselves by creating their own tenants.
-- `loraq_env`: Settings pointing at `db_url`, a data dir of the test's own, the local Redis and a
+- `loraq_env`: Settings pointing at `db_url`, a data dir of the test's own, the suite's Redis and a
   queue name of the test's own (its messages are deleted after the test).
 - `api`: a TestClient over `create_app()` with a fresh tenant and its key; `api.other` is a second
   tenant's client (isolation tests). Factories: `make_tenant`, `upload_file`, `create_job`.
@@ -19,25 +20,13 @@ from typing import Any
 
 import pytest
 
-PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/test"
-PG_URL_TEMPLATE = "postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-REDIS_URL = "redis://127.0.0.1:6379/0"
+from tests.servers import create_pg_database, drop_pg_database, shared_redis_url, stop_throwaway_servers
+
+__all__ = ["create_pg_database", "drop_pg_database"]
 
 
-def create_pg_database(prefix: str = "loraq_test") -> tuple[str, str]:
-    import psycopg
-
-    name = f"{prefix}_{secrets.token_hex(4)}"
-    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    return name, PG_URL_TEMPLATE.format(name=name)
-
-
-def drop_pg_database(name: str) -> None:
-    import psycopg
-
-    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+def pytest_unconfigure(config: pytest.Config) -> None:
+    stop_throwaway_servers()
 
 
 @pytest.fixture(scope="session")
@@ -90,7 +79,7 @@ def loraq_env(db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> I
     env = LoraqEnv(db_url=db_url, data_dir=tmp_path / "var", queue=f"test-{secrets.token_hex(4)}")
     monkeypatch.setenv("LORAQ_DATA_DIR", str(env.data_dir))
     monkeypatch.setenv("LORAQ_DATABASE_URL", db_url)
-    monkeypatch.setenv("LORAQ_REDIS_URL", REDIS_URL)
+    monkeypatch.setenv("LORAQ_REDIS_URL", shared_redis_url())
     monkeypatch.setenv("LORAQ_WORKER_QUEUE", env.queue)
     monkeypatch.setenv("LORAQ_SECRET_KEY", secrets.token_hex(32))
     # No reaper loop in API tests: the databases are shared by the session, and a tick would
@@ -99,7 +88,7 @@ def loraq_env(db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> I
     get_settings.cache_clear()
     yield env
     get_settings.cache_clear()
-    r = redis.Redis.from_url(REDIS_URL)
+    r = redis.Redis.from_url(shared_redis_url())
     r.delete(env.queue)  # messages a test enqueued must not reach another helper's worker
     r.close()
 

@@ -14,20 +14,23 @@ Every app gets its own `CollectorRegistry` (tests build many apps in one process
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.settings import Settings
+from service.supervisor import RESTARTS_FILE
 
 log = logging.getLogger("loraq.api.metrics")
 
@@ -242,6 +245,28 @@ def service_sources(settings: Settings) -> StateSources:
     )
 
 
+class UpRestartsCollector(Collector):
+    """`loraq_up_restarts_total{child}`: restarts of `loraq up`'s children, read from the file its
+    supervisor keeps in the data dir (nothing when the API runs without `loraq up`)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        try:
+            counts = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return
+        family = CounterMetricFamily(
+            "loraq_up_restarts", "Children of `loraq up` restarted after an unexpected exit", labels=["child"]
+        )
+        for child, n in sorted(counts.items()):
+            family.add_metric([str(child)], float(n))
+        yield family
+
+
 def install_service_metrics(app: FastAPI, settings: Settings) -> CollectorRegistry:
     """What `create_app()` calls: request metrics + /metrics over the service's real sources."""
-    return install_metrics(app, service_sources(settings), JOB_STATUSES)
+    registry = install_metrics(app, service_sources(settings), JOB_STATUSES)
+    registry.register(UpRestartsCollector(settings.resolved_data_dir / RESTARTS_FILE))
+    return registry

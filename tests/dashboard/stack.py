@@ -7,7 +7,6 @@ of tests/dashboard and tests/metrics."""
 from __future__ import annotations
 
 import secrets
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,31 +16,14 @@ import httpx
 import pytest
 
 from tests.e2e.procs import ROOT, Service, clean_env, free_port, stop_process, wait_for
+from tests.servers import start_redis
 
 
 @pytest.fixture(scope="session")
 def stack_redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.fail("redis-server is not on PATH (apt-get install redis-server)")
-    port = free_port()
-    workdir = tmp_path_factory.mktemp("redis")
-    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--dir", str(workdir)]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, start_new_session=True)
-    url = f"redis://127.0.0.1:{port}/0"
-
-    def ping() -> bool:
-        import redis
-
-        try:
-            return bool(redis.Redis.from_url(url).ping())
-        except redis.exceptions.ConnectionError:
-            return False
-
-    wait_for(ping, "redis-server", 10, proc)
-    yield url
-    stop_process(proc)
+    server = start_redis(tmp_path_factory.mktemp("redis"))
+    yield server.url
+    server.stop()
 
 
 @pytest.fixture

@@ -20,10 +20,10 @@ import redis
 from service import worker_registry
 from tests.e2e.datasets import broken_lines, chat_lines
 from tests.e2e.procs import Service
+from tests.servers import require_binary
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
     "--disable-component-update", "--disable-sync", "--no-first-run",
@@ -33,12 +33,11 @@ JOB_TIMEOUT_MS = 240_000
 
 @pytest.fixture
 def page(artifacts_dir: Path) -> Any:
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium")
+    chromium = require_binary("chromium")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
         context = browser.new_context(viewport={"width": 1360, "height": 1000}, accept_downloads=True)
         page = context.new_page()
         errors: list[str] = []

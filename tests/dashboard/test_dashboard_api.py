@@ -5,7 +5,6 @@ the worker registry in Redis, and the API's scrape-time metrics over the same da
 from __future__ import annotations
 
 import json
-import secrets
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,9 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service import storage, worker_registry
 from service.settings import get_settings
-
-REDIS_URL = "redis://127.0.0.1:6379/0"
-PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/test"
+from tests.servers import create_pg_database, drop_pg_database, shared_redis_url
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -29,17 +26,12 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'loraq.db'}"
         return
-    import psycopg
-
-    name = f"loraq_dash_{secrets.token_hex(4)}"
-    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    name, url = create_pg_database("loraq_dash")
+    yield url
     from service.db.session import dispose_engines
 
     dispose_engines()
-    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    drop_pg_database(name)
 
 
 @pytest.fixture
@@ -51,7 +43,7 @@ def env(db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterato
 
     monkeypatch.setenv("LORAQ_DATA_DIR", str(tmp_path / "var"))
     monkeypatch.setenv("LORAQ_DATABASE_URL", db_url)
-    monkeypatch.setenv("LORAQ_REDIS_URL", REDIS_URL)
+    monkeypatch.setenv("LORAQ_REDIS_URL", shared_redis_url())
     monkeypatch.setenv("LORAQ_WORKER_QUEUE", f"dash-{uuid.uuid4().hex[:8]}")
     get_settings.cache_clear()
     Base.metadata.create_all(get_engine(db_url))
@@ -198,7 +190,7 @@ def test_file_summary_reads_the_stored_file(env: dict[str, Any]) -> None:
 
 def test_workers_from_the_registry(env: dict[str, Any]) -> None:
     job_a = add_job("tenant-a", status="running", steps=2, total=10)
-    rds = redis.Redis.from_url(REDIS_URL)
+    rds = redis.Redis.from_url(shared_redis_url())
     node = f"host-{uuid.uuid4().hex[:6]}:123"
     entry = {"node": node, "queue": "q", "gpus": [], "kernels": {"compiled": False, "reason": "no CUDA"}}
     rds.set(worker_registry.worker_key(node), json.dumps(entry), ex=30)

@@ -2,24 +2,19 @@
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.conftest import PG_ADMIN_URL, redis_url
+from tests.e2e.conftest import redis_url
+from tests.servers import create_pg_database, drop_pg_database
 
 __all__ = ["pg_db_url", "redis_url"]
 
 
 @pytest.fixture
 def pg_db_url() -> Iterator[str]:
-    """A new database in the local PostgreSQL (what a deployment shares), dropped afterwards."""
-    import psycopg
-
-    name = f"loraq_deploy_{secrets.token_hex(4)}"
-    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    """A new database on the suite's PostgreSQL (what a deployment shares), dropped afterwards."""
+    name, url = create_pg_database("loraq_deploy")
+    yield url
+    drop_pg_database(name)

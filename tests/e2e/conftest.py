@@ -1,8 +1,8 @@
 """Fixtures that run the real service as separate processes.
 
 - `redis_url`: a private `redis-server` on a free port for the test session;
-- `e2e_db_url`: SQLite (a file in the test's tmp dir) and PostgreSQL (a fresh database in the
-  local server, dropped afterwards), as a parameter, so every flow runs on both;
+- `e2e_db_url`: SQLite (a file in the test's tmp dir) and PostgreSQL (a fresh database on the
+  suite's server, dropped afterwards), as a parameter, so every flow runs on both;
 - `service`: migrations applied, an API key made with `loraq keys create`, a uvicorn API process
   and a `loraq worker` process (Celery, solo pool) on a queue private to the test.
 
@@ -13,7 +13,6 @@ when a test fails so a failure says what the worker did.
 from __future__ import annotations
 
 import secrets
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,47 +22,14 @@ import httpx
 import pytest
 
 from tests.e2e.procs import ROOT, Service, clean_env, free_port, stop_process, wait_for
-
-PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/test"
+from tests.servers import create_pg_database, drop_pg_database, start_redis
 
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.fail("redis-server is not on PATH (apt-get install redis-server)")
-    port = free_port()
-    workdir = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(workdir),
-        ],
-        stdout=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-
-    def ping() -> bool:
-        import redis
-
-        try:
-            return bool(redis.Redis.from_url(url).ping())
-        except redis.exceptions.ConnectionError:
-            return False
-
-    wait_for(ping, "redis-server", 10, proc)
-    yield url
-    stop_process(proc)
+    server = start_redis(tmp_path_factory.mktemp("redis"))
+    yield server.url
+    server.stop()
 
 
 @pytest.fixture(scope="session", params=["sqlite", "postgresql"])
@@ -71,14 +37,9 @@ def e2e_db_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path_factory.mktemp('sqlite') / 'loraq.db'}"
         return
-    import psycopg
-
-    name = f"loraq_e2e_{secrets.token_hex(4)}"
-    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    name, url = create_pg_database("loraq_e2e")
+    yield url
+    drop_pg_database(name)
 
 
 @pytest.fixture(scope="session")

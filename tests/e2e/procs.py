@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from tests.servers import stop as stop_process
+
+__all__ = ["stop_process"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,19 +40,6 @@ def wait_for(
             return
         time.sleep(0.05)
     raise AssertionError(f"{what}: not ready after {timeout}s")
-
-
-def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, grace: float = 20.0) -> None:
-    """Signal the process group, wait, then kill what remains."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=grace)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 def clean_env(**extra: str) -> dict[str, str]:

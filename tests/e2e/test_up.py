@@ -19,8 +19,8 @@ import psutil
 import redis
 
 from service.up import Supervisor
-from tests.e2e.conftest import PG_ADMIN_URL
 from tests.e2e.procs import ROOT, clean_env, free_port, wait_for
+from tests.servers import create_pg_database, drop_pg_database
 
 
 def alive(pid: int) -> bool:
@@ -150,10 +150,7 @@ def test_loraq_up_serves_and_sigint_stops_every_child(tmp_path: Path) -> None:
 def test_loraq_up_uses_given_redis_and_postgresql_and_generates_a_key(tmp_path: Path, redis_url: str) -> None:
     import psycopg
 
-    name = f"loraq_up_{secrets.token_hex(4)}"
-    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    db_url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    name, db_url = create_pg_database("loraq_up")
     try:
         with running_up(tmp_path, LORAQ_REDIS_URL=redis_url, LORAQ_DATABASE_URL=db_url) as (
             proc,
@@ -166,14 +163,13 @@ def test_loraq_up_uses_given_redis_and_postgresql_and_generates_a_key(tmp_path: 
             auth = {"Authorization": f"Bearer {key}"}
             assert httpx.get(url + "/v1/fine_tuning/jobs", headers=auth).status_code == 200
             assert not (data_dir / "loraq.db").exists()
-            with psycopg.connect(f"postgresql://postgres@127.0.0.1:5432/{name}") as conn:
+            with psycopg.connect(db_url.replace("+psycopg", "")) as conn:
                 assert conn.execute("SELECT count(*) FROM api_keys").fetchone() == (1,)
 
             stop_and_check_nothing_left(proc, data_dir, signal.SIGTERM)
         assert redis.Redis.from_url(redis_url).ping()  # not ours to stop
     finally:
-        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        drop_pg_database(name)
 
 
 def test_ctrl_c_requeues_a_running_job_and_the_next_up_finishes_it(tmp_path: Path) -> None:

@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service import worker_registry
 from service.api.metrics import StateSources, StoredCounts, install_metrics, kombu_queue_depth
+from tests.servers import shared_redis_url
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 STATUSES = ("queued", "running", "succeeded")
 
 
@@ -46,7 +46,7 @@ def make_app(sources: StateSources) -> FastAPI:
 
 @pytest.fixture
 def rds() -> redis.Redis:
-    return redis.Redis.from_url(REDIS_URL)
+    return redis.Redis.from_url(shared_redis_url())
 
 
 def redis_sources(rds: redis.Redis, queue: str, jobs: dict[str, int]) -> StateSources:
@@ -85,7 +85,7 @@ def test_requests_counted_by_route_template_and_status(rds: redis.Redis) -> None
 
 def test_state_collector_reads_queue_depth_from_redis(rds: redis.Redis) -> None:
     queue = f"metrics-test-{uuid.uuid4().hex[:8]}"
-    sender = Celery("sender", broker=REDIS_URL)
+    sender = Celery("sender", broker=shared_redis_url())
     sender.conf.broker_connection_retry_on_startup = True
     jobs = {"queued": 2, "running": 1, "weird_status": 1}
     app = make_app(redis_sources(rds, queue, jobs))

@@ -5,13 +5,12 @@ the provisioning paths are where compose mounts them."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
 import yaml
 
+from tests.servers import require_binary
 from worker.metrics import DEFAULT_METRICS_PORT
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,9 +18,7 @@ GRAFANA = ROOT / "docker/grafana"
 
 
 def test_promtool_accepts_the_scrape_config() -> None:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.fail("promtool is missing: apt-get install -y prometheus")
+    promtool = require_binary("promtool")
     out = subprocess.run(
         [promtool, "check", "config", str(ROOT / "docker/prometheus.yml")], capture_output=True, text=True
     )

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ import redis
 from service import worker_registry
 from tests.e2e.datasets import chat_lines
 from tests.e2e.procs import Service, free_port, stop_process, wait_for
+from tests.servers import require_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRAPE_INTERVAL = "1s"
@@ -32,9 +32,7 @@ STEPS = TRAIN_EXAMPLES // BATCH * N_EPOCHS
 @pytest.fixture
 def prometheus(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     """(base URL, config path): a Prometheus that reloads its config on POST /-/reload."""
-    binary = shutil.which("prometheus") or "/usr/bin/prometheus"
-    if not Path(binary).exists():
-        pytest.fail("the prometheus binary is missing: apt-get install -y prometheus")
+    binary = require_binary("prometheus")
     port = free_port()
     config = tmp_path / "prometheus.yml"
     config.write_text(json.dumps({"global": {"scrape_interval": SCRAPE_INTERVAL}, "scrape_configs": []}))

@@ -21,10 +21,10 @@ import redis
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.servers import shared_redis_url
 from worker import metrics
 
 ROOT = Path(__file__).resolve().parents[2]
-REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -123,14 +123,14 @@ def test_multiprocess_endpoint_and_registry(tmp_path: Path) -> None:
         "PATH": "/usr/bin:/bin",
         "PYTHONPATH": str(ROOT),
         "LORAQ_DATA_DIR": str(tmp_path),
-        "LORAQ_REDIS_URL": REDIS_URL,
+        "LORAQ_REDIS_URL": shared_redis_url(),
     }
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "tests/metrics/worker_child.py"), job_id],
         cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert proc.stdout is not None and proc.stdin is not None
-    r = redis.Redis.from_url(REDIS_URL)
+    r = redis.Redis.from_url(shared_redis_url())
 
     def step(expect: str) -> None:
         assert proc.stdin is not None and proc.stdout is not None

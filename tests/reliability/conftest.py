@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -27,9 +26,9 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
-from tests.conftest import create_pg_database, drop_pg_database
 from tests.e2e.datasets import chat_lines
 from tests.e2e.procs import ROOT, clean_env, free_port, start_worker, stop_process, wait_for
+from tests.servers import create_pg_database, drop_pg_database, start_redis
 
 HEARTBEAT_TIMEOUT_S = 5.0
 CHECKPOINT_EVERY = 3
@@ -51,27 +50,7 @@ class Stack:
 
     # ------------------------------------------------------------------ processes
     def start_redis(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.fail("redis-server is not on PATH (apt-get install redis-server)")
-        workdir = self.tmp / "redis"
-        workdir.mkdir(exist_ok=True)
-        self.redis = subprocess.Popen(
-            [binary, "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(workdir)],
-            stdout=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
-        url = self.env["LORAQ_REDIS_URL"]
-
-        def ping() -> bool:
-            import redis
-
-            try:
-                return bool(redis.Redis.from_url(url).ping())
-            except redis.exceptions.ConnectionError:
-                return False
-
-        wait_for(ping, "redis-server", 10, self.redis)
+        self.redis = start_redis(self.tmp / "redis", port=self.redis_port).proc
 
     def kill_redis(self) -> None:
         """SIGKILL: no persistence, so every queued message is gone."""

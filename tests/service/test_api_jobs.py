@@ -15,7 +15,8 @@ import redis
 
 from service import files, jobs, storage
 from service.db.session import session_scope
-from tests.conftest import DATASET, REDIS_URL, ApiClient, LoraqEnv, job_body
+from tests.conftest import DATASET, ApiClient, LoraqEnv, job_body
+from tests.servers import shared_redis_url
 from tests.service.test_api_files import assert_error
 from tests.service.test_jobs_state import step
 
@@ -27,7 +28,7 @@ OPENAI_JOB_FIELDS = {
 
 
 def queued_messages(env: LoraqEnv) -> list[dict[str, Any]]:
-    r = redis.Redis.from_url(REDIS_URL)
+    r = redis.Redis.from_url(shared_redis_url())
     try:
         return [json.loads(m) for m in r.lrange(env.queue, 0, -1)]
     finally:

@@ -14,7 +14,7 @@ from sqlalchemy import create_engine, inspect, pool
 
 from service.db.migrate import alembic_config, upgrade_head
 from service.db.models import Base
-from tests.conftest import create_pg_database, drop_pg_database
+from tests.servers import create_pg_database, drop_pg_database
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -18,7 +18,8 @@ from service import auth, ratelimit
 from service.db.session import get_engine, run_read, session_scope
 from service.errors import RateLimitError
 from service.settings import get_settings
-from tests.conftest import DATASET, REDIS_URL, ApiClient, LoraqEnv
+from tests.conftest import DATASET, ApiClient, LoraqEnv
+from tests.servers import shared_redis_url
 from tests.service.test_api_files import assert_error
 
 ROUTE = "/v1/fine_tuning/jobs/{fine_tuning_job_id}"
@@ -116,7 +117,7 @@ def test_rate_limit_counts_across_event_loops(loraq_env: LoraqEnv, monkeypatch: 
         asyncio.run(ratelimit.check_rate(key_id))
     assert refused.value.headers == {"Retry-After": "40"}
     counter = f"loraq:rl:{key_id}:{int(start // ratelimit.WINDOW_SECONDS)}"
-    r = redis.Redis.from_url(REDIS_URL)
+    r = redis.Redis.from_url(shared_redis_url())
     try:
         assert int(r.get(counter) or 0) == 3
         assert 0 < r.ttl(counter) <= ratelimit.WINDOW_SECONDS + 5

@@ -22,7 +22,8 @@ from service.db.session import session_scope
 from service.queue import enqueue_job
 from service.reaper import Reaper, held_job_ids, message_job_id
 from service.schemas import JobCreate
-from tests.conftest import DATASET, REDIS_URL, create_pg_database, drop_pg_database, job_body, store_file
+from tests.conftest import DATASET, job_body, store_file
+from tests.servers import create_pg_database, drop_pg_database, shared_redis_url
 
 TIMEOUT = 30.0  # heartbeat_timeout_seconds in these tests
 
@@ -76,7 +77,7 @@ def env(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.Monk
     for name, value in {
         "DATA_DIR": str(tmp_path / "var"),
         "DATABASE_URL": url,
-        "REDIS_URL": REDIS_URL,
+        "REDIS_URL": shared_redis_url(),
         "WORKER_QUEUE": queue,
         "HEARTBEAT_TIMEOUT_SECONDS": str(TIMEOUT),
         "MAX_ATTEMPTS": "2",
@@ -88,7 +89,7 @@ def env(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.Monk
     upgrade_head(url)
     with session_scope() as s:
         tenant_id = get_or_create_tenant(s, "reaper-tests").id
-    client = redis.Redis.from_url(REDIS_URL)
+    client = redis.Redis.from_url(shared_redis_url())
     try:
         yield Env(tenant_id=tenant_id, queue=queue, redis=client)
     finally:

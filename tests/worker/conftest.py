@@ -3,7 +3,6 @@ data dir of the test's own, and helpers to make a tenant, upload a dataset and c
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,8 +11,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import store_file
-
-PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/test"
+from tests.servers import create_pg_database, drop_pg_database
 
 
 @dataclass
@@ -55,12 +53,7 @@ def worker_env(
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path / 'loraq.db'}"
     else:
-        import psycopg
-
-        pg_name = f"loraq_worker_{secrets.token_hex(4)}"
-        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{pg_name}"')
-        url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{pg_name}"
+        pg_name, url = create_pg_database("loraq_worker")
     monkeypatch.setenv("LORAQ_DATA_DIR", str(tmp_path / "var"))
     monkeypatch.setenv("LORAQ_DATABASE_URL", url)
     monkeypatch.setenv("LORAQ_CHECKPOINT_EVERY", "2")
@@ -80,7 +73,4 @@ def worker_env(
         dispose_engines()
         get_settings.cache_clear()
         if pg_name:
-            import psycopg
-
-            with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-                conn.execute(f'DROP DATABASE IF EXISTS "{pg_name}" WITH (FORCE)')
+            drop_pg_database(pg_name)

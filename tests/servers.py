@@ -1,0 +1,259 @@
+"""The servers the suite talks to, in one place: every Redis and PostgreSQL URL of tests/ comes
+from here, and every external binary is found here.
+
+- `LORAQ_TEST_REDIS_URL` / `LORAQ_TEST_DATABASE_URL` point the suite at existing servers (the
+  database URL names a PostgreSQL server and a database on it that the suite may connect to as a
+  user allowed to `CREATE DATABASE`; each test database is made next to it and dropped after).
+- Without them, the first test that needs one starts a throwaway server: `redis-server` on a free
+  loopback port, or an `initdb` cluster in a temp dir (fsync off, trust auth, its unix socket in
+  that dir) run by `postgres` on a free port. `stop_throwaway_servers()` (the root conftest's
+  `pytest_unconfigure`) stops them; they also die with the pytest process (PR_SET_PDEATHSIG).
+- `require_binary` fails a test whose binary is missing, naming the Debian package: a missing
+  server is never a silent skip.
+
+initdb and postgres refuse to run as root, and CI runs the suite as root: as root the cluster is
+owned and run by the `postgres` user (or `nobody` where that user does not exist).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import secrets
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from service.supervisor import die_with_parent, free_port
+
+# binary -> Debian package that ships it; README.md's one line lists the same packages.
+PACKAGES = {
+    "redis-server": "redis-server",
+    "initdb": "postgresql",
+    "postgres": "postgresql",
+    "chromium": "chromium",
+    "prometheus": "prometheus",
+    "promtool": "prometheus",
+}
+POSTGRES_BIN_GLOB = "/usr/lib/postgresql/*/bin"
+
+
+def find_binary(name: str) -> str | None:
+    """`name` on PATH, or (PostgreSQL's server binaries) in Debian's versioned bin directory."""
+    found = shutil.which(name)
+    if found is None and name in {"initdb", "postgres", "pg_ctl"}:
+        dirs = sorted(Path("/").glob(POSTGRES_BIN_GLOB.lstrip("/")), key=_pg_version, reverse=True)
+        found = next((str(d / name) for d in dirs if (d / name).exists()), None)
+    return found
+
+
+def _pg_version(bin_dir: Path) -> int:
+    version = bin_dir.parent.name
+    return int(version) if version.isdigit() else 0
+
+
+def require_binary(name: str) -> str:
+    """Path of `name`; fails the calling test (never skips) naming the package to install."""
+    found = find_binary(name)
+    if found is None:
+        package = PACKAGES.get(name, name)
+        pytest.fail(f"`{name}` is not installed: apt-get install -y {package}", pytrace=False)
+    return found
+
+
+def wait_until(check: Callable[[], bool], what: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode} while starting")
+        if check():
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"{what} was not ready after {timeout:.0f}s")
+
+
+def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, grace: float = 20.0) -> None:
+    """Signal the process group, wait up to `grace` seconds, then kill what remains."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=grace)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+# --------------------------------------------------------------------------- Redis
+@dataclass
+class RedisServer:
+    proc: subprocess.Popen[bytes]
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        stop(self.proc, sig)
+
+
+def redis_answers(url: str) -> bool:
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=0.5)
+    try:
+        return bool(client.ping())
+    except redis.exceptions.ConnectionError:
+        return False
+    finally:
+        client.close()
+
+
+def start_redis(workdir: Path, *, port: int | None = None, appendonly: bool = False) -> RedisServer:
+    """A `redis-server` on loopback (a free port unless `port`), its files in `workdir`."""
+    binary = require_binary("redis-server")
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "yes" if appendonly else "no", "--dir", str(workdir)]  # fmt: skip
+    proc = subprocess.Popen(
+        argv,
+        stdout=(workdir / "redis.log").open("ab"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=die_with_parent(),
+    )
+    server = RedisServer(proc, port)
+    wait_until(lambda: redis_answers(server.url), "redis-server", proc, timeout=20)
+    return server
+
+
+# --------------------------------------------------------------------------- PostgreSQL
+def _cluster_user() -> pwd.struct_passwd | None:
+    """Who runs the throwaway cluster: this process unless it is root (initdb refuses root)."""
+    if os.geteuid() != 0:
+        return None
+    for name in ("postgres", "nobody"):
+        with contextlib.suppress(KeyError):
+            return pwd.getpwnam(name)
+    raise RuntimeError("running as root, and neither a `postgres` nor a `nobody` user exists to run initdb")
+
+
+@dataclass
+class PostgresServer:
+    proc: subprocess.Popen[bytes]
+    port: int
+    root: Path
+
+    @property
+    def admin_url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def stop(self) -> None:
+        stop(self.proc, signal.SIGINT)  # SIGINT: PostgreSQL's fast shutdown
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def start_postgres() -> PostgresServer:
+    """An initdb cluster in a new temp dir, served on a free loopback port until `stop()`."""
+    initdb, postgres = require_binary("initdb"), require_binary("postgres")
+    user = _cluster_user()
+    # /tmp, not a per-user TMPDIR: the cluster's user must be able to reach the directory.
+    root = Path(tempfile.mkdtemp(prefix="loraq-test-pg-", dir="/tmp" if user else None))
+    as_user: dict[str, object] = {}
+    if user is not None:
+        os.chown(root, user.pw_uid, user.pw_gid)
+        as_user = {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": [], "cwd": root}
+    log = (root / "postgres.log").open("ab")
+    subprocess.run(
+        [initdb, "-D", str(root / "data"), "-U", "postgres", "--auth=trust", "-E", "UTF8",
+         "--locale=C", "--no-sync"],
+        stdout=log, stderr=subprocess.STDOUT, check=True, **as_user,  # type: ignore[call-overload]
+    )  # fmt: skip
+    port = free_port()
+    proc = subprocess.Popen(
+        [postgres, "-D", str(root / "data"), "-p", str(port), "-h", "127.0.0.1", "-k", str(root),
+         # a throwaway cluster: durability buys nothing, speed does
+         "-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
+         "-c", "max_connections=300"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent(),
+        **as_user,  # type: ignore[arg-type]
+    )  # fmt: skip
+    server = PostgresServer(proc, port, root)
+    wait_until(lambda: _pg_answers(server.admin_url), "postgres", proc, timeout=60)
+    return server
+
+
+def _pg_answers(url: str) -> bool:
+    import psycopg
+
+    try:
+        psycopg.connect(url, connect_timeout=1).close()
+        return True
+    except psycopg.OperationalError:
+        return False
+
+
+# --------------------------------------------------------------------------- the session's servers
+_throwaway: dict[str, RedisServer | PostgresServer] = {}
+
+
+def shared_redis_url() -> str:
+    """The session's Redis: `LORAQ_TEST_REDIS_URL`, else a throwaway server started on first use."""
+    if url := os.environ.get("LORAQ_TEST_REDIS_URL"):
+        return url
+    if "redis" not in _throwaway:
+        _throwaway["redis"] = start_redis(Path(tempfile.mkdtemp(prefix="loraq-test-redis-")))
+    server = _throwaway["redis"]
+    assert isinstance(server, RedisServer)
+    return server.url
+
+
+def pg_admin_url() -> str:
+    """A libpq URL on the session's PostgreSQL from which the suite creates and drops databases."""
+    if url := os.environ.get("LORAQ_TEST_DATABASE_URL"):
+        return url.replace("postgresql+psycopg://", "postgresql://", 1)
+    if "postgres" not in _throwaway:
+        _throwaway["postgres"] = start_postgres()
+    server = _throwaway["postgres"]
+    assert isinstance(server, PostgresServer)
+    return server.admin_url
+
+
+def pg_url(name: str) -> str:
+    """The SQLAlchemy URL of database `name` on the session's PostgreSQL."""
+    from sqlalchemy.engine import make_url
+
+    url = make_url(pg_admin_url()).set(drivername="postgresql+psycopg", database=name)
+    return url.render_as_string(hide_password=False)
+
+
+def create_pg_database(prefix: str = "loraq_test") -> tuple[str, str]:
+    """(name, SQLAlchemy URL) of a new empty database `<prefix>_<random>`."""
+    import psycopg
+
+    name = f"{prefix}_{secrets.token_hex(4)}"
+    with psycopg.connect(pg_admin_url(), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return name, pg_url(name)
+
+
+def drop_pg_database(name: str) -> None:
+    import psycopg
+
+    with psycopg.connect(pg_admin_url(), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def stop_throwaway_servers() -> None:
+    while _throwaway:
+        _, server = _throwaway.popitem()
+        server.stop()
