@@ -261,9 +261,16 @@ def create_job(
     from worker.engine.catalog import get_model_info  # pure Python; imported here to keep startup light
 
     try:
-        get_model_info(spec.model, get_settings().model_store)
+        base = get_model_info(spec.model, get_settings().model_store)
     except ModelError as e:
         raise NotFoundError(str(e), param="model", code="model_not_found") from e
+    if not base.pulled and not get_settings().auto_pull:
+        raise InvalidRequestError(
+            f"base model {spec.model!r} is not local and LORAQ_AUTO_PULL=0: "
+            f"run `loraq models pull {spec.model}` first",
+            param="model",
+            code="model_not_local",
+        )
     training = _training_file(session, tenant_id=tenant_id, file_id=spec.training_file, param="training_file")
     if spec.validation_file is not None:
         _training_file(session, tenant_id=tenant_id, file_id=spec.validation_file, param="validation_file")

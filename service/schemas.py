@@ -286,6 +286,8 @@ class ModelPublic(BaseModel):
     # Loraq's extensions: random-init models (tests, benchmarks) say so in every listing.
     random: bool = False
     description: str | None = None
+    # In the model store now; a catalog model that is not is downloaded on its first job.
+    local: bool = True
 
 
 class ModelsPublic(BaseModel):

