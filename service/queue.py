@@ -28,21 +28,21 @@ RETRY_POLICY = {"max_retries": 2, "interval_start": 0.0, "interval_step": 0.2, "
 
 @lru_cache(maxsize=4)
 def _celery_for(broker: str, queue: str) -> Celery:
-    from worker.celery_app import make_celery  # no torch: the worker's heavy imports are lazy
+    from service.broker import make_celery
 
     settings = get_settings().model_copy(update={"redis_url": broker, "worker_queue": queue})
     return make_celery(settings)
 
 
 def celery_for(settings: Settings) -> Celery:
-    from worker.celery_app import broker_url
+    from service.broker import broker_url
 
     return _celery_for(broker_url(settings), settings.worker_queue)
 
 
 def job_queue(job: Job) -> str:
     """The Celery queue of a job (issue 7): its worker class, `-x<n>` for multi-GPU jobs."""
-    from worker.launcher import celery_queue  # no torch
+    from service.broker import celery_queue
 
     return celery_queue(job.queue, job.n_gpus)
 
@@ -62,7 +62,7 @@ def enqueue_job(job_id: str, *, queue: str | None = None) -> bool:
     `queue` None (re-queues, the reconciler): the job's stored routing is read from the database,
     so a re-sent job goes back to its own worker class.
     """
-    from worker.celery_app import RUN_JOB_TASK
+    from service.broker import RUN_JOB_TASK
 
     settings = get_settings()
     try:

@@ -81,7 +81,7 @@ async def check_rate(key_id: str) -> None:
         return
     import redis
 
-    from worker.celery_app import broker_url
+    from service.broker import broker_url
 
     window = int(t // WINDOW_SECONDS)
     counter = f"loraq:rl:{key_id}:{window}"

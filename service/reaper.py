@@ -54,7 +54,7 @@ class TickResult:
 def _redis_client() -> Any:
     import redis
 
-    from worker.celery_app import broker_url
+    from service.broker import broker_url
 
     url = broker_url(get_settings())
     return redis.Redis.from_url(url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
@@ -138,7 +138,7 @@ class Reaper:
     def _reconcile(self, client: Any, now: float, result: TickResult) -> None:
         import redis
 
-        from worker.launcher import celery_queue
+        from service.broker import celery_queue
 
         with session_scope() as session:
             queued = jobs.queued_jobs(session)

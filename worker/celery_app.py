@@ -1,14 +1,6 @@
-"""The Celery application: one object, configured from `Settings`.
-
-Delivery semantics (why each option):
-- `task_acks_late` + `task_reject_on_worker_lost`: a job message is acknowledged only after the
-  task returns, so a worker killed mid-job leaves the message to be redelivered. The database
-  (fenced claim in `service.jobs`) decides whether a redelivery may run; Redis does not.
-- `worker_prefetch_multiplier=1` and concurrency 1: one job per GPU, and an idle worker never
-  holds a second job's message that another worker could run.
-- `visibility_timeout` longer than any job may run: Redis re-delivers an unacked message after
-  this many seconds, which must never happen to a job that is still training.
-- No result backend: job state lives in the database, never in Celery results.
+"""The worker's Celery application: `make_celery` from settings (service/broker.py holds the
+broker settings, the delivery semantics and the task name, shared with the sender), plus the
+worker's lifecycle signals.
 
 The task name `loraq.run_job` with `args=[job_id]` is the contract with `service.queue`.
 """
@@ -17,7 +9,6 @@ from __future__ import annotations
 
 import logging
 
-from celery import Celery
 from celery.signals import (
     worker_init,
     worker_process_shutdown,
@@ -26,40 +17,12 @@ from celery.signals import (
     worker_shutting_down,
 )
 
-from service.settings import Settings, get_settings
+from service.broker import RUN_JOB_TASK, broker_url, make_celery
+from service.settings import get_settings
 
-RUN_JOB_TASK = "loraq.run_job"
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-# Redis visibility timeout = longest job wall time + this margin (seconds).
-VISIBILITY_MARGIN_SECONDS = 3600
+__all__ = ["RUN_JOB_TASK", "broker_url", "celery_app", "make_celery"]
 
 log = logging.getLogger("loraq.worker")
-
-
-def broker_url(settings: Settings) -> str:
-    return settings.redis_url or DEFAULT_REDIS_URL
-
-
-def make_celery(settings: Settings) -> Celery:
-    app = Celery("loraq", broker=broker_url(settings), include=["worker.tasks"])
-    app.conf.update(
-        task_acks_late=True,
-        task_reject_on_worker_lost=True,
-        worker_prefetch_multiplier=1,
-        worker_concurrency=1,
-        task_ignore_result=True,
-        task_default_queue=settings.worker_queue,
-        task_serializer="json",
-        accept_content=["json"],
-        broker_connection_retry_on_startup=True,
-        broker_transport_options={
-            "visibility_timeout": int(settings.job_max_wall_seconds) + VISIBILITY_MARGIN_SECONDS
-        },
-        # A job's status is in the database; Celery's own events would only add Redis traffic.
-        worker_send_task_events=False,
-        worker_hijack_root_logger=False,
-    )
-    return app
 
 
 celery_app = make_celery(get_settings())
@@ -67,7 +30,7 @@ celery_app = make_celery(get_settings())
 
 @worker_ready.connect
 def _log_worker_start(**_: object) -> None:
-    # Imported here: the API process imports this module to send tasks and must never load torch.
+    # Imported here: loading the Celery app (the CLI, tests) must not load torch.
     from worker.runner import on_worker_start
 
     on_worker_start()

@@ -12,7 +12,7 @@ the current task, and `acks_late` returns an unfinished job's message to the que
 after a grace period. A child that dies on its own is restarted after `RESTART_DELAY_SECONDS`, so
 one crashed GPU does not stop the jobs on the others.
 
-This module never imports torch: the API imports `celery_queue` to route jobs.
+This module never imports torch. Queue naming (`celery_queue`) lives in service/broker.py.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from service.broker import RoutingError, celery_queue
+
 log = logging.getLogger("loraq.worker.launcher")
 
 DEFAULT_METRICS_PORT = 9108
@@ -37,22 +39,8 @@ RESTART_DELAY_SECONDS = 5.0
 GPUS_ENV = "LORAQ_WORKER_GPUS"
 
 
-class LaunchError(ValueError):
-    """Bad `--gpus`/`--gpus-per-job`/queue input; the message names the option."""
-
-
-def celery_queue(worker_class: str, n_gpus: int = 1) -> str:
-    """The Celery queue for a job of this worker class and GPU count.
-
-    `("h100", 1)` -> `"h100"`; `("h100", 2)` -> `"h100-x2"`. A multi-GPU job gets its own queue so
-    that a one-GPU worker never takes it: only children started with `--gpus-per-job n` consume
-    `<class>-x<n>`.
-    """
-    if not worker_class or not all(c.isalnum() or c in "-_" for c in worker_class):
-        raise LaunchError(f"queue: {worker_class!r} must be letters, digits, '-' or '_'")
-    if n_gpus < 1:
-        raise LaunchError(f"n_gpus must be >= 1, got {n_gpus}")
-    return worker_class if n_gpus == 1 else f"{worker_class}-x{n_gpus}"
+# One error for bad `--gpus`/`--gpus-per-job`/queue input, here and in service.broker.celery_queue.
+LaunchError = RoutingError
 
 
 def parse_gpus(spec: str, count_gpus: Callable[[], int] | None = None) -> list[int]:

@@ -446,7 +446,7 @@ _redis_client: redis.Redis | None = None
 def _redis(settings: Settings | None = None) -> redis.Redis:
     global _redis_client
     if _redis_client is None:
-        from worker.celery_app import broker_url
+        from service.broker import broker_url
 
         url = broker_url(settings or get_settings())
         _redis_client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)

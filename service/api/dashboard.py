@@ -28,6 +28,7 @@ from sqlalchemy import select
 from service import storage, worker_registry
 from service.api.dataset_summary import summarize
 from service.auth import CurrentTenant
+from service.broker import broker_url
 from service.db.models import File, Job, JobMetric
 from service.db.session import SessionDep
 from service.errors import NotFoundError, UnavailableError
@@ -35,7 +36,6 @@ from service.settings import get_settings
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 PAGES_DIR = STATIC_DIR / "dashboard"
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 MAX_METRIC_ROWS = 100_000
 
 JobStatus = Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled"]
@@ -175,7 +175,7 @@ def _redis_client(url: str) -> redis.Redis:
 
 
 def registry_client() -> redis.Redis:
-    return _redis_client(get_settings().redis_url or DEFAULT_REDIS_URL)
+    return _redis_client(broker_url(get_settings()))
 
 
 @api.get("/workers")

@@ -7,13 +7,13 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
+from service.broker import broker_url
 from service.db.session import get_engine
 from service.schemas import HealthPublic
 from service.settings import get_settings
 
 router = APIRouter(tags=["health"])
 
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 CHECK_TIMEOUT_S = 2.0
 
 
@@ -32,7 +32,7 @@ def _check_db() -> str:
 
 
 def _check_redis() -> str:
-    url = get_settings().redis_url or DEFAULT_REDIS_URL
+    url = broker_url(get_settings())
     try:
         client = redis.Redis.from_url(
             url, socket_timeout=CHECK_TIMEOUT_S, socket_connect_timeout=CHECK_TIMEOUT_S

@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.broker import broker_url
 from service.settings import Settings
 from service.supervisor import RESTARTS_FILE
 
@@ -204,7 +205,6 @@ def install_metrics(app: FastAPI, sources: StateSources, job_statuses: tuple[str
 
 # --------------------------------------------------------------------------- the service's sources
 JOB_STATUSES = ("validating_files", "queued", "running", "succeeded", "failed", "cancelled")
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 def service_sources(settings: Settings) -> StateSources:
@@ -216,9 +216,7 @@ def service_sources(settings: Settings) -> StateSources:
     from service.db.models import Artifact, Checkpoint, File, Job
     from service.db.session import session_scope
 
-    client = redis.Redis.from_url(
-        settings.redis_url or DEFAULT_REDIS_URL, socket_timeout=2.0, socket_connect_timeout=2.0
-    )
+    client = redis.Redis.from_url(broker_url(settings), socket_timeout=2.0, socket_connect_timeout=2.0)
 
     def jobs_by_status() -> dict[str, int]:
         with session_scope() as session:

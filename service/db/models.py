@@ -115,7 +115,7 @@ class Job(Base):
     lora: Mapped[dict[str, Any]] = mapped_column(JSON)
     max_seq_len: Mapped[int] = mapped_column(Integer)
     # deployment (issue 7): the worker class whose queue runs the job, and the GPUs it needs on one
-    # host (> 1: torchrun); the Celery queue is worker.launcher.celery_queue(queue, n_gpus)
+    # host (> 1: torchrun); the Celery queue is service.broker.celery_queue(queue, n_gpus)
     queue: Mapped[str] = mapped_column(String(48), default="default", server_default="default")
     n_gpus: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     # pack examples into rows of max_seq_len tokens (padding-free); false: one example per row

@@ -270,6 +270,7 @@ def test_finished_job_events_checkpoints_results_adapter_and_models(api: ApiClie
         "owned_by": api.tenant_id,
         "random": True,
         "description": None,
+        "local": True,
     }
     assert_error(api.get("/v1/models/ft:nope"), 404, "model")
     # another tenant sees only base models

@@ -13,8 +13,8 @@ import sys
 from service.app import create_app
 app = create_app()
 app.openapi()
-import service.jobs, service.queue, service.storage, service.auth
-names = ("torch", "transformers", "peft", "worker.engine.recipe", "worker.runner")
+import service.jobs, service.queue, service.storage, service.auth, service.reaper, service.ratelimit
+names = ("torch", "transformers", "peft", "worker.engine.recipe", "worker.runner", "worker.celery_app")
 heavy = sorted(m for m in names if m in sys.modules)
 print("HEAVY=" + ",".join(heavy))
 """
