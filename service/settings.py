@@ -45,6 +45,11 @@ class Settings(BaseSettings):
     auto_pull: bool = True
 
     worker_queue: str = "default"
+    # `loraq worker --gpus` writes one Prometheus file_sd target per GPU process into this
+    # directory (default <data_dir>/prometheus-targets), naming this host as Prometheus reaches
+    # it: `worker_metrics_advertise`, else this host's address.
+    prometheus_targets_dir: Path | None = None
+    worker_metrics_advertise: str | None = None
     checkpoint_every: int = 0
 
     @property
@@ -60,6 +65,10 @@ class Settings(BaseSettings):
     @property
     def model_store(self) -> Path:
         return self.resolved_data_dir / "models"
+
+    @property
+    def resolved_prometheus_targets_dir(self) -> Path:
+        return self.prometheus_targets_dir or self.resolved_data_dir / "prometheus-targets"
 
     @property
     def artifact_dir(self) -> Path:

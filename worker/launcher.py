@@ -18,6 +18,7 @@ This module never imports torch. Queue naming (`celery_queue`) lives in service/
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -27,8 +28,11 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from service.broker import RoutingError, celery_queue
+from service.settings import get_settings
 
 log = logging.getLogger("loraq.worker.launcher")
 
@@ -150,6 +154,44 @@ def child_specs(
     return specs
 
 
+def advertised_host() -> str:
+    """The name Prometheus reaches this host at: `LORAQ_WORKER_METRICS_ADVERTISE`, else this
+    host's address (a compose container's IP on its network), else its host name."""
+    configured = get_settings().worker_metrics_advertise
+    if configured:
+        return configured
+    name = socket.gethostname()
+    with contextlib.suppress(OSError):
+        address = socket.gethostbyname(name)
+        if not address.startswith("127."):
+            return address
+    return name
+
+
+def scrape_targets(specs: Sequence[ChildSpec], host: str) -> list[dict[str, Any]]:
+    """Prometheus file_sd entries: one target per worker process (its own metrics port), labelled
+    with its GPUs and queue so each GPU's series stay apart. A port of 0 (a free port, chosen by
+    the child) cannot be known here; such children are left out."""
+    entries = []
+    for spec in specs:
+        port = int(spec.env["LORAQ_WORKER_METRICS_PORT"])
+        if port:
+            labels = {"gpu": spec.env["LORAQ_WORKER_GPUS"], "queue": spec.queue, "worker": spec.name}
+            entries.append({"targets": [f"{host}:{port}"], "labels": labels})
+    return entries
+
+
+def write_scrape_targets(specs: Sequence[ChildSpec], directory: Path, host: str) -> Path:
+    """Write this host's targets to `<directory>/<hostname>.json` (replaced atomically, so
+    Prometheus never reads half a file); the caller removes it when the workers stop."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{socket.gethostname()}.json"
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(scrape_targets(specs, host), indent=1))
+    tmp.replace(path)
+    return path
+
+
 def _start(spec: ChildSpec) -> subprocess.Popen[bytes]:
     # Own process group: the terminal's Ctrl-C reaches only this launcher, which stops children
     # in order; and killpg also reaches a child's own children (torchrun ranks).
@@ -182,6 +224,7 @@ def run_workers(specs: Sequence[ChildSpec], *, grace: float = GRACE_SECONDS) -> 
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     procs: dict[int, subprocess.Popen[bytes]] = {}
+    targets = write_scrape_targets(specs, get_settings().resolved_prometheus_targets_dir, advertised_host())
     try:
         for spec in specs:
             procs[spec.slot] = _start(spec)
@@ -204,6 +247,7 @@ def run_workers(specs: Sequence[ChildSpec], *, grace: float = GRACE_SECONDS) -> 
         for s in previous:
             signal.signal(s, signal.SIG_IGN)  # a second Ctrl-C must not strand children
         _stop_all(procs, grace)
+        targets.unlink(missing_ok=True)
         for s, handler in previous.items():
             signal.signal(s, handler)
         log.info("all worker processes stopped")

@@ -4,13 +4,17 @@ the provisioning paths are where compose mounts them."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import socket
 import subprocess
 from pathlib import Path
 
 import yaml
 
+from service.settings import Settings
 from tests.servers import require_binary
+from worker import launcher
 from worker.metrics import DEFAULT_METRICS_PORT
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,16 +32,42 @@ def test_promtool_accepts_the_scrape_config() -> None:
 def test_scrape_targets_match_the_compose_services() -> None:
     prom = yaml.safe_load((ROOT / "docker/prometheus.yml").read_text())
     compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
-    targets = {
-        job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]]
-        for job in prom["scrape_configs"]
+    jobs = {job["job_name"]: job for job in prom["scrape_configs"]}
+    static = {
+        name: [t for sc in job.get("static_configs", []) for t in sc["targets"]] for name, job in jobs.items()
     }
-    assert targets["loraq-api"] == ["api:8000"]
+    assert static["loraq-api"] == ["api:8000"]
     assert "8000" in compose["services"]["api"]["environment"]["LORAQ_PORT"]
-    for target in targets["loraq-worker"]:
-        service, port = target.split(":")
-        assert service in compose["services"], target
-        assert int(port) == DEFAULT_METRICS_PORT
+    assert static["loraq-worker-cpu"] == [f"worker-cpu:{DEFAULT_METRICS_PORT}"]
+    # GPU workers: file-based discovery over the data volume that the workers write to
+    (sd,) = jobs["loraq-worker"]["file_sd_configs"]
+    (pattern,) = sd["files"]
+    assert "loraq-data:/data:ro" in compose["services"]["prometheus"]["volumes"]
+    assert "loraq-data:/data" in compose["services"]["worker"]["volumes"]
+    data_dir = compose["x-loraq-env"]["LORAQ_DATA_DIR"]
+    written = Settings(data_dir=Path(data_dir)).resolved_prometheus_targets_dir / "worker-host.json"
+    assert fnmatch.fnmatch(str(written), pattern), (written, pattern)
+
+
+def test_a_4_gpu_worker_writes_one_scrape_target_per_gpu(tmp_path: Path) -> None:
+    """What `loraq worker --gpus 0,1,2,3` writes for Prometheus: four targets on consecutive ports,
+    each labelled with its GPU; as file_sd JSON, in the directory compose's Prometheus reads."""
+    specs = launcher.child_specs([0, 1, 2, 3], queue="h100", base_env={})
+    path = launcher.write_scrape_targets(specs, tmp_path, "10.0.0.7")
+    assert path == tmp_path / f"{socket.gethostname()}.json"
+    assert json.loads(path.read_text()) == [
+        {"targets": [f"10.0.0.7:{9108 + i}"], "labels": {"gpu": str(i), "queue": "h100", "worker": f"gpu{i}"}}
+        for i in range(4)
+    ]
+    pairs = launcher.child_specs(
+        [0, 1, 2, 3], queue="h100", per_job=2, base_env={"LORAQ_WORKER_METRICS_PORT": "9300"}
+    )
+    assert launcher.scrape_targets(pairs, "gpu-host") == [
+        {"targets": ["gpu-host:9300"], "labels": {"gpu": "0,1", "queue": "h100-x2", "worker": "gpu0-1"}},
+        {"targets": ["gpu-host:9301"], "labels": {"gpu": "2,3", "queue": "h100-x2", "worker": "gpu2-3"}},
+    ]
+    free_ports = launcher.child_specs([0, 1], queue="h100", base_env={"LORAQ_WORKER_METRICS_PORT": "0"})
+    assert launcher.scrape_targets(free_ports, "gpu-host") == []  # a port chosen later cannot be listed
 
 
 def test_grafana_provisioning_and_dashboard() -> None:
