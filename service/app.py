@@ -13,6 +13,7 @@ from fastapi.openapi.utils import get_openapi
 from service.api import files, health, jobs, models
 from service.api.dashboard import mount_dashboard
 from service.api.metrics import install_service_metrics
+from service.db.session import close_read_pools
 from service.errors import install_error_handlers
 from service.settings import Settings, get_settings
 from service.storage import FileStore
@@ -49,6 +50,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             if reaper is not None:
                 reaper.stop()
+            await close_read_pools()
 
     app = FastAPI(title="Loraq", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
     install_error_handlers(app)

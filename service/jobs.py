@@ -24,12 +24,13 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Row, Update, bindparam, delete, func, insert, select, update
+from sqlalchemy import Update, bindparam, delete, func, insert, select, update
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service.db.models import Artifact, Checkpoint, File, Job, JobEvent, JobMetric, is_id, now_s
+from service.db.session import read_first
 from service.errors import ConflictError, InvalidRequestError, NotFoundError, RateLimitError
 from service.schemas import Hyperparameters, JobCreate
 from service.settings import get_settings
@@ -92,10 +93,11 @@ _JOB_ROW_OF_TENANT = select(*_JOB_COLUMNS).where(
 )
 
 
-def get_job_row(conn: Connection, *, tenant_id: str, job_id: str) -> Row[Any]:
-    """`get_job` for read-only use (`db.session.run_read`): a row with the same attribute names, or 404."""
+async def read_job_row(*, tenant_id: str, job_id: str) -> Any:
+    """`get_job` for the status-polling hot path (`db.session.read_first`): a row with the same
+    attribute names, or 404."""
     params = {"job_id": job_id, "tenant_id": tenant_id}
-    row = conn.execute(_JOB_ROW_OF_TENANT, params).first() if is_id(job_id) else None
+    row = await read_first(_JOB_ROW_OF_TENANT, params) if is_id(job_id) else None
     if row is None:
         raise NotFoundError(f"No fine-tuning job found with id {job_id!r}", param="fine_tuning_job_id")
     return row

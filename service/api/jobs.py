@@ -11,7 +11,7 @@ from sqlalchemy import Row
 from service import jobs
 from service.auth import CurrentTenant
 from service.db.models import Checkpoint, Job, JobEvent
-from service.db.session import SessionDep, run_read
+from service.db.session import SessionDep
 from service.queue import enqueue_job, job_queue
 from service.schemas import (
     CheckpointPublic,
@@ -43,7 +43,7 @@ ZIP_RESPONSE: dict[int | str, dict[str, Any]] = {
 
 
 def job_public(job: Job | Row[Any]) -> JobPublic:
-    """From an ORM job or a `jobs.get_job_row` row (same attribute names)."""
+    """From an ORM job or a `jobs.read_job_row` row (same attribute names)."""
     hp = HyperparametersPublic(**job.hyperparameters)
     return JobPublic(
         id=job.id,
@@ -138,7 +138,7 @@ def list_jobs(
 async def retrieve_job(fine_tuning_job_id: str, tenant: CurrentTenant) -> Response:
     # The status-polling hot path: one read on a bare connection (no session, no commit), the
     # body serialised once here instead of re-validated by FastAPI.
-    row = await run_read(jobs.get_job_row, tenant_id=tenant.id, job_id=fine_tuning_job_id)
+    row = await jobs.read_job_row(tenant_id=tenant.id, job_id=fine_tuning_job_id)
     return Response(job_public(row).model_dump_json(), media_type="application/json")
 
 

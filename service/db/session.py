@@ -4,29 +4,30 @@
   keys, so the API and a worker can use the same file at once).
 - `get_session`: the FastAPI request-scoped dependency (`SessionDep`); commits on success.
 - `session_scope()`: the same for the worker and the CLI, as a context manager.
-- `run_read()`: a read on a bare pooled connection for async hot paths (status polling, key
-  lookups): no Session to build, nothing to commit.
+- `read_first()`: one row of a read-only statement for async hot paths (status polling, key
+  lookups): no Session to build, nothing to commit; on PostgreSQL through psycopg's async
+  connections on the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+import weakref
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from typing import Annotated, Any, Concatenate, ParamSpec, TypeVar
+from typing import Annotated, Any
 
 from fastapi import Depends
-from fastapi.concurrency import run_in_threadpool
-from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy import Engine, Select, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.settings import Settings, get_settings
 
-P = ParamSpec("P")
-T = TypeVar("T")
-
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 PG_CONNECT_TIMEOUT_S = 5
+AnySelect = Select[*tuple[Any, ...]]
+READ_POOL_SIZE = 10  # async read connections per API process (per event loop)
 
 _lock = threading.Lock()
 _engines: dict[str, Engine] = {}
@@ -96,6 +97,9 @@ def dispose_engines() -> None:
             engine.dispose()
         _engines.clear()
         _factories.clear()
+        # Another loop's async connections cannot be closed from here: drop them (they close
+        # when collected; DROP DATABASE ... WITH (FORCE) ends them server-side).
+        _read_pools.clear()
 
 
 @contextmanager
@@ -120,26 +124,101 @@ async def get_session() -> AsyncIterator[Session]:
 SessionDep = Annotated[Session, Depends(get_session)]
 
 
-async def run_read(fn: Callable[Concatenate[Connection, P], T], *args: P.args, **kwargs: P.kwargs) -> T:
-    """`fn(conn, *args, **kwargs)` on a pooled connection, for read-only hot paths in async routes
-    and dependencies: no Session to build, nothing to commit.
+async def read_first(stmt: AnySelect, params: dict[str, Any]) -> Any | None:
+    """The first row of the read-only `stmt` (attribute access by column label, like a Core
+    `Row`), or None: the async hot paths (status polling, key lookups), with no Session to build
+    and nothing to commit.
 
     SQLite runs it inline on the event loop: a local file, and in WAL mode a reader never waits
     for a writer, so an indexed lookup takes tens of µs, several times less than a threadpool
     handoff (measured: 0.32 vs 0.75 ms of API CPU per status read). pysqlite begins no
     transaction for a SELECT, so returning the connection costs nothing either.
 
-    A server database (PostgreSQL) is read on the threadpool, so a slow network or server never
-    stalls the loop, in AUTOCOMMIT: the SELECT is its own transaction and the connection goes
-    back to the pool without a ROLLBACK round trip.
+    PostgreSQL is read on the event loop too, without blocking it, through psycopg's async
+    connections (`AsyncReadPool`): the statement compiled once, prepared once per connection, in
+    autocommit. The threadpool and SQLAlchemy's pool around each read cost several times the
+    query itself (measured on the 2-core dev box: 0.54 ms of CPU per read through SQLAlchemy's
+    asyncio bridge, 0.10 ms on a bare async connection).
     """
     engine = get_engine()
     if engine.dialect.name == "sqlite":
         with engine.connect() as conn:
-            return fn(conn, *args, **kwargs)
+            return conn.execute(stmt, params).first()
+    return await _read_pool(default_url()).first(_compiled(stmt, engine), params)
 
-    def read() -> T:
-        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            return fn(conn, *args, **kwargs)
 
-    return await run_in_threadpool(read)
+_compiled_sql: dict[AnySelect, str] = {}
+
+
+def _compiled(stmt: AnySelect, engine: Engine) -> str:
+    """`stmt` as the psycopg dialect writes it (`%(name)s` parameters), compiled once: hot-path
+    statements are module constants."""
+    if stmt not in _compiled_sql:
+        _compiled_sql[stmt] = str(stmt.compile(dialect=engine.dialect))
+    return _compiled_sql[stmt]
+
+
+class AsyncReadPool:
+    """Up to `size` psycopg async connections for reads on one event loop.
+
+    - autocommit: each SELECT is its own transaction; a connection is reused without a ROLLBACK
+      round trip.
+    - No ping before use: that is a round trip per read. A connection that fails a read is closed,
+      not reused, so a restarted server costs one failed read per idle connection at most.
+    - `prepare_threshold=0`: a statement is prepared on its first use on a connection, so the hot
+      queries are parsed and planned once per connection.
+    """
+
+    def __init__(self, url: str, size: int = READ_POOL_SIZE) -> None:
+        from sqlalchemy.engine import make_url
+
+        self.dsn = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+        self.idle: list[Any] = []
+        self.slots = asyncio.Semaphore(size)
+
+    async def first(self, sql: str, params: dict[str, Any]) -> Any | None:
+        import psycopg
+        from psycopg.rows import namedtuple_row
+
+        async with self.slots:
+            conn = self.idle.pop() if self.idle else None
+            if conn is None or conn.closed:
+                conn = await psycopg.AsyncConnection.connect(
+                    self.dsn,
+                    autocommit=True,
+                    prepare_threshold=0,
+                    connect_timeout=PG_CONNECT_TIMEOUT_S,
+                    row_factory=namedtuple_row,
+                )
+            try:
+                cur = await conn.execute(sql, params)
+                row = await cur.fetchone()
+            except BaseException:
+                await conn.close()
+                raise
+            self.idle.append(conn)
+            return row
+
+    async def close(self) -> None:
+        while self.idle:
+            await self.idle.pop().close()
+
+
+# Async connections belong to the event loop they were opened on: one pool per loop (the API has
+# one; each test client has its own), dropped with the loop.
+_read_pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, AsyncReadPool]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _read_pool(url: str) -> AsyncReadPool:
+    per_loop = _read_pools.setdefault(asyncio.get_running_loop(), {})
+    if url not in per_loop:
+        per_loop[url] = AsyncReadPool(url)
+    return per_loop[url]
+
+
+async def close_read_pools() -> None:
+    """Close the running loop's read connections (the app's shutdown)."""
+    for pool in _read_pools.pop(asyncio.get_running_loop(), {}).values():
+        await pool.close()

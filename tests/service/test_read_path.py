@@ -5,17 +5,16 @@ awaited on the event loop (`service.ratelimit`), request metrics; on SQLite and 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from typing import Any
 
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import Connection, event, text
+from sqlalchemy import bindparam, event, literal_column, select
 
 from service import auth, ratelimit
-from service.db.session import get_engine, run_read, session_scope
+from service.db.session import close_read_pools, get_engine, read_first, session_scope
 from service.errors import RateLimitError
 from service.settings import get_settings
 from tests.conftest import DATASET, ApiClient, LoraqEnv
@@ -35,18 +34,35 @@ def set_rate_limit(monkeypatch: pytest.MonkeyPatch, per_minute: int) -> float:
     return start
 
 
-def test_run_read_is_inline_on_sqlite_and_on_the_threadpool_otherwise(loraq_env: LoraqEnv) -> None:
-    def probe(conn: Connection, value: int) -> tuple[int, int]:
-        return threading.get_ident(), int(conn.execute(text("SELECT :v"), {"v": value}).scalar_one())
+def test_read_first_runs_on_the_event_loop_and_a_server_read_does_not_block_it(loraq_env: LoraqEnv) -> None:
+    server = not loraq_env.db_url.startswith("sqlite")
+    # a slow server: the loop must keep serving other requests meanwhile
+    stmt = select(
+        literal_column("pg_sleep(0.3)" if server else "1").label("slept"), bindparam("v").label("v")
+    )
 
-    async def main() -> tuple[int, tuple[int, int]]:
-        return threading.get_ident(), await run_read(probe, 7)
+    async def main() -> tuple[Any, int]:
+        ticks = 0
 
-    loop_thread, (read_thread, value) = asyncio.run(main())
-    assert value == 7
-    # SQLite: a local file read costs less than a thread handoff; a server database never
-    # blocks the event loop
-    assert (read_thread == loop_thread) == loraq_env.db_url.startswith("sqlite")
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        try:
+            row = await read_first(stmt, {"v": 7})
+            again = await read_first(stmt, {"v": 8})  # the same (prepared) statement, a pooled connection
+        finally:
+            task.cancel()
+            await close_read_pools()
+        return (row.v, again.v), ticks
+
+    values, ticks = asyncio.run(main())
+    assert values == (7, 8)
+    if server:
+        assert ticks >= 20, ticks  # the loop ran on during the two 0.3 s server-side sleeps
 
 
 def test_status_read_is_the_job_object_and_commits_nothing(api: ApiClient) -> None:
