@@ -193,8 +193,9 @@ class Supervisor:
         # Reverse start order: API and worker first, Redis last (the worker acks into it).
         for child in reversed(self.children):
             _terminate_group(child, self.grace)
-        if self.pid_file is not None:
-            self.pid_file.unlink(missing_ok=True)
+        for path in (self.pid_file, self.restarts_file):
+            if path is not None:
+                path.unlink(missing_ok=True)
 
 
 def _write_json(path: Path, data: dict[str, int]) -> None:
