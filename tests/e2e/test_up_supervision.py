@@ -278,10 +278,12 @@ def test_sigkill_of_the_private_redis_restarts_it_from_its_aof_and_queued_jobs_r
     up.wait_status(running, "running")
     # A busy worker takes no further message; frozen, it also cannot finish its job meanwhile, so
     # the two queued messages stay in Redis through the kill (on a fast machine as on a slow one).
+    # Frozen only after the submits: it may hold SQLite's write lock when it stops.
+    queued = [up.submit(epochs=2), up.submit(epochs=2)]
     worker = up.pids()["worker"]
     os.kill(worker, signal.SIGSTOP)
     try:
-        queued = [up.submit(epochs=2), up.submit(epochs=2)]
+        assert up.job(running)["status"] == "running", "the long job ended before the freeze"
         client = redis.Redis.from_url(redis_url)
         wait_for(lambda: client.llen("default") == 2, "two messages queued", 10, up.proc)
         time.sleep(1.5)  # appendfsync everysec: what is a second old is on disk
