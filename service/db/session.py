@@ -26,7 +26,6 @@ from service.settings import Settings, get_settings
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 PG_CONNECT_TIMEOUT_S = 5
-AnySelect = Select[*tuple[Any, ...]]
 READ_POOL_SIZE = 10  # async read connections per API process (per event loop)
 
 _lock = threading.Lock()
@@ -124,7 +123,7 @@ async def get_session() -> AsyncIterator[Session]:
 SessionDep = Annotated[Session, Depends(get_session)]
 
 
-async def read_first(stmt: AnySelect, params: dict[str, Any]) -> Any | None:
+async def read_first(stmt: Select[Any], params: dict[str, Any]) -> Any | None:
     """The first row of the read-only `stmt` (attribute access by column label, like a Core
     `Row`), or None: the async hot paths (status polling, key lookups), with no Session to build
     and nothing to commit.
@@ -147,10 +146,10 @@ async def read_first(stmt: AnySelect, params: dict[str, Any]) -> Any | None:
     return await _read_pool(default_url()).first(_compiled(stmt, engine), params)
 
 
-_compiled_sql: dict[AnySelect, str] = {}
+_compiled_sql: dict[Select[Any], str] = {}
 
 
-def _compiled(stmt: AnySelect, engine: Engine) -> str:
+def _compiled(stmt: Select[Any], engine: Engine) -> str:
     """`stmt` as the psycopg dialect writes it (`%(name)s` parameters), compiled once: hot-path
     statements are module constants."""
     if stmt not in _compiled_sql:
