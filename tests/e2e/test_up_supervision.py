@@ -264,7 +264,7 @@ def test_sigkill_of_the_api_training_goes_on_and_the_api_comes_back(up: Up) -> N
     # The worker writes to the database, not through the API: steps keep coming while it is down.
     wait_for(lambda: len(up.stored_steps(job_id)) > before + 5, "training while the API is down", 30, up.proc)
     up.wait_restarted("api", old, timeout=10)
-    wait_for(lambda: httpx.get(up.url + "/readyz").status_code == 200, "API back", 60, up.proc)
+    wait_for(lambda: _api_ready(up.url), "API back", 60, up.proc)
     up.assert_succeeded_once(job_id)
     metrics = httpx.get(up.url + "/metrics").text
     assert 'loraq_up_restarts_total{child="api"} 1.0' in metrics, metrics[-2000:]
@@ -297,6 +297,13 @@ def test_sigkill_of_the_private_redis_restarts_it_from_its_aof_and_queued_jobs_r
     for job_id in (running, *queued):
         up.assert_succeeded_once(job_id)
     assert f"redis (pid {old}) was killed by SIGKILL; restarting in 0.5s" in up.output()
+
+
+def _api_ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/readyz", timeout=2).status_code == 200
+    except httpx.HTTPError:  # not listening yet
+        return False
 
 
 def _answers(client: redis.Redis) -> bool:
