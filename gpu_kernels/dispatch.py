@@ -109,6 +109,24 @@ def lora_linear_grouped(
     return reference.lora_linear_grouped(x, weight, bias, adapters, dropout_p, training)
 
 
+def lora_linear_multi(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scales: torch.Tensor,
+    index: torch.Tensor,
+) -> torch.Tensor:
+    """Serving: row b of x (B, S, in) gets adapter index[b] of the stacks; (B, S, out). On CUDA the
+    segmented (SGMV) form runs, on CPU the gathered reference. See reference.lora_linear_multi."""
+    if _backend != "reference" and x.is_cuda:
+        from gpu_kernels.ops import lora_multi
+
+        return lora_multi.lora_linear_multi(x, weight, bias, lora_a, lora_b, scales, index)
+    return reference.lora_linear_multi(x, weight, bias, lora_a, lora_b, scales, index)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _compiled(x, weight) and _kernel_dtype(x):
         from gpu_kernels.ops import norm_act

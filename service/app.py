@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 
-from service.api import files, health, jobs, models
+from service.api import chat, files, health, jobs, models
 from service.api.dashboard import mount_dashboard
 from service.api.metrics import install_service_metrics
 from service.db.session import close_read_pools
@@ -61,7 +61,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             allow_methods=["GET", "POST", "DELETE"],
             allow_headers=["Authorization", "Content-Type", "Idempotency-Key"],
         )
-    for router in (health.router, files.router, jobs.router, models.router):
+    for router in (health.router, files.router, jobs.router, models.router, chat.router):
         app.include_router(router)
     # issue 5: request metrics middleware + GET /metrics; the dashboard at / and its /static assets
     install_service_metrics(app, settings)

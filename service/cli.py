@@ -120,6 +120,22 @@ def worker(
     celery_app.worker_main(argv)
 
 
+@app.command()
+def inference(
+    queue: Annotated[
+        str | None, typer.Option(help="Inference queue to serve (default LORAQ_INFERENCE_QUEUE).")
+    ] = None,
+) -> None:
+    """Serve chat completions (POST /v1/chat/completions): base models stay loaded, adapters in an LRU."""
+    from service.settings import get_settings
+    from worker.inference import run_inference_worker
+
+    settings = get_settings()
+    if queue is not None:
+        settings = settings.model_copy(update={"inference_queue": queue})
+    raise typer.Exit(run_inference_worker(settings))
+
+
 # --------------------------------------------------------------------------- keys
 
 

@@ -316,3 +316,100 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 class HealthPublic(BaseModel):
     status: Literal["ok", "unavailable"]
     checks: dict[str, str] = Field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- chat completions
+
+MAX_COMPLETION_TOKENS = 32768
+MAX_MESSAGES = 1024
+
+
+class TextPart(Forbid):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Forbid):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = Field(None, max_length=64)
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(Forbid):
+    include_usage: bool = False
+
+
+class ChatCompletionCreate(Forbid):
+    """OpenAI's request body; fields Loraq cannot honour (tools, logprobs, n > 1) are refused."""
+
+    model: str = Field(min_length=1, max_length=255)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_COMPLETION_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COMPLETION_TOKENS)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    stop: str | list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=4)
+    seed: int | None = None
+    n: int = Field(1, ge=1, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256)
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: str | None = None
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ChunkDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChunkDelta
+    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None

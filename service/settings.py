@@ -52,6 +52,19 @@ class Settings(BaseSettings):
     worker_metrics_advertise: str | None = None
     checkpoint_every: int = 0
 
+    # Chat completions (service/inference.py, worker/inference.py): the Redis request list that
+    # `loraq inference` workers serve, and what one such worker holds.
+    inference_queue: str = Field("inference", pattern=r"^[A-Za-z0-9_-]+$")
+    inference_timeout_seconds: float = Field(60.0, gt=0)  # no event from a worker this long: 503
+    inference_max_batch: int = Field(32, ge=1, le=1024)  # requests decoded together
+    inference_max_adapters: int = Field(8, ge=1, le=1024)  # adapter slots per base model (LRU)
+    inference_max_models: int = Field(2, ge=1, le=64)  # base models kept loaded (LRU)
+    inference_preload: list[str] = Field(default_factory=lambda: ["tiny-llama"])
+    # torch threads of a CPU inference worker: decode steps are tiny, and on a busy small machine
+    # one thread is faster than several that wait for each other
+    inference_cpu_threads: int = Field(1, ge=1, le=256)
+    inference_metrics_port: int = Field(9110, ge=0, le=65535)  # 0: a free port
+
     @property
     def resolved_data_dir(self) -> Path:
         return self.data_dir.expanduser().resolve()

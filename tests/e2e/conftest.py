@@ -58,6 +58,8 @@ def service(tmp_path_factory: pytest.TempPathFactory, e2e_db_url: str, redis_url
         LORAQ_PORT=str(port),
         # A queue per service: the SQLite service's worker never takes the PostgreSQL one's jobs.
         LORAQ_WORKER_QUEUE=f"e2e-{secrets.token_hex(4)}",
+        LORAQ_INFERENCE_QUEUE=f"chat-{secrets.token_hex(4)}",
+        LORAQ_INFERENCE_METRICS_PORT=str(free_port()),
         LORAQ_CHECKPOINT_EVERY="4",
         LORAQ_HEARTBEAT_SECONDS="1",
     )

@@ -110,12 +110,29 @@ class Service:
     def start_worker(self) -> None:
         self.procs["worker"] = start_worker(self.env, self.logs["worker"])
 
+    def start_inference(self) -> None:
+        """A `loraq inference` worker (chat completions) next to the Celery worker, once."""
+        if "inference" not in self.procs:
+            self.logs.setdefault("inference", self.logs["worker"].with_name("inference.log"))
+            self.procs["inference"] = start_inference_worker(self.env, self.logs["inference"])
+
 
 def start_worker(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    return _start_logged(["worker", "--loglevel", "INFO"], env, log, b" ready.", "celery worker")
+
+
+def start_inference_worker(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    return _start_logged(["inference"], env, log, b" ready on queue ", "inference worker")
+
+
+def _start_logged(
+    args: list[str], env: dict[str, str], log: Path, ready_line: bytes, what: str
+) -> subprocess.Popen[bytes]:
+    """`loraq <args>` with its output appended to `log`; returns once `ready_line` appears there."""
     start = log.stat().st_size if log.exists() else 0
     out = log.open("ab")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "worker", "--loglevel", "INFO"],
+        [sys.executable, "-m", "service.cli", *args],
         env=env,
         cwd=ROOT,
         stdout=out,
@@ -126,7 +143,7 @@ def start_worker(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     def ready() -> bool:
         with log.open("rb") as fh:
             fh.seek(start)
-            return b" ready." in fh.read()
+            return ready_line in fh.read()
 
-    wait_for(ready, "celery worker", 120, proc)
+    wait_for(ready, what, 120, proc)
     return proc

@@ -30,7 +30,7 @@ from typing import Any, Literal
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from worker.engine.types import DatasetError, LineError
+from worker.engine.types import DatasetError, LineError, ModelError
 
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant")
@@ -211,6 +211,16 @@ def _render(
     out = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     assert isinstance(out, str)
     return out
+
+
+def prompt_ids(messages: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The token ids a model is asked to continue for `messages` (serving): the chat template with
+    the generation prompt, tokenized without added special tokens, exactly as training renders
+    the context of an assistant turn (`_chat_spans`)."""
+    if not tokenizer.chat_template:
+        raise ModelError("the model's tokenizer has no chat template, so it cannot serve chat completions")
+    text = _render(messages, tokenizer, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _generation_prompt_only(tokenizer: PreTrainedTokenizerBase) -> str:

@@ -176,3 +176,14 @@ class ConfigError(EngineError):
         self.param = field
         self.field = field
         super().__init__(message)
+
+
+class RequestError(EngineError):
+    """A serving request the model cannot run (prompt longer than the context, unknown adapter
+    layout); `param` names the request field."""
+
+    code = "invalid_request"
+
+    def __init__(self, param: str, message: str) -> None:
+        self.param = param
+        super().__init__(message)

@@ -1,0 +1,137 @@
+"""`POST /v1/chat/completions`: OpenAI's chat completions, served by `loraq inference` workers.
+
+The route resolves `model` for the tenant (service.inference.resolve_model), hands the request to
+a worker over Redis and turns the worker's events into OpenAI's response: one JSON body, or
+Server-Sent Events of `chat.completion.chunk` objects ending with `data: [DONE]`. The first event
+is awaited before answering, so a request the worker refuses (prompt too long, adapter that does
+not fit) is an HTTP error in both modes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import StreamingResponse
+
+from service import inference
+from service.auth import CurrentTenant
+from service.db.session import run_read
+from service.errors import LoraqError, error_body
+from service.schemas import (
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionCreate,
+    Choice,
+    ChunkChoice,
+    ChunkDelta,
+    Usage,
+    error_responses,
+)
+from service.settings import get_settings
+
+router = APIRouter(prefix="/v1/chat", tags=["chat"], responses=error_responses(400, 401, 404, 429, 503))
+
+SSE_RESPONSE: dict[int | str, dict[str, Any]] = {
+    200: {
+        "content": {"application/json": {}, "text/event-stream": {}},
+        "description": "A chat.completion, or with `stream` chat.completion.chunk events ending with [DONE]",
+    }
+}
+
+
+def worker_request(body: ChatCompletionCreate, target: inference.Target, request_id: str) -> dict[str, Any]:
+    """The JSON a worker receives (service.inference describes the protocol)."""
+    return {
+        "id": request_id,
+        "base": target.base,
+        "adapter_key": target.adapter_key,
+        "adapter_sha256": target.adapter_sha256,
+        # "developer" is OpenAI's newer name for the system role; templates know "system"
+        "messages": [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in body.messages
+        ],
+        "max_tokens": body.max_completion_tokens or body.max_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "seed": body.seed,
+        "stop": body.stop_list(),
+        "stream": body.stream,
+    }
+
+
+def usage_of(event: dict[str, Any]) -> Usage:
+    prompt, completion = int(event["prompt_tokens"]), int(event["completion_tokens"])
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+@router.post("/completions", response_model=ChatCompletion, responses=SSE_RESPONSE)
+async def create_chat_completion(body: ChatCompletionCreate, tenant: CurrentTenant) -> Any:
+    settings = get_settings()
+    target = await run_read(inference.resolve_model, tenant_id=tenant.id, model=body.model, settings=settings)
+    request_id = inference.new_request_id()
+    completion = inference.Completion(settings, worker_request(body, target, request_id))
+    await completion.submit()
+    created = int(time.time())
+    events = completion.events()
+    try:
+        first = await anext(events)  # "start" (or an error, raised here as an HTTP error)
+    except BaseException:
+        await completion.close()
+        raise
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunks = sse_chunks(completion, events, body.model, created, include_usage)
+        return StreamingResponse(
+            chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+    try:
+        done = first
+        async for event in events:
+            done = event
+    finally:
+        await completion.close()
+    return ChatCompletion(
+        id=request_id,
+        created=created,
+        model=body.model,
+        choices=[Choice(message=AssistantMessage(content=done["text"]), finish_reason=done["finish_reason"])],
+        usage=usage_of(done),
+    )
+
+
+async def sse_chunks(
+    completion: inference.Completion,
+    events: AsyncIterator[dict[str, Any]],
+    model: str,
+    created: int,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """OpenAI's stream: a role chunk, content chunks, a chunk with the finish reason, with
+    `stream_options.include_usage` a last chunk with no choices and the usage, then [DONE]."""
+
+    def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> str:
+        body = ChatCompletionChunk(
+            id=completion.id, created=created, model=model, choices=choices, usage=usage
+        )
+        return f"data: {body.model_dump_json(exclude_none=False)}\n\n"
+
+    try:
+        yield chunk([ChunkChoice(delta=ChunkDelta(role="assistant", content=""))])
+        async for event in events:
+            if event["type"] == "delta" and event["text"]:
+                yield chunk([ChunkChoice(delta=ChunkDelta(content=event["text"]))])
+            elif event["type"] == "done":
+                yield chunk([ChunkChoice(delta=ChunkDelta(), finish_reason=event["finish_reason"])])
+                if include_usage:
+                    yield chunk([], usage_of(event))
+        yield "data: [DONE]\n\n"
+    except LoraqError as exc:  # the status line is sent: the error goes in the stream, as OpenAI does
+        yield f"data: {json.dumps(error_body(exc.message, exc.type, exc.param, exc.code))}\n\n"
+    finally:
+        await completion.close()

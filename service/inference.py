@@ -1,0 +1,182 @@
+"""Chat completions: which weights a `model` names, and the Redis path to the inference workers.
+
+A chat request does not go through Celery (no task message, no ack, no database job): the API
+pushes one JSON request on a Redis list that `loraq inference` workers pop, and reads the
+worker's answer from a reply list of its own, one JSON event per entry:
+
+    loraq:inference:<queue>:requests   list   API RPUSH request, worker BLPOP
+    loraq:inference:<queue>:workers    zset   worker id -> last heartbeat (unix s)
+    loraq:inference:reply:<request id> list   worker RPUSH events, API BLPOP; expires
+
+Events: {"type": "start", "prompt_tokens"} once the worker accepted the request; {"type":
+"delta", "text"} per piece of text (streamed requests only); {"type": "done", "text",
+"finish_reason", "prompt_tokens", "completion_tokens"}; or {"type": "error", "status", "code",
+"param", "message"}.
+
+No torch here: the API imports this module.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection, select
+
+from service.db.models import Artifact, Checkpoint, Job, is_id
+from service.errors import InvalidRequestError, LoraqError, NotFoundError, UnavailableError
+from service.settings import Settings
+from worker.engine.catalog import get_model_info
+from worker.engine.types import ModelError
+
+REPLY_TTL_SECONDS = 300
+WORKER_ALIVE_SECONDS = 15.0
+CKPT_PREFIX = "ckpt-step-"
+
+
+def requests_key(queue: str) -> str:
+    return f"loraq:inference:{queue}:requests"
+
+
+def workers_key(queue: str) -> str:
+    return f"loraq:inference:{queue}:workers"
+
+
+def reply_key(request_id: str) -> str:
+    return f"loraq:inference:reply:{request_id}"
+
+
+@dataclass(frozen=True)
+class Target:
+    """What serves a `model`: a base model of the catalog, plus a stored PEFT adapter zip or None."""
+
+    base: str
+    adapter_key: str | None = None
+    adapter_sha256: str | None = None
+
+
+def _not_found(model: str, why: str = "") -> NotFoundError:
+    return NotFoundError(
+        f"The model {model!r} does not exist or you do not have access to it{why}",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def resolve_model(conn: Connection, *, tenant_id: str, model: str, settings: Settings) -> Target:
+    """A base model name, a job's `fine_tuned_model` (`ft:<base>:<suffix>:<job id>`) or a
+    checkpoint's `fine_tuned_model_checkpoint` (`...:ckpt-step-<n>`) of this tenant; else 404
+    (another tenant's model included: its existence is not revealed)."""
+    if not model.startswith("ft:"):
+        try:
+            info = get_model_info(model, settings.model_store)
+        except ModelError:
+            raise _not_found(model) from None
+        if not info.pulled:
+            raise _not_found(model, f"; it is not pulled yet: run `loraq models pull {model}`")
+        return Target(base=model)
+    parts = model.split(":")
+    if len(parts) not in (4, 5) or not is_id(parts[3]):
+        raise _not_found(model)
+    job = conn.execute(
+        select(Job.id, Job.model, Job.suffix, Job.status, Job.fine_tuned_model).where(
+            Job.id == parts[3], Job.tenant_id == tenant_id
+        )
+    ).first()
+    if job is None or job.model != parts[1] or (job.suffix or "") != parts[2]:
+        raise _not_found(model)
+    if len(parts) == 4:
+        artifact = conn.execute(
+            select(Artifact.storage_key, Artifact.sha256).where(
+                Artifact.job_id == job.id, Artifact.kind == "adapter"
+            )
+        ).first()
+        if job.status != "succeeded" or job.fine_tuned_model != model or artifact is None:
+            raise _not_found(model)
+        return Target(job.model, artifact.storage_key, artifact.sha256)
+    step = parts[4].removeprefix(CKPT_PREFIX)
+    if not parts[4].startswith(CKPT_PREFIX) or not step.isdigit():
+        raise _not_found(model)
+    ckpt = conn.execute(
+        select(Checkpoint.storage_key, Checkpoint.sha256).where(
+            Checkpoint.job_id == job.id, Checkpoint.step == int(step)
+        )
+    ).first()
+    if ckpt is None:
+        raise _not_found(model)
+    return Target(job.model, ckpt.storage_key, ckpt.sha256)
+
+
+def new_request_id() -> str:
+    return f"chatcmpl-{secrets.token_urlsafe(18)}"
+
+
+def worker_error(event: dict[str, Any]) -> LoraqError:
+    """The error a worker reported, as the API's error type of the same status."""
+    status = int(event.get("status", 500))
+    message = str(event.get("message", "inference failed"))
+    param, code = event.get("param"), event.get("code")
+    if status == 400:
+        return InvalidRequestError(message, param=param, code=code)
+    if status == 404:
+        return NotFoundError(message, param=param, code=code)
+    return LoraqError(message, param=param, code=code)
+
+
+class Completion:
+    """One request in flight: `submit()` sends it, `events()` yields the worker's events."""
+
+    def __init__(self, settings: Settings, request: dict[str, Any]) -> None:
+        import redis.asyncio
+
+        from worker.celery_app import broker_url  # no torch
+
+        self.settings = settings
+        self.request = request
+        self.id: str = request["id"]
+        self.client = redis.asyncio.Redis.from_url(broker_url(settings))
+
+    async def submit(self) -> None:
+        queue = self.settings.inference_queue
+        timeout = self.settings.inference_timeout_seconds
+        try:
+            alive = await self.client.zcount(workers_key(queue), time.time() - WORKER_ALIVE_SECONDS, "+inf")
+            if not alive:
+                raise UnavailableError(
+                    f"no inference worker is serving queue {queue!r}; start one with `loraq inference`",
+                    code="no_inference_worker",
+                )
+            self.request["sent_at"] = time.time()
+            self.request["deadline"] = self.request["sent_at"] + timeout
+            await self.client.rpush(requests_key(queue), json.dumps(self.request))
+        except LoraqError:
+            await self.close()
+            raise
+        except Exception as exc:
+            await self.close()
+            raise UnavailableError(f"the inference queue is unreachable: {exc}") from exc
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        """The worker's events up to and including `done`; an `error` event or a silent worker
+        (no event for `inference_timeout_seconds`) raises."""
+        key = reply_key(self.id)
+        while True:
+            item = await self.client.blpop([key], timeout=self.settings.inference_timeout_seconds)
+            if item is None:
+                raise UnavailableError(
+                    f"no answer from an inference worker in {self.settings.inference_timeout_seconds:g}s",
+                    code="inference_timeout",
+                )
+            event: dict[str, Any] = json.loads(item[1])
+            if event["type"] == "error":
+                raise worker_error(event)
+            yield event
+            if event["type"] == "done":
+                return
+
+    async def close(self) -> None:
+        await self.client.aclose()
