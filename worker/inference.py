@@ -21,6 +21,7 @@ import time
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -209,7 +210,7 @@ class InferenceWorker:
                 slot = 0
                 if key:
                     sha256 = str(p.raw["adapter_sha256"])
-                    slot = model.adapter_slot(key, lambda: self.read_adapter(key, sha256), keep=pinned)
+                    slot = model.adapter_slot(key, partial(self.read_adapter, key, sha256), keep=pinned)
                     pinned.add(slot)
                 ids = model.prompt_ids(p.raw["messages"])
                 max_tokens = p.raw.get("max_tokens") or model.max_context - len(ids)
