@@ -3,8 +3,9 @@
 Before starting anything it takes an exclusive lock on its data dir (`up.lock`) and checks that
 the API port is free, so a second `loraq up` exits at once, naming the cause, and touches nothing
 of the first. Then it starts, in order: a private `redis-server` (only when `LORAQ_REDIS_URL` is
-unset; append-only file under the data dir), database migrations, the API key, the API (uvicorn)
-and one Celery worker. service/supervisor.py watches the children: one that exits is restarted
+unset; append-only file under the data dir), database migrations, the API key, the API (uvicorn),
+one Celery worker and one inference worker (`loraq inference`, chat completions).
+service/supervisor.py watches the children: one that exits is restarted
 with backoff, a crash loop stops everything with a non-zero exit, and children die with this
 process even on `kill -9`. The children's PIDs are in `<data_dir>/up.pids.json` while they run.
 
@@ -207,6 +208,10 @@ def worker_argv(settings: Settings) -> list[str]:
     return [sys.executable, "-m", "service.cli", "worker", "--queue", settings.worker_queue]
 
 
+def inference_argv(settings: Settings) -> list[str]:
+    return [sys.executable, "-m", "service.cli", "inference", "--queue", settings.inference_queue]
+
+
 def run_up(settings: Settings, echo: Callable[[str], None] = print) -> int:
     """Check, start everything, supervise until a signal or a crash loop, stop everything.
     Returns the exit code: 0 after Ctrl-C/SIGTERM, 1 when it could not start or gave up."""
@@ -246,6 +251,8 @@ def _run_locked(settings: Settings, data_dir: Path, echo: Callable[[str], None])
         api = sup.spawn("api", api_argv(settings), env=env, log_path=logs / "api.log")
         sup.spawn("worker", worker_argv(settings), env=env, log_path=logs / "worker.log")
         sup.on_exit["worker"] = lambda _child, pid: _release_jobs_of(pid, echo)
+        # issue 14: chat completions are served by their own worker, never by the API
+        sup.spawn("inference", inference_argv(settings), env=env, log_path=logs / "inference.log")
         base = f"http://{settings.host}:{settings.port}"
         _wait_until(lambda: _http_ready(f"{base}/readyz"), api, "the API", timeout=READY_TIMEOUT_SECONDS)
 

@@ -96,8 +96,11 @@ class InferenceWorker:
         if not torch.cuda.is_available():
             torch.set_num_threads(self.settings.inference_cpu_threads)
         port = self.settings.inference_metrics_port
-        server, _ = start_http_server(port, addr=self.settings.host, registry=self.metrics.registry)
-        log.info("inference metrics on %s:%d", self.settings.host, server.server_port)
+        try:
+            server, _ = start_http_server(port, addr=self.settings.host, registry=self.metrics.registry)
+            log.info("inference metrics on %s:%d", self.settings.host, server.server_port)
+        except OSError:  # as the Celery worker's: a taken port loses the metrics, not the service
+            log.exception("inference metrics could not start on port %d; serving without /metrics", port)
         for name in self.settings.inference_preload:
             self.model(name)
         threading.Thread(target=self._heartbeat, name="inference-heartbeat", daemon=True).start()

@@ -163,3 +163,21 @@ def test_greedy_output_equals_transformers_peft_on_the_downloaded_adapter(
         assert reply.choices[0].message.content == tokenizer.decode(out, skip_special_tokens=True), question
         assert reply.usage is not None and reply.usage.completion_tokens == len(out)
         assert reply.usage.prompt_tokens == len(ids)
+
+
+def test_time_to_first_token_and_tokens_per_second_are_prometheus_metrics(
+    e2e: Service, trained: dict[str, Any]
+) -> None:
+    client = oai(e2e, trained["key"])
+    client.chat.completions.create(model="tiny-llama", messages=ask("hi"), max_tokens=8, temperature=0)
+    port = e2e.env["LORAQ_INFERENCE_METRICS_PORT"]
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    samples = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in text.splitlines()
+        if not line.startswith("#")
+    }
+    assert samples['loraq_inference_time_to_first_token_seconds_count{model="tiny-llama"}'] >= 1
+    assert samples['loraq_inference_tokens_per_second_count{model="tiny-llama"}'] >= 1
+    assert samples['loraq_inference_generated_tokens_total{model="tiny-llama"}'] >= 8
+    assert samples['loraq_inference_requests_total{outcome="ok"}'] >= 1

@@ -135,7 +135,17 @@ def test_loraq_up_serves_and_sigint_stops_every_child(tmp_path: Path) -> None:
             "redis",
             "api",
             "worker",
+            "inference",
         }
+        # issue 14: `loraq up` serves chat completions too
+        logs = data_dir / "logs" / "inference.log"
+        wait_for(lambda: " ready on queue " in logs.read_text(errors="replace"), "inference", 120, proc)
+        chat = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        answer = httpx.post(url + "/v1/chat/completions", json=chat, headers=auth, timeout=60).json()
+        assert (
+            answer["usage"]["completion_tokens"] <= 3
+            and answer["choices"][0]["message"]["role"] == "assistant"
+        )
         # The Redis it started is a real server, and SQLite lives under the data dir.
         banner = (tmp_path / "up.out").read_text()
         assert url in banner and key in banner
@@ -157,7 +167,12 @@ def test_loraq_up_uses_given_redis_and_postgresql_and_generates_a_key(tmp_path: 
             url,
             data_dir,
         ):
-            assert set(json.loads((data_dir / "up.pids.json").read_text())) == {"supervisor", "api", "worker"}
+            assert set(json.loads((data_dir / "up.pids.json").read_text())) == {
+                "supervisor",
+                "api",
+                "worker",
+                "inference",
+            }
             banner = (tmp_path / "up.out").read_text()
             key = banner.split("API key (generated for tenant default): ", 1)[1].split()[0]
             auth = {"Authorization": f"Bearer {key}"}
