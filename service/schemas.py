@@ -324,14 +324,17 @@ MAX_COMPLETION_TOKENS = 32768
 MAX_MESSAGES = 1024
 
 
+Text = Annotated[str, AfterValidator(_encodable)]
+
+
 class TextPart(Forbid):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(Forbid):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
     name: str | None = Field(None, max_length=64)
 
     def text(self) -> str:
@@ -351,7 +354,7 @@ class ChatCompletionCreate(Forbid):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COMPLETION_TOKENS)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    stop: str | list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=4)
+    stop: Text | Annotated[list[Annotated[Text, Field(min_length=1)]], Field(max_length=4)] | None = None
     seed: int | None = None
     n: int = Field(1, ge=1, le=1)
     stream: bool = False
