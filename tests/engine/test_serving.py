@@ -29,18 +29,21 @@ PROMPTS = [
 ]
 
 
-def make_adapter(tiny: LoadedModel, directory: Path, *, seed: int, cfg: LoraConfig) -> Adapter:
-    """An adapter with random A and B written in PEFT's layout; returns it as served."""
+def make_adapter(
+    tiny: LoadedModel, directory: Path, *, seed: int, cfg: LoraConfig, b_std: float = 0.5
+) -> Adapter:
+    """An adapter of `tiny` (any loaded base) with random A and B written in PEFT's layout;
+    returns it as served."""
     model = copy.deepcopy(tiny.model)
     apply_lora(model, cfg)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for layer in lora_modules(model).values():
-            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=gen) * 0.5)
+            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=gen) * b_std)
     directory.mkdir(parents=True)
     tensors = lora_state_dict(model)
     save_file(tensors, str(directory / ADAPTER_WEIGHTS))
-    config = adapter_config(model, cfg, "tiny-llama")
+    config = adapter_config(model, cfg, tiny.name)
     (directory / ADAPTER_CONFIG).write_text(json.dumps(config))
     return Adapter(config=config, tensors=tensors)
 
