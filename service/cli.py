@@ -286,10 +286,13 @@ def jobs_create(
             "--packing/--no-packing", help="Pack examples into full rows, padding-free (server default: on)."
         ),
     ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Validate and plan (steps, tokens, estimates); queue nothing.")
+    ] = False,
     url: UrlOpt = None,
     api_key: KeyOpt = None,
 ) -> None:
-    """Create a fine-tuning job; prints the job object."""
+    """Create a fine-tuning job; prints the job object (with --dry-run: the plan)."""
     body = job_body(
         model=model,
         training_file=training_file,
@@ -306,6 +309,8 @@ def jobs_create(
         n_gpus=n_gpus,
         packing=packing,
     )
+    if dry_run:
+        body["dry_run"] = True
     with _client(url, api_key) as c:
         _print_json(_api_call(c.create_job, body))
 

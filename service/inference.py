@@ -180,3 +180,16 @@ class Completion:
 
     async def close(self) -> None:
         await self.client.aclose()
+
+
+async def call(settings: Settings, request: dict[str, Any]) -> dict[str, Any]:
+    """Send `request` and return the worker's `done` event (an `error` event raises)."""
+    completion = Completion(settings, request)
+    await completion.submit()
+    try:
+        done: dict[str, Any] = {}
+        async for event in completion.events():
+            done = event
+        return done
+    finally:
+        await completion.close()

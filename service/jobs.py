@@ -250,16 +250,9 @@ def requested_hyperparameters(spec: JobCreate) -> dict[str, Any]:
     return hp.model_dump()
 
 
-def create_job(
-    session: Session, *, tenant_id: str, spec: JobCreate, idempotency_key: str | None = None
-) -> Job:
-    """Validate the request, insert the job and move it to `queued`. The caller commits, then enqueues."""
-    if idempotency_key is not None:
-        existing = _by_idempotency_key(session, tenant_id, idempotency_key)
-        if existing is not None:
-            return existing
-
-    check_job_limits(session, tenant_id=tenant_id)
+def check_job_inputs(session: Session, *, tenant_id: str, spec: JobCreate) -> tuple[File, File | None]:
+    """The model exists and the files are the tenant's fine-tune files (404/400 otherwise);
+    returns (training file, validation file or None)."""
     from worker.engine.catalog import get_model_info  # pure Python; imported here to keep startup light
 
     try:
@@ -274,8 +267,25 @@ def create_job(
             code="model_not_local",
         )
     training = _training_file(session, tenant_id=tenant_id, file_id=spec.training_file, param="training_file")
+    validation = None
     if spec.validation_file is not None:
-        _training_file(session, tenant_id=tenant_id, file_id=spec.validation_file, param="validation_file")
+        validation = _training_file(
+            session, tenant_id=tenant_id, file_id=spec.validation_file, param="validation_file"
+        )
+    return training, validation
+
+
+def create_job(
+    session: Session, *, tenant_id: str, spec: JobCreate, idempotency_key: str | None = None
+) -> Job:
+    """Validate the request, insert the job and move it to `queued`. The caller commits, then enqueues."""
+    if idempotency_key is not None:
+        existing = _by_idempotency_key(session, tenant_id, idempotency_key)
+        if existing is not None:
+            return existing
+
+    check_job_limits(session, tenant_id=tenant_id)
+    training, _ = check_job_inputs(session, tenant_id=tenant_id, spec=spec)
 
     lora = {**DEFAULT_LORA, **(spec.lora.model_dump() if spec.lora else {})}
     job = Job(

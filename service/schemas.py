@@ -136,6 +136,8 @@ class JobCreate(Forbid):
     # default LORAQ_WORKER_QUEUE) and GPUs on one host (> 1 runs data-parallel under torchrun).
     queue: str | None = Field(None, min_length=1, max_length=40, pattern=r"^[A-Za-z0-9_-]+$")
     n_gpus: int = Field(1, ge=1, le=8)
+    # Loraq extension: validate and plan the job (service/dry_run.py) without queueing it
+    dry_run: bool = False
 
 
 # ---------------------------------------------------------------- responses
@@ -416,3 +418,44 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChunkChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+
+
+# ---------------------------------------------------------------- dry runs
+
+
+class DatasetSummary(BaseModel):
+    format: str | None
+    examples: int
+    tokens: int
+    trainable_tokens: int
+    max_tokens: int  # longest example
+
+
+class DryRunError(BaseModel):
+    param: str
+    line: int | None = None  # 1-based line of the file, when the error is about one line
+    message: str
+
+
+class EstimatePublic(BaseModel):
+    worker_class: str
+    peak_gpu_memory_gib: float
+    wall_seconds: float
+    source: str  # the benchmark result the estimate comes from
+
+
+class DryRunPublic(BaseModel):
+    """What a job would do, computed without queueing it (`"dry_run": true`)."""
+
+    object: Literal["fine_tuning.job.dry_run"] = "fine_tuning.job.dry_run"
+    model: str
+    valid: bool
+    training_file: DatasetSummary
+    validation_file: DatasetSummary | None
+    hyperparameters: HyperparametersPublic  # "auto" resolved
+    max_seq_len: int
+    steps_per_epoch: int
+    steps: int
+    trained_tokens: int  # tokens the run trains on: every epoch sees every training token
+    estimates: list[EstimatePublic]
+    errors: list[DryRunError]

@@ -20,7 +20,7 @@ import threading
 import time
 import zipfile
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -86,6 +86,7 @@ class InferenceWorker:
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}"
         self.redis = redis.Redis.from_url(broker_url(settings))
         self.models: OrderedDict[str, ServingModel] = OrderedDict()
+        self._tokenizers: dict[str, Any] = {}
         self.metrics = Metrics()
         self._stop = threading.Event()
 
@@ -145,7 +146,10 @@ class InferenceWorker:
                 live.append(p)
         by_base: dict[str, list[Pending]] = {}
         for p in live:
-            by_base.setdefault(p.raw["base"], []).append(p)
+            if p.raw.get("kind") == "dry_run":
+                self._dry_run(p)
+            else:
+                by_base.setdefault(p.raw["base"], []).append(p)
         for base, group in by_base.items():
             self._run_group(base, group)
         return len(batch)
@@ -179,6 +183,37 @@ class InferenceWorker:
             config = json.loads(zf.read(ADAPTER_CONFIG))
             tensors = load_safetensors(zf.read(ADAPTER_WEIGHTS))
         return Adapter(config=config, tensors=tensors)
+
+    def tokenizer(self, name: str) -> Any:
+        """A loaded model's tokenizer, else the tokenizer alone (cached; no weights loaded)."""
+        if name in self.models:
+            return self.models[name].tokenizer
+        if name not in self._tokenizers:
+            from worker.engine.models import load_tokenizer
+
+            self._tokenizers[name] = load_tokenizer(name, store=self.settings.model_store)
+        return self._tokenizers[name]
+
+    # -- a job's dry run: tokenize its files as the job would (service/dry_run.py plans the rest)
+    def _dry_run(self, p: Pending) -> None:
+        from service.storage import FileStore
+        from worker.engine.data import validate_dataset
+
+        store = FileStore(self.settings.artifact_dir)
+        try:
+            tokenizer = self.tokenizer(p.raw["base"])
+            max_seq_len = int(p.raw["max_seq_len"])
+            reports: dict[str, Any] = {}
+            for name in ("training_file", "validation_file"):
+                key = p.raw.get(name)  # a store key, or None (no validation file)
+                reports[name] = (
+                    asdict(validate_dataset(store.path(key), tokenizer, max_seq_len)) if key else None
+                )
+        except Exception as exc:
+            self._fail(p, exc)
+            return
+        self.metrics.requests.labels("dry_run").inc()
+        self._push(p, {"type": "done", **reports})
 
     # -- one group of requests on one base model
     def _run_group(self, base: str, group: list[Pending]) -> None:

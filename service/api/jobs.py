@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
+import anyio.from_thread
 from fastapi import APIRouter, Header, Query
 from fastapi.responses import FileResponse, Response
 from sqlalchemy import Row
 
-from service import jobs
+from service import dry_run, inference, jobs
 from service.auth import CurrentTenant
 from service.db.models import Checkpoint, Job, JobEvent
 from service.db.session import SessionDep
@@ -16,6 +17,7 @@ from service.queue import enqueue_job, job_queue
 from service.schemas import (
     CheckpointPublic,
     CheckpointsPublic,
+    DryRunPublic,
     EventPublic,
     EventsPublic,
     HyperparametersPublic,
@@ -29,6 +31,7 @@ from service.schemas import (
     SupervisedPublic,
     error_responses,
 )
+from service.settings import get_settings
 from service.storage import default_store
 
 router = APIRouter(
@@ -105,13 +108,17 @@ def checkpoint_public(ckpt: Checkpoint, job: Job) -> CheckpointPublic:
     )
 
 
-@router.post("", response_model=JobPublic)
+@router.post("", response_model=JobPublic | DryRunPublic)
 def create_job(
     body: JobCreate,
     tenant: CurrentTenant,
     session: SessionDep,
     idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
-) -> JobPublic:
+) -> JobPublic | DryRunPublic:
+    if body.dry_run:  # validate and plan on an inference worker; nothing is stored or queued
+        request = dry_run.worker_request(session, tenant_id=tenant.id, spec=body)
+        done = anyio.from_thread.run(inference.call, get_settings(), request)
+        return dry_run.plan(body, done, get_settings())
     if idempotency_key is not None and (
         seen := jobs.find_by_idempotency_key(session, tenant_id=tenant.id, key=idempotency_key)
     ):

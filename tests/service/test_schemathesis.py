@@ -8,10 +8,14 @@ from typing import Any
 
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from schemathesis.checks import not_a_server_error
 
 from tests.conftest import ApiClient
 
 MAX_EXAMPLES = 25
+# Chat completions are answered by a `loraq inference` worker, which this test does not start: a
+# valid request gets the route's documented 503 `no_inference_worker`; any other 5xx still fails.
+NEEDS_INFERENCE_WORKER = {"POST /v1/chat/completions"}
 
 
 def test_api_conforms_to_its_schema(api: ApiClient) -> None:
@@ -30,7 +34,12 @@ def test_api_conforms_to_its_schema(api: ApiClient) -> None:
         def check(case: Any) -> None:
             nonlocal calls
             calls += 1
-            case.call_and_validate(headers=api.headers)
+            if op.label not in NEEDS_INFERENCE_WORKER:  # noqa: B023 - check() runs in this iteration
+                case.call_and_validate(headers=api.headers)
+                return
+            response = case.call_and_validate(headers=api.headers, excluded_checks=[not_a_server_error])
+            if response.status_code >= 500:
+                assert response.json()["error"]["code"] == "no_inference_worker", response.text
 
         try:
             check()

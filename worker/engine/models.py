@@ -64,6 +64,25 @@ def load_base_model(
     return loaded
 
 
+def load_tokenizer(name: str, *, store: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer `load_base_model(name)` would come with, without loading any weights (a
+    dry run of a llama-8b job must not allocate 8B parameters)."""
+    info = get_model_info(name, store)
+    if info.kind == "random":
+        tokenizer: PreTrainedTokenizerBase = build_tiny_tokenizer()
+    elif info.kind == "pretrained":
+        source = PRETRAINED[name]
+        if not (store / name / source.filename).is_file():
+            raise ModelError(f"model {name!r} is not pulled yet; run `loraq models pull {name}`")
+        tokenizer = AutoTokenizer.from_pretrained(store / name, gguf_file=source.filename)
+    else:
+        assert info.path is not None
+        validate_model_dir(Path(info.path))
+        tokenizer = AutoTokenizer.from_pretrained(info.path)
+    _ensure_pad_token(tokenizer)
+    return tokenizer
+
+
 def _load_preset(name: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     """Random init directly on `device` (torch's device context), seeded; tokenizer from tiny-llama.
 
