@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import secrets
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sqlalchemy import Update, bindparam, delete, func, insert, select, update
@@ -76,6 +76,7 @@ class Claim:
     resume_checkpoint: str | None  # storage key of the latest registered checkpoint zip
     n_gpus: int = 1  # > 1: the worker runs the engine under torchrun (issue 7)
     packing: bool = True  # padding-free packed rows (issue 12)
+    eval_prompts: list[str] = field(default_factory=list)  # sampled at every checkpoint
 
 
 # ---------------------------------------------------------------- reads
@@ -304,6 +305,7 @@ def create_job(
         suffix=spec.suffix or None,
         seed=spec.seed if spec.seed is not None else secrets.randbelow(MAX_SEED),
         metadata_=spec.metadata,
+        eval_prompts=spec.eval_prompts,
         status="validating_files",
         result_files=[],
     )
@@ -444,6 +446,7 @@ def claim(session: Session, *, job_id: str, worker_id: str) -> Claim | None:
         resume_checkpoint=resume,
         n_gpus=job.n_gpus,
         packing=job.packing,
+        eval_prompts=list(job.eval_prompts or []),
     )
 
 

@@ -17,6 +17,8 @@ MAX_BATCH_SIZE = 1024
 MAX_LR_MULTIPLIER = 100.0
 MAX_SEQ_LEN = 32768
 MAX_SEED = 2**31 - 1
+MAX_EVAL_PROMPTS = 16
+MAX_EVAL_PROMPT_CHARS = 2000
 
 
 def _auto_or_int(lo: int, hi: int) -> Callable[[object], int | Literal["auto"]]:
@@ -79,6 +81,7 @@ def _encodable(v: str) -> str:
     return v
 
 
+Text = Annotated[str, AfterValidator(_encodable)]
 MetadataKey = Annotated[str, Field(max_length=64), AfterValidator(_encodable)]
 MetadataValue = Annotated[str, Field(max_length=512), AfterValidator(_encodable)]
 
@@ -138,6 +141,10 @@ class JobCreate(Forbid):
     n_gpus: int = Field(1, ge=1, le=8)
     # Loraq extension: validate and plan the job (service/dry_run.py) without queueing it
     dry_run: bool = False
+    # Loraq extension: answered greedily at every checkpoint, shown per checkpoint on the dashboard
+    eval_prompts: list[Annotated[Text, Field(min_length=1, max_length=MAX_EVAL_PROMPT_CHARS)]] | None = Field(
+        None, max_length=MAX_EVAL_PROMPTS
+    )
 
 
 # ---------------------------------------------------------------- responses
@@ -238,6 +245,7 @@ class JobPublic(BaseModel):
     queue: str = "default"
     n_gpus: int = 1
     worker_id: str | None = None  # "host:gpu2:pid" (worker.launcher.worker_identity)
+    eval_prompts: list[str] | None = None  # extension: sampled at every checkpoint
 
 
 class JobsPublic(BaseModel):
@@ -324,9 +332,6 @@ class HealthPublic(BaseModel):
 
 MAX_COMPLETION_TOKENS = 32768
 MAX_MESSAGES = 1024
-
-
-Text = Annotated[str, AfterValidator(_encodable)]
 
 
 class TextPart(Forbid):

@@ -131,6 +131,8 @@ class JobCallbacks:
         key = f"{self.checkpoint_dir_key}/step-{checkpoint.step:06d}.zip"
         stored = storage.put_dir_zip(checkpoint.path, key)
         metrics = _metrics_summary(self.last_metrics)
+        if checkpoint.samples:  # kept with the checkpoint; the OpenAI object shows numbers only
+            metrics["samples"] = checkpoint.samples
         with session_scope() as session:
             jobs.register_checkpoint(
                 session,
@@ -239,6 +241,7 @@ def build_train_config(claim: jobs.Claim, settings: Settings, out_dir: Path) -> 
         max_wall_seconds=settings.job_max_wall_seconds,
         max_tokens=settings.job_max_tokens,
         step_limit=settings.job_max_steps,
+        eval_prompts=list(claim.eval_prompts),
     )
 
 

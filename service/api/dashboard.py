@@ -1,5 +1,5 @@
-"""The web dashboard: pages at `/`, `/jobs/{id}`, `/new`, `/workers`, assets under `/static`, and
-the few JSON endpoints the REST API (`/v1`) lacks, under `/dashboard/api`.
+"""The web dashboard: pages at `/`, `/jobs/{id}`, `/new`, `/workers`, `/compare?ids=…`, assets under
+`/static`, and the few JSON endpoints the REST API (`/v1`) lacks, under `/dashboard/api`.
 
 Pages and assets are public (they hold no data); every data request carries the same Bearer key
 as the REST API, entered once in the browser and kept in its localStorage. Everything, the
@@ -9,6 +9,7 @@ Dashboard-only endpoints (same auth as /v1, the tenant's rows only):
 - `GET /dashboard/api/jobs?status=&limit=`        jobs with their progress (step, loss, tokens/s, ETA)
 - `GET /dashboard/api/jobs/{id}/progress`         the same for one job
 - `GET /dashboard/api/jobs/{id}/metrics?after=`   per-step rows after step `after`, for the charts
+- `GET /dashboard/api/jobs/{id}/samples`          eval_prompts and their greedy answers per checkpoint
 - `GET /dashboard/api/files/{id}/summary`         structural check of an uploaded JSONL file
 - `GET /dashboard/api/workers`                    the worker registry (Redis): GPUs, job, kernels
 """
@@ -29,7 +30,7 @@ from service import storage, worker_registry
 from service.api.dataset_summary import summarize
 from service.auth import CurrentTenant
 from service.broker import broker_url
-from service.db.models import File, Job, JobMetric
+from service.db.models import Checkpoint, File, Job, JobMetric
 from service.db.session import SessionDep
 from service.errors import NotFoundError, UnavailableError
 from service.settings import get_settings
@@ -45,6 +46,7 @@ PAGES = {  # page name -> (title, body fragment, script)
     "job": ("Job", "job.html", "job.js"),
     "new": ("New job", "new.html", "new.js"),
     "workers": ("Workers", "workers.html", "workers.js"),
+    "compare": ("Compare runs", "compare.html", "compare.js"),
 }
 
 pages = APIRouter(include_in_schema=False)
@@ -76,6 +78,11 @@ def job_page(job_id: str) -> str:
 @pages.get("/new", response_class=HTMLResponse)
 def new_job_page() -> str:
     return render_page("new")
+
+
+@pages.get("/compare", response_class=HTMLResponse)
+def compare_page() -> str:
+    return render_page("compare")  # the page reads the job ids from its query string
 
 
 @pages.get("/workers", response_class=HTMLResponse)
@@ -157,6 +164,19 @@ def job_metrics(
         for r in rows
     ]
     return {"object": "list", "data": data}
+
+
+@api.get("/jobs/{job_id}/samples")
+def job_samples(job_id: str, tenant: CurrentTenant, session: SessionDep) -> dict[str, Any]:
+    """The job's eval_prompts and, per checkpoint (by step), the greedy answer to each."""
+    job = tenant_job(session, tenant.id, job_id)
+    rows = session.scalars(
+        select(Checkpoint).where(Checkpoint.job_id == job.id).order_by(Checkpoint.step)
+    ).all()
+    data = [
+        {"step": c.step, "samples": c.metrics["samples"]} for c in rows if (c.metrics or {}).get("samples")
+    ]
+    return {"object": "list", "prompts": job.eval_prompts or [], "data": data}
 
 
 @api.get("/files/{file_id}/summary")

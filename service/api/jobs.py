@@ -74,6 +74,7 @@ def job_public(job: Job | Row[Any]) -> JobPublic:
         queue=job.queue,
         n_gpus=job.n_gpus,
         worker_id=job.worker_id,
+        eval_prompts=job.eval_prompts,
         progress=ProgressPublic(
             step=job.step,
             total_steps=job.total_steps,

@@ -123,6 +123,7 @@ class Job(Base):
     suffix: Mapped[str | None] = mapped_column(String(64), default=None)
     seed: Mapped[int] = mapped_column(BigInteger)
     metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON, default=None)
+    eval_prompts: Mapped[list[str] | None] = mapped_column(JSON, default=None)  # sampled at checkpoints
 
     # lifecycle
     status: Mapped[str] = mapped_column(String(24))

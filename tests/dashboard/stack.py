@@ -39,6 +39,8 @@ def stack(tmp_path: Path, stack_redis_url: str, request: pytest.FixtureRequest) 
         LORAQ_PORT=str(port),
         LORAQ_WORKER_QUEUE=f"dash-{secrets.token_hex(4)}",
         LORAQ_WORKER_METRICS_PORT="0",  # a free port; the registry entry says which
+        LORAQ_INFERENCE_QUEUE=f"chat-{secrets.token_hex(4)}",  # `svc.start_inference()` serves it
+        LORAQ_INFERENCE_METRICS_PORT="0",
         LORAQ_CHECKPOINT_EVERY="4",
         LORAQ_HEARTBEAT_SECONDS="1",
     )

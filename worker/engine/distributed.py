@@ -190,7 +190,14 @@ class FileCallbacks:
         self._write({"type": "event", "level": level, "message": message})
 
     def on_checkpoint(self, checkpoint: CheckpointInfo) -> None:
-        self._write({"type": "checkpoint", "step": checkpoint.step, "path": str(checkpoint.path)})
+        self._write(
+            {
+                "type": "checkpoint",
+                "step": checkpoint.step,
+                "path": str(checkpoint.path),
+                "samples": checkpoint.samples,
+            }
+        )
 
     def should_stop(self) -> bool:
         return self.stop_file.exists()
@@ -340,7 +347,9 @@ def _forward(events: Path, offset: int, callbacks: TrainingCallbacks, records: l
         elif kind == "event":
             callbacks.on_event(record["level"], record["message"])
         elif kind == "checkpoint":
-            callbacks.on_checkpoint(CheckpointInfo(record["step"], Path(record["path"])))
+            callbacks.on_checkpoint(
+                CheckpointInfo(record["step"], Path(record["path"]), record.get("samples", []))
+            )
         record["type"] = kind
     return offset + len(complete)
 

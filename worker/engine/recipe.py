@@ -41,6 +41,7 @@ from worker.engine.export import export_adapter
 from worker.engine.fused_llama import FuseReport, fuse_llama, fused_stack, lm_loss_sum
 from worker.engine.lora import apply_lora, lora_modules, remove_lora, trainable_parameters
 from worker.engine.models import LoadedModel, load_base_model
+from worker.engine.sampling import greedy_samples
 from worker.engine.schedule import build_scheduler
 from worker.engine.train_step import CapturedTrainStep, HostStep, StepShape, host_step
 from worker.engine.types import (
@@ -509,10 +510,18 @@ class LoRAFinetuneRecipe:
             batches_per_epoch=self.batches_per_epoch,
         )
         self._last_checkpoint_step = self.state.step
-        info = CheckpointInfo(step=self.state.step, path=path)
+        info = CheckpointInfo(step=self.state.step, path=path, samples=self.sample_eval_prompts())
         self.checkpoints.append(info)
         self.callbacks.on_checkpoint(info)
         return path
+
+    def sample_eval_prompts(self) -> list[str]:
+        """Greedy answers of the model as it is now to `eval_prompts` (single-turn user chats).
+        Runs on the unwrapped model of rank 0 only: no collective is involved."""
+        if not self.config.eval_prompts:
+            return []
+        assert self.loaded is not None
+        return greedy_samples(self.model, self.loaded.tokenizer, self.config.eval_prompts, self.device)
 
     def cleanup(self) -> None:
         """Remove the adapters so a cached base model is pristine for the next job; free the rest."""

@@ -53,6 +53,8 @@ class TrainConfig:
     max_tokens: int | None = None
     max_wall_seconds: float | None = None
     step_limit: int | None = None  # a run planned for more optimizer steps fails before training
+    # sampled greedily (as single-turn user chats) at every checkpoint, so a user sees behaviour change
+    eval_prompts: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -84,6 +86,8 @@ class StepMetrics:
 class CheckpointInfo:
     step: int
     path: Path  # a directory holding a PEFT adapter plus training state
+    # greedy answers to TrainConfig.eval_prompts at this step, in the same order
+    samples: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -60,6 +60,43 @@ const loraq = {
     return body;
   },
 
+  // POST /v1/chat/completions with stream: true; `onDelta(text)` gets each content piece as the
+  // server-sent chunks arrive. Resolves with the finish reason; an error chunk or status throws.
+  async streamChat(body, onDelta) {
+    const resp = await loraq.request("/v1/chat/completions", {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ ...body, stream: true }),
+    });
+    if (!resp.ok) {
+      const err = await resp.json().catch(() => null);
+      throw new Error(err && err.error ? err.error.message : `HTTP ${resp.status}`);
+    }
+    const reader = resp.body.getReader();
+    const decoder = new TextDecoder();
+    let buffer = "", finish = null;
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) return finish;
+      buffer += decoder.decode(value, { stream: true });
+      let end;
+      while ((end = buffer.indexOf("\n\n")) >= 0) {
+        const event = buffer.slice(0, end);
+        buffer = buffer.slice(end + 2);
+        for (const line of event.split("\n")) {
+          if (!line.startsWith("data: ")) continue;
+          const data = line.slice(6);
+          if (data === "[DONE]") return finish;
+          const chunk = JSON.parse(data);
+          if (chunk.error) throw new Error(chunk.error.message);
+          const choice = chunk.choices && chunk.choices[0];
+          if (choice && choice.delta && choice.delta.content) onDelta(choice.delta.content);
+          if (choice && choice.finish_reason) finish = choice.finish_reason;
+        }
+      }
+    }
+  },
+
   // Download an authenticated file: fetch as a blob, then click a temporary object-URL link.
   async download(path, filename) {
     const resp = await loraq.request(path);

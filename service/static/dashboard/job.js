@@ -10,6 +10,7 @@ const jobId = decodeURIComponent(location.pathname.split("/").filter(Boolean).po
 const rows = { step: [], train: [], valid: [], lr: [], gn: [] };
 const charts = {};
 let job = null;
+let checkpoints = [];
 
 // TensorBoard's smoothing: an exponential moving average, de-biased so early points are not
 // pulled toward zero. weight 0 = raw values.
@@ -138,6 +139,7 @@ async function fetchEvents() {
 async function fetchCheckpoints() {
   const body = await loraq.json(`/v1/fine_tuning/jobs/${encodeURIComponent(jobId)}/checkpoints?limit=100`);
   const data = [...body.data].sort((a, b) => a.step_number - b.step_number);
+  checkpoints = data;
   document.getElementById("nocheckpoints").hidden = data.length > 0;
   document.querySelector("#checkpoints tbody").innerHTML = data.map((c) => `<tr>
       <td class="num">${c.step_number}</td>
@@ -157,16 +159,72 @@ async function refresh() {
   if (await fetchMetrics()) redraw();
   renderJob(j, progress);
   await Promise.all([fetchEvents(), fetchCheckpoints()]);
+  await fetchSamples();
   if (TERMINAL.has(j.status)) {
     // Rows written in the job's last flush may land after the status: read once more, then stop.
     if (await fetchMetrics()) redraw();
+    if (j.status === "succeeded") showPlayground(j);
     document.body.dataset.final = "true";
     return false;
   }
   return true;
 }
 
+// Samples of the job's eval_prompts at each checkpoint: a row per prompt, a column per checkpoint.
+async function fetchSamples() {
+  const body = await loraq.json(`/dashboard/api/jobs/${encodeURIComponent(jobId)}/samples`);
+  const card = document.getElementById("samplescard");
+  card.hidden = body.data.length === 0;
+  if (!body.data.length) return;
+  const prompts = body.prompts;
+  document.querySelector("#samples thead").innerHTML =
+    `<tr><th>Prompt</th>${body.data.map((c) => `<th>step ${c.step}</th>`).join("")}</tr>`;
+  document.querySelector("#samples tbody").innerHTML = prompts.map((p, i) =>
+    `<tr><td>${loraq.esc(p)}</td>${body.data.map((c) =>
+      `<td data-step="${c.step}">${loraq.esc(c.samples[i] ?? "")}</td>`).join("")}</tr>`).join("");
+}
+
+// Playground: one prompt, the base model's and the fine-tuned model's answers side by side, both
+// streamed from /v1/chat/completions at once.
+function showPlayground(j) {
+  const card = document.getElementById("playground");
+  if (!card.hidden) return;
+  const select = document.getElementById("pg-model");
+  const models = [[j.fine_tuned_model, "final"], ...checkpoints.map((c) => [c.fine_tuned_model_checkpoint, `step ${c.step_number}`])];
+  select.innerHTML = models.map(([m, label]) => `<option value="${loraq.esc(m)}">${loraq.esc(label)}: ${loraq.esc(m)}</option>`).join("");
+  document.getElementById("pg-base-name").textContent = j.model;
+  card.hidden = false;
+}
+
+async function runPlayground() {
+  const state = document.getElementById("pg-state");
+  const btn = document.getElementById("pg-run");
+  const tuned = document.getElementById("pg-model").value;
+  document.getElementById("pg-tuned-name").textContent = tuned;
+  const params = {
+    messages: [{ role: "user", content: document.getElementById("pg-prompt").value }],
+    temperature: Number(document.getElementById("pg-temperature").value),
+    max_tokens: Number(document.getElementById("pg-max-tokens").value),
+  };
+  const run = async (model, el) => {
+    el.textContent = "";
+    el.dataset.done = "false";
+    try {
+      el.dataset.finish = await loraq.streamChat({ ...params, model }, (t) => { el.textContent += t; }) || "";
+    } catch (e) {
+      el.textContent = `error: ${e.message}`;
+    }
+    el.dataset.done = "true";
+  };
+  btn.disabled = true;
+  state.textContent = "generating…";
+  await Promise.all([run(job.model, document.getElementById("pg-base")), run(tuned, document.getElementById("pg-tuned"))]);
+  state.textContent = "";
+  btn.disabled = false;
+}
+
 document.addEventListener("DOMContentLoaded", () => {
+  document.getElementById("pg-run").onclick = runPlayground;
   makeLossChart();
   charts.lr = makeSmallChart("lrchart", "lr", "#2b8a3e");
   charts.gn = makeSmallChart("gnchart", "grad norm", "#862e9c");

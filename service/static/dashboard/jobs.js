@@ -1,7 +1,9 @@
 // Jobs page: the table refreshes every second from /dashboard/api/jobs (filtered by status).
+// Ticking several jobs and "Compare selected" opens /compare?ids=… (selection survives refreshes).
 "use strict";
 
 const REFRESH_MS = 1000;
+const selected = new Set();
 
 function progressCell(j) {
   if (!j.total_steps) return `<span class="muted">${j.step ? j.step : "–"}</span>`;
@@ -11,16 +13,18 @@ function progressCell(j) {
 
 function row(j) {
   const running = j.status === "running";
+  const checked = selected.has(j.id) ? " checked" : "";
   return `<tr data-job-id="${loraq.esc(j.id)}" data-status="${loraq.esc(j.status)}">
-    <td><a href="/jobs/${encodeURIComponent(j.id)}">${loraq.esc(j.id)}</a></td>
+    <td><input type="checkbox" class="pick" data-job="${loraq.esc(j.id)}"${checked} aria-label="compare ${loraq.esc(j.id)}"></td>
+    <td class="jobid"><a href="/jobs/${encodeURIComponent(j.id)}" title="${loraq.esc(j.id)}">${loraq.esc(j.id)}</a></td>
     <td class="status-cell">${loraq.statusBadge(j.status)}</td>
     <td>${loraq.esc(j.model)}</td>
     <td class="num progress-cell">${progressCell(j)}</td>
     <td class="num">${loraq.num(j.train_loss)}</td>
     <td class="num">${running || j.tokens_per_s ? loraq.int(j.tokens_per_s) : "–"}</td>
     <td class="num">${running ? loraq.duration(j.eta_seconds) : "–"}</td>
-    <td>${loraq.time(j.created_at)}</td>
-    <td>${loraq.time(j.finished_at)}</td>
+    <td class="time">${loraq.time(j.created_at)}</td>
+    <td class="time">${loraq.time(j.finished_at)}</td>
   </tr>`;
 }
 
@@ -35,7 +39,22 @@ async function refresh() {
   document.getElementById("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
 }
 
+function updateCompare() {
+  const btn = document.getElementById("compare");
+  btn.disabled = selected.size < 2;
+  btn.textContent = selected.size ? `Compare selected (${selected.size})` : "Compare selected";
+}
+
 document.addEventListener("DOMContentLoaded", () => {
+  document.querySelector("#jobs tbody").onchange = (ev) => {
+    const box = ev.target.closest("input.pick");
+    if (!box) return;
+    if (box.checked) selected.add(box.dataset.job); else selected.delete(box.dataset.job);
+    updateCompare();
+  };
+  document.getElementById("compare").onclick = () => {
+    location.href = `/compare?ids=${[...selected].map(encodeURIComponent).join(",")}`;
+  };
   const filter = document.getElementById("statusfilter");
   filter.value = new URLSearchParams(location.search).get("status") || "";
   filter.onchange = () => {

@@ -1,5 +1,6 @@
 // New job: upload the JSONL through /v1/files, show the dashboard's validation summary of the
-// stored file (examples, tokens, bad lines with their numbers), then POST /v1/fine_tuning/jobs.
+// stored file (examples, tokens, bad lines with their numbers), optionally a dry run (steps,
+// tokens, estimates), then POST /v1/fine_tuning/jobs with the LoRA shape and extension fields.
 "use strict";
 
 const uploaded = { train: null, valid: null }; // {id, summary}
@@ -50,6 +51,7 @@ function renderSummaries() {
   document.getElementById("summaries").innerHTML = parts.join("");
   const ok = uploaded.train && uploaded.train.summary.valid && (!uploaded.valid || uploaded.valid.summary.valid);
   document.getElementById("submit").disabled = !ok;
+  document.getElementById("dryrun").disabled = !uploaded.train;
   if (uploaded.train && !ok) document.getElementById("submitstate").textContent = "Fix the bad lines and upload again.";
   else if (ok) document.getElementById("submitstate").textContent = "Ready.";
 }
@@ -65,9 +67,8 @@ function intField(id) {
   return v === "" ? undefined : Number(v);
 }
 
-async function submit(ev) {
-  ev.preventDefault();
-  showError("");
+// The POST /v1/fine_tuning/jobs body from the form, extension fields included.
+function jobBody() {
   const body = {
     model: document.getElementById("model").value,
     training_file: uploaded.train.file.id,
@@ -77,10 +78,66 @@ async function submit(ev) {
       learning_rate_multiplier: intField("learning_rate_multiplier"),
     },
     seed: intField("seed"),
+    max_seq_len: intField("max_seq_len"),
+    lora: {
+      r: intField("lora_r"),
+      alpha: intField("lora_alpha"),
+      dropout: intField("lora_dropout"),
+      use_rslora: document.getElementById("lora_use_rslora").checked,
+    },
   };
+  const targets = document.getElementById("lora_target_modules").value.trim();
+  body.lora.target_modules = !targets || targets === "all-linear" ? "all-linear" : targets.split(",").map((t) => t.trim()).filter(Boolean);
   if (uploaded.valid) body.validation_file = uploaded.valid.file.id;
   const suffix = document.getElementById("suffix").value.trim();
   if (suffix) body.suffix = suffix;
+  const queue = document.getElementById("queue").value.trim();
+  if (queue) body.queue = queue;
+  const prompts = document.getElementById("eval_prompts").value.split("\n").map((p) => p.trim()).filter(Boolean);
+  if (prompts.length) body.eval_prompts = prompts;
+  return body;
+}
+
+// Dry run: what the job would do (steps, tokens, estimates, bad lines), nothing queued.
+async function dryRun() {
+  showError("");
+  const btn = document.getElementById("dryrun");
+  btn.disabled = true;
+  try {
+    const plan = await loraq.json("/v1/fine_tuning/jobs", {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ ...jobBody(), dry_run: true }),
+    });
+    const t = plan.training_file;
+    const est = plan.estimates.map((e) =>
+      `${loraq.esc(e.worker_class)}: ${loraq.num(e.peak_gpu_memory_gib, 3)} GiB peak, ${loraq.duration(e.wall_seconds)}`).join("<br>");
+    document.getElementById("plankv").innerHTML = [
+      ["Valid", plan.valid ? "yes" : "no"],
+      ["Examples", loraq.int(t.examples)],
+      ["Tokens", `${loraq.int(t.tokens)} (${loraq.int(t.trainable_tokens)} trainable)`],
+      ["Epochs", plan.hyperparameters.n_epochs],
+      ["Batch size", plan.hyperparameters.batch_size],
+      ["Steps", `<span id="plansteps">${plan.steps}</span> (${plan.steps_per_epoch} per epoch)`],
+      ["Trained tokens", loraq.int(plan.trained_tokens)],
+      ["Estimates", est || '<span class="muted">no benchmark for this model</span>'],
+    ].map(([k, v]) => `<dt>${k}</dt><dd>${v}</dd>`).join("");
+    const errors = document.getElementById("planerrors");
+    errors.innerHTML = plan.errors.map((e) =>
+      `<li>${loraq.esc(e.param)}${e.line ? ` line ${e.line}` : ""}: ${loraq.esc(e.message)}</li>`).join("");
+    errors.hidden = plan.errors.length === 0;
+    document.getElementById("plan").hidden = false;
+  } catch (e) {
+    showError(`Dry run failed: ${e.message}`);
+  } finally {
+    btn.disabled = false;
+  }
+}
+
+async function submit(ev) {
+  ev.preventDefault();
+  showError("");
+  const body = jobBody();
   const btn = document.getElementById("submit");
   btn.disabled = true;
   try {
@@ -117,4 +174,5 @@ document.addEventListener("DOMContentLoaded", () => {
   document.getElementById("trainfile").onchange = (ev) => uploadAndCheck("train", ev.target);
   document.getElementById("validfile").onchange = (ev) => uploadAndCheck("valid", ev.target);
   document.getElementById("newjob").onsubmit = submit;
+  document.getElementById("dryrun").onclick = dryRun;
 });
