@@ -53,6 +53,9 @@ def test_playground_samples_compare_and_new_job_fields(
     samples = api(svc, "GET", f"/dashboard/api/jobs/{first['id']}/samples")
     assert samples["prompts"] == EVAL_PROMPTS and [c["step"] for c in samples["data"]] == [4, 8]
     assert all(len(c["samples"]) == 2 for c in samples["data"])
+    # a sample is what the checkpoint's model answers at temperature 0 (the engine's 48 tokens)
+    step4 = f"ft:tiny-llama::{first['id']}:ckpt-step-4"
+    assert chat(svc, step4, EVAL_PROMPTS[1], 48) == samples["data"][0]["samples"][1]
     page.goto(f"{svc.url}/jobs/{first['id']}")
     expect(page.locator("#samplescard")).to_be_visible(timeout=30_000)
     for c in samples["data"]:
