@@ -35,6 +35,7 @@ from worker.engine.types import ModelError
 
 REPLY_TTL_SECONDS = 300
 WORKER_ALIVE_SECONDS = 15.0
+SOCKET_MARGIN_SECONDS = 10.0
 CKPT_PREFIX = "ckpt-step-"
 
 
@@ -138,7 +139,11 @@ class Completion:
         self.settings = settings
         self.request = request
         self.id: str = request["id"]
-        self.client = redis.asyncio.Redis.from_url(broker_url(settings))
+        # BLPOP waits up to the inference timeout: the socket must wait longer (redis-py's default
+        # read timeout is 5 s, shorter than a long prompt's prefill on a busy worker)
+        self.client = redis.asyncio.Redis.from_url(
+            broker_url(settings), socket_timeout=settings.inference_timeout_seconds + SOCKET_MARGIN_SECONDS
+        )
 
     async def submit(self) -> None:
         queue = self.settings.inference_queue

@@ -251,7 +251,7 @@ class InferenceWorker:
                     slot = model.adapter_slot(key, partial(self.read_adapter, key, sha256), keep=pinned)
                     pinned.add(slot)
                 ids = model.prompt_ids(p.raw["messages"])
-                max_tokens = p.raw.get("max_tokens") or model.max_context - len(ids)
+                max_tokens = p.raw.get("max_tokens") or max(1, model.max_context - len(ids))
                 model.check_fits(len(ids), max_tokens)
             except Exception as exc:
                 self._fail(p, exc)
