@@ -66,7 +66,7 @@ def resolved(tmp_path: Path, *args: str, **env_vars: str) -> dict[str, Any]:
 
 def test_services_present(tmp_path: Path) -> None:
     services = resolved(tmp_path)["services"]
-    assert set(services) == {"redis", "postgres", "api", "worker", "prometheus", "grafana"}
+    assert set(services) == {"redis", "postgres", "api", "worker", "inference", "prometheus", "grafana"}
     with_cpu = resolved(tmp_path, "--profile", "cpu")["services"]
     assert with_cpu["worker-cpu"]["environment"]["LORAQ_WORKER_QUEUE"] == "cpu"
     assert "deploy" not in with_cpu["worker-cpu"] or not with_cpu["worker-cpu"]["deploy"].get("resources")
@@ -103,7 +103,7 @@ def test_worker_reserves_gpus(tmp_path: Path) -> None:
 
 def test_healthchecks_and_startup_order(tmp_path: Path) -> None:
     services = resolved(tmp_path)["services"]
-    for name in ("redis", "postgres", "api", "worker", "prometheus", "grafana"):
+    for name in ("redis", "postgres", "api", "worker", "inference", "prometheus", "grafana"):
         assert services[name]["healthcheck"]["test"], name
     assert "/readyz" in " ".join(services["api"]["healthcheck"]["test"])
     assert services["api"]["depends_on"] == {
@@ -111,6 +111,9 @@ def test_healthchecks_and_startup_order(tmp_path: Path) -> None:
         "redis": {"condition": "service_healthy", "required": True},
     }
     assert services["worker"]["depends_on"]["api"]["condition"] == "service_healthy"
+    assert services["inference"]["depends_on"]["api"]["condition"] == "service_healthy"
+    assert services["inference"]["command"] == ["loraq", "inference"]
+    assert "9110" in " ".join(services["inference"]["healthcheck"]["test"])
 
 
 def test_volumes_and_shared_store(tmp_path: Path) -> None:
@@ -122,7 +125,10 @@ def test_volumes_and_shared_store(tmp_path: Path) -> None:
 
     assert targets("postgres")["/var/lib/postgresql/data"] == "postgres-data"
     # API and workers must see one artifact store: the same named volume at the same path.
-    assert targets("api")["/data"] == targets("worker")["/data"] == "loraq-data"
+    assert (
+        targets("api")["/data"] == targets("worker")["/data"] == targets("inference")["/data"] == "loraq-data"
+    )
+    assert targets("inference")["/data/models"] == "models"
     assert targets("worker")["/data/models"] == "models"
     # per-container metrics scratch space under the shared /data (see compose.yaml)
     assert targets("worker")["/data/prometheus"] == "tmpfs"
@@ -136,7 +142,7 @@ def test_services_share_one_database_and_redis(tmp_path: Path) -> None:
     services = resolved(tmp_path, POSTGRES_PASSWORD="s3cret")["services"]
     urls = {
         (services[n]["environment"]["LORAQ_DATABASE_URL"], services[n]["environment"]["LORAQ_REDIS_URL"])
-        for n in ("api", "worker")
+        for n in ("api", "worker", "inference")
     }
     assert urls == {("postgresql+psycopg://loraq:s3cret@postgres:5432/loraq", "redis://redis:6379/0")}
 
