@@ -1,8 +1,9 @@
 """`loraq inference`: the worker that serves chat completions (protocol: service/inference.py).
 
-One process, one loop: pop a request (BLPOP), drain whatever else is waiting (up to
-`inference_max_batch`), group the requests by base model, and decode each group as one batch in
-which every row carries its adapter's slot (worker.engine.serving). Base models stay loaded
+One process, one loop: pop requests (BLPOP, then whatever else is waiting), admit each into the
+running batch of its base model, run one decode step of every batch, and repeat, so requests that
+arrive mid-decode join at the next step (continuous batching, up to `inference_max_batch` rows
+per base). Every row carries its adapter's slot (worker.engine.serving). Base models stay loaded
 (an LRU of `inference_max_models`), adapters are loaded from the store on first use and kept in
 an LRU of `inference_max_adapters` slots per base model.
 
@@ -33,7 +34,7 @@ from worker.celery_app import broker_url
 from worker.engine.types import EngineError
 
 if TYPE_CHECKING:
-    from worker.engine.serving import Adapter, GenRequest, ServingModel
+    from worker.engine.serving import Adapter, DecodeBatch, GenRequest, ServingModel
 
 log = logging.getLogger("loraq.inference")
 
@@ -68,7 +69,11 @@ class Metrics:
         )
 
 
-@dataclass
+class ModelsBusy(RuntimeError):
+    """Loading another base model would unload one that is decoding; the request waits."""
+
+
+@dataclass(eq=False)  # compared by identity: a Pending is the key of its row in a DecodeBatch
 class Pending:
     """One request of a batch: the protocol fields and its decoding state."""
 
@@ -86,6 +91,8 @@ class InferenceWorker:
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}"
         self.redis = redis.Redis.from_url(broker_url(settings))
         self.models: OrderedDict[str, ServingModel] = OrderedDict()
+        self.batches: dict[str, DecodeBatch] = {}  # base model -> rows decoding on it
+        self.waiting: list[Pending] = []  # chat requests not admitted yet
         self._tokenizers: dict[str, Any] = {}
         self.metrics = Metrics()
         self._stop = threading.Event()
@@ -104,6 +111,8 @@ class InferenceWorker:
             log.exception("inference metrics could not start on port %d; serving without /metrics", port)
         for name in self.settings.inference_preload:
             self.model(name)
+        # Registered before "ready": the API refuses requests while no worker is registered.
+        self.redis.zadd(workers_key(self.queue), {self.worker_id: time.time()})
         threading.Thread(target=self._heartbeat, name="inference-heartbeat", daemon=True).start()
         log.info("inference worker %s ready on queue %s", self.worker_id, self.queue)
 
@@ -130,29 +139,43 @@ class InferenceWorker:
         self.redis.zrem(workers_key(self.queue), self.worker_id)
 
     def serve_once(self, timeout: float) -> int:
-        """Pop and answer one batch; returns how many requests it held."""
+        """Wait up to `timeout` for requests, then decode until every batch has drained, admitting
+        requests that arrive meanwhile into the running batches (continuous batching). Returns
+        how many requests were popped."""
+        popped = self._take(self._pop(timeout))
+        while self.waiting or any(batch.rows for batch in self.batches.values()):
+            popped += self._take(self._pop(None))
+            self._admit_waiting()
+            for base, batch in list(self.batches.items()):
+                if batch.rows:
+                    self._step(base, batch)
+        return popped
+
+    def _pop(self, timeout: float | None) -> list[bytes]:
+        """Up to `inference_max_batch` raw requests: block up to `timeout` for the first, or with
+        None take only what is waiting."""
         key = requests_key(self.queue)
+        if timeout is None:
+            waiting: Any = self.redis.lpop(key, self.settings.inference_max_batch)  # a list, or None
+            return list(waiting or [])
         item = self.redis.blpop([key], timeout=timeout)
         if item is None:
-            return 0
-        raws = [item[1], *(self.redis.lpop(key, self.settings.inference_max_batch - 1) or [])]
-        batch = [Pending(raw=(raw := json.loads(r)), pushed_at=float(raw["sent_at"])) for r in raws]
+            return []
+        return [item[1], *(self.redis.lpop(key, self.settings.inference_max_batch - 1) or [])]
+
+    def _take(self, raws: list[bytes]) -> int:
+        """Answer dry runs now; chat requests wait for admission (expired ones are dropped)."""
         now = time.time()
-        live = []
-        for p in batch:
-            if float(p.raw["deadline"]) < now:  # the API has given up on it
+        for raw in raws:
+            request = json.loads(raw)
+            p = Pending(raw=request, pushed_at=float(request["sent_at"]))
+            if float(request["deadline"]) < now:  # the API has given up on it
                 self.metrics.requests.labels("expired").inc()
-            else:
-                live.append(p)
-        by_base: dict[str, list[Pending]] = {}
-        for p in live:
-            if p.raw.get("kind") == "dry_run":
+            elif request.get("kind") == "dry_run":
                 self._dry_run(p)
             else:
-                by_base.setdefault(p.raw["base"], []).append(p)
-        for base, group in by_base.items():
-            self._run_group(base, group)
-        return len(batch)
+                self.waiting.append(p)
+        return len(raws)
 
     # -- models and adapters
     def model(self, name: str) -> ServingModel:
@@ -162,8 +185,11 @@ class InferenceWorker:
         from worker.engine.serving import load_serving_model
 
         while len(self.models) >= self.settings.inference_max_models:
-            evicted, _ = self.models.popitem(last=False)
-            log.info("unloaded base model %s", evicted)
+            idle = [n for n in self.models if not (n in self.batches and self.batches[n].rows)]
+            if not idle:
+                raise ModelsBusy(name)
+            del self.models[idle[0]]  # the least recently used of the idle ones
+            log.info("unloaded base model %s", idle[0])
         started = time.monotonic()
         self.models[name] = load_serving_model(
             name, store=self.settings.model_store, max_adapters=self.settings.inference_max_adapters
@@ -215,63 +241,66 @@ class InferenceWorker:
         self.metrics.requests.labels("dry_run").inc()
         self._push(p, {"type": "done", **reports})
 
-    # -- one group of requests on one base model
-    def _run_group(self, base: str, group: list[Pending]) -> None:
-        try:
-            model = self.model(base)
-        except Exception as exc:
-            for p in group:
-                self._fail(p, exc)
-            return
-        # Sub-batches whose distinct adapters fit the slots (a batch pins the slots it uses).
-        while group:
-            batch, group = self._admit(model, group)
-            if batch:
-                self._decode(model, base, batch)
+    # -- chat requests: admission into a base model's batch, then one decode step at a time
+    def _admit_waiting(self) -> None:
+        from worker.engine.serving import DecodeBatch
 
-    def _admit(self, model: ServingModel, group: list[Pending]) -> tuple[list[Pending], list[Pending]]:
-        from worker.engine.serving import GenRequest
-
-        admitted: list[Pending] = []
-        later: list[Pending] = []
-        pinned: set[int] = set()
-        for p in group:
-            key = p.raw.get("adapter_key")
-            if (
-                key
-                and key not in model.loaded_adapters
-                and len(pinned) >= self.settings.inference_max_adapters
-            ):
-                later.append(p)
-                continue
+        still: list[Pending] = []
+        for p in self.waiting:
+            base = p.raw["base"]
+            batch = self.batches.setdefault(base, DecodeBatch())
             try:
-                slot = 0
-                if key:
-                    sha256 = str(p.raw["adapter_sha256"])
-                    slot = model.adapter_slot(key, partial(self.read_adapter, key, sha256), keep=pinned)
-                    pinned.add(slot)
-                ids = model.prompt_ids(p.raw["messages"])
-                max_tokens = p.raw.get("max_tokens") or max(1, model.max_context - len(ids))
-                model.check_fits(len(ids), max_tokens)
+                model = self.model(base)
+            except ModelsBusy:
+                still.append(p)  # every loaded model is decoding: wait for one to drain
+                continue
             except Exception as exc:
                 self._fail(p, exc)
                 continue
-            p.gen = GenRequest(
-                prompt_ids=ids,
-                max_tokens=max_tokens,
-                slot=slot,
-                temperature=float(p.raw.get("temperature", 1.0)),
-                top_p=float(p.raw.get("top_p", 1.0)),
-                seed=None if p.raw.get("seed") is None else int(p.raw["seed"]) % 2**63,
-                stop=list(p.raw.get("stop") or []),
-            )
-            self._push(p, {"type": "start", "prompt_tokens": len(ids)})
-            admitted.append(p)
-        return admitted, later
+            if (batch.rows and not model.joins) or len(batch.rows) >= self.settings.inference_max_batch:
+                still.append(p)
+                continue
+            try:
+                gen = self._prepare(model, batch, p)
+                if gen is None:  # every adapter slot is used by rows still decoding
+                    still.append(p)
+                    continue
+                model.admit(batch, [(p, gen)])
+            except Exception as exc:
+                self._fail(p, exc)
+                continue
+            self._push(p, {"type": "start", "prompt_tokens": len(gen.prompt_ids)})
+        self.waiting = still
 
-    def _decode(self, model: ServingModel, base: str, batch: list[Pending]) -> None:
-        def on_text(i: int, delta: str) -> None:
-            p = batch[i]
+    def _prepare(self, model: ServingModel, batch: Any, p: Pending) -> GenRequest | None:
+        """The request's decoding parameters, its adapter loaded into a slot; None when no slot is
+        free of the rows decoding now."""
+        from worker.engine.serving import GenRequest
+
+        slot = 0
+        key = p.raw.get("adapter_key")
+        if key:
+            in_use = set(batch.slots.tolist()) if batch.rows else set()
+            if key not in model.loaded_adapters and len(in_use - {0}) >= self.settings.inference_max_adapters:
+                return None
+            sha256 = str(p.raw["adapter_sha256"])
+            slot = model.adapter_slot(key, partial(self.read_adapter, key, sha256), keep=in_use)
+        ids = model.prompt_ids(p.raw["messages"])
+        max_tokens = p.raw.get("max_tokens") or max(1, model.max_context - len(ids))
+        model.check_fits(len(ids), max_tokens)
+        p.gen = GenRequest(
+            prompt_ids=ids,
+            max_tokens=max_tokens,
+            slot=slot,
+            temperature=float(p.raw.get("temperature", 1.0)),
+            top_p=float(p.raw.get("top_p", 1.0)),
+            seed=None if p.raw.get("seed") is None else int(p.raw["seed"]) % 2**63,
+            stop=list(p.raw.get("stop") or []),
+        )
+        return p.gen
+
+    def _step(self, base: str, batch: Any) -> None:
+        def on_text(p: Pending, delta: str) -> None:
             if p.first_token_at is None:
                 p.first_token_at = time.time()
                 self.metrics.ttft.labels(base).observe(p.first_token_at - p.pushed_at)
@@ -279,29 +308,30 @@ class InferenceWorker:
                 self._push(p, {"type": "delta", "text": delta})
 
         try:
-            results = model.generate([p.gen for p in batch if p.gen is not None], on_text)
+            done = self.models[base].step(batch, on_text)
         except Exception as exc:
-            log.exception("decoding a batch of %d failed", len(batch))
-            for p in batch:
-                self._fail(p, exc)
+            log.exception("a decode step of %d rows failed", len(batch.rows))
+            for row in batch.rows:
+                self._fail(row.key, exc)
+            batch.keep([])
             return
         end = time.time()
-        for p, r in zip(batch, results, strict=True):
+        for p, result in done.items():
             assert p.gen is not None
             self._push(
                 p,
                 {
                     "type": "done",
-                    "text": r.text,
-                    "finish_reason": r.finish_reason,
+                    "text": result.text,
+                    "finish_reason": result.finish_reason,
                     "prompt_tokens": len(p.gen.prompt_ids),
-                    "completion_tokens": r.completion_tokens,
+                    "completion_tokens": result.completion_tokens,
                 },
             )
             self.metrics.requests.labels("ok").inc()
-            self.metrics.tokens.labels(base).inc(r.completion_tokens)
-            if p.first_token_at is not None and r.completion_tokens > 1 and end > p.first_token_at:
-                rate = (r.completion_tokens - 1) / (end - p.first_token_at)
+            self.metrics.tokens.labels(base).inc(result.completion_tokens)
+            if p.first_token_at is not None and result.completion_tokens > 1 and end > p.first_token_at:
+                rate = (result.completion_tokens - 1) / (end - p.first_token_at)
                 self.metrics.tokens_per_s.labels(base).observe(rate)
 
     # -- replies

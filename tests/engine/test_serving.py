@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from worker.engine.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config
 from worker.engine.lora import apply_lora, lora_modules, lora_state_dict
 from worker.engine.models import LoadedModel
-from worker.engine.serving import Adapter, GenRequest, ServingModel, TextStream
+from worker.engine.serving import Adapter, DecodeBatch, GenRequest, ServingModel, TextStream
 from worker.engine.types import LoraConfig, RequestError
 
 PROMPTS = [
@@ -170,3 +170,32 @@ def test_text_stream_holds_back_partial_stop_strings(tiny: LoadedModel) -> None:
     stream = TextStream(tok, ["END"])
     out = [stream.push(t) for t in tok("ab EN", add_special_tokens=False)["input_ids"]]
     assert "".join(out) == "ab " and stream.finish() == "EN"  # "EN" could have begun "END"
+
+
+def test_requests_joining_a_running_batch_equal_peft_alone(
+    tiny: LoadedModel, served: ServingModel, tmp_path: Path
+) -> None:
+    """Continuous batching: rows admitted while others are mid-decode (their caches merged,
+    left-padded) still answer exactly what each answers alone."""
+    adapter = make_adapter(tiny, tmp_path / "a", seed=5, cfg=LoraConfig(r=4, alpha=8))
+    slot = served.adapter_slot("join-a", lambda: adapter)
+    assert served.joins
+    first = GenRequest(served.prompt_ids(PROMPTS[2]), max_tokens=14, slot=slot, temperature=0)
+    later = [
+        GenRequest(served.prompt_ids(PROMPTS[0]), max_tokens=10, slot=0, temperature=0),
+        GenRequest(served.prompt_ids(PROMPTS[1]), max_tokens=12, slot=slot, temperature=0),
+    ]
+    batch = DecodeBatch()
+    served.admit(batch, [("first", first)])
+    results = {}
+    for _ in range(3):
+        results.update(served.step(batch))
+    assert len(batch.rows) == 1  # mid-decode
+    served.admit(batch, [("b", later[0]), ("c", later[1])])
+    assert len(batch.rows) == 3
+    while batch.rows:
+        results.update(served.step(batch))
+    for key, req, name in (("first", first, "a"), ("b", later[0], None), ("c", later[1], "a")):
+        expected = peft_greedy(tiny, tmp_path / name if name else None, req.prompt_ids, req.max_tokens)
+        assert results[key].text == tiny.tokenizer.decode(expected, skip_special_tokens=True), key
+        assert results[key].completion_tokens == len(expected)

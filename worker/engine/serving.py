@@ -10,10 +10,13 @@ batch mixes requests for different adapters of the base, as Punica's SGMV and S-
 Adapters are loaded into slots on demand and evicted least-recently-used. Ranks differ between
 adapters: the stacks are zero-padded to the largest rank loaded, which adds exact zeros.
 
-`generate` runs a batch to completion: a left-padded prefill, then one token per row per step
-against a `DynamicCache`; finished rows leave the batch (cache rows dropped), so a long request
-does not make short ones pay. Text is detokenized incrementally with stop strings held back
-until they can no longer match.
+Decoding is continuous batching over a `DecodeBatch`: `admit` prefills new requests (left-padded)
+and merges them into the running batch (the shorter KV cache left-padded, masked), `step` samples
+one token per row and runs the rows still going one position further against the shared
+`DynamicCache`; finished rows leave the batch (cache rows dropped), so a long request does not
+make short ones pay and a new request does not wait for a batch to drain. `generate` runs a list
+of requests to completion. Text is detokenized incrementally with stop strings held back until
+they can no longer match.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedTokenizerBase
+from transformers.cache_utils import DynamicLayer
 
 import gpu_kernels
 from worker.engine.lora import PEFT_PREFIX, _decoder_linear_names
@@ -229,6 +233,11 @@ class ServingModel:
         self._slots: OrderedDict[str, int] = OrderedDict()  # adapter key -> slot, oldest first
         self._free = list(range(max_adapters, 0, -1))
         self.max_context = int(getattr(self.model.config, "max_position_embeddings", 2048))
+        # Requests can join a batch mid-decode when every cache layer is a plain full-attention
+        # one (a sliding-window layer cannot be left-padded); otherwise they wait for it to drain.
+        self.joins = all(
+            type(layer) is DynamicLayer for layer in DynamicCache(config=self.model.config).layers
+        )
 
     @property
     def loaded_adapters(self) -> list[str]:
@@ -281,92 +290,176 @@ class ServingModel:
                 f"{n_prompt} and max_tokens asks for {max_tokens} more",
             )
 
-    @torch.inference_mode()
     def generate(
         self, requests: list[GenRequest], on_text: Callable[[int, str], None] | None = None
     ) -> list[GenResult]:
         """Run every request to its end; `on_text(i, delta)` is called once per generated token of
         request i (delta may be "" while text is held back) and once more with any final tail."""
-        if not requests:
-            return []
-        for req in requests:
-            self.check_fits(len(req.prompt_ids), req.max_tokens)
-        emit = on_text or (lambda _i, _t: None)
-        eos = self.tokenizer.eos_token_id
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
-        streams = [TextStream(self.tokenizer, r.stop) for r in requests]
-        generators = [torch.Generator().manual_seed(_seed(r.seed)) for r in requests]
-        counts = [0] * len(requests)
-        reasons = [""] * len(requests)
+        batch = DecodeBatch()
+        self.admit(batch, list(enumerate(requests)))
+        results: dict[Any, GenResult] = {}
+        while batch.rows:
+            results.update(self.step(batch, on_text))
+        return [results[i] for i in range(len(requests))]
 
+    @torch.inference_mode()
+    def admit(self, batch: DecodeBatch, requests: list[tuple[Any, GenRequest]]) -> None:
+        """Prefill `requests` (key, request) and add them to `batch`, which may be decoding already
+        (continuous batching): the next `step` samples their first token with everyone else's."""
+        if not requests:
+            return
+        for _, req in requests:
+            self.check_fits(len(req.prompt_ids), req.max_tokens)
+        eos = self.tokenizer.eos_token_id
+        pad = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos)
         # Left-padded prefill: every row's last prompt token sits in the last column.
         n = len(requests)
-        width = max(len(r.prompt_ids) for r in requests)
-        ids = torch.full((n, width), int(pad), dtype=torch.long)
+        width = max(len(r.prompt_ids) for _, r in requests)
+        ids = torch.full((n, width), pad, dtype=torch.long)
         mask = torch.zeros(n, width, dtype=torch.long)
-        for i, r in enumerate(requests):
+        for i, (_, r) in enumerate(requests):
             ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
             mask[i, width - len(r.prompt_ids) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, width)
-        slots = torch.tensor([r.slot for r in requests], device=self.device)
-        active = list(range(n))  # request index of each batch row
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (n, width)
+        slots = torch.tensor([r.slot for _, r in requests], device=self.device)
         cache = DynamicCache(config=self.model.config)
-        self.rows.index = slots if any(r.slot for r in requests) else None
-        try:
-            out = self.model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
+        out = self._forward(slots, input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache)
+        rows = [
+            _Row(key, r, TextStream(self.tokenizer, r.stop), torch.Generator().manual_seed(_seed(r.seed)))
+            for key, r in requests
+        ]
+        batch.merge(rows, cache, mask, positions[:, -1] + 1, slots, out.logits[:, -1, :])
+
+    @torch.inference_mode()
+    def step(
+        self, batch: DecodeBatch, on_text: Callable[[Any, str], None] | None = None
+    ) -> dict[Any, GenResult]:
+        """Sample one token for every row of `batch`, end the rows that are done (returned, by
+        key), and run the others one position further (KV cache) for the next step."""
+        emit = on_text or (lambda _k, _t: None)
+        eos = self.tokenizer.eos_token_id
+        assert batch.logits is not None
+        tokens = sample(batch.logits, [r.req for r in batch.rows], [r.gen for r in batch.rows])
+        done: dict[Any, GenResult] = {}
+        keep: list[int] = []
+        for i, (row, tok) in enumerate(zip(batch.rows, tokens, strict=True)):
+            if tok == eos:
+                reason = "stop"
+                emit(row.key, row.stream.finish())
+            else:
+                row.count += 1
+                emit(row.key, row.stream.push(tok))
+                reason = "stop" if row.stream.stopped else "length" if row.count >= row.req.max_tokens else ""
+                if reason == "length":
+                    emit(row.key, row.stream.finish())
+            if reason:
+                done[row.key] = GenResult(row.stream.sent, row.count, reason)
+            else:
+                keep.append(i)
+        batch.keep(keep)
+        if batch.rows:
+            assert batch.mask is not None and batch.next_pos is not None and batch.slots is not None
+            batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(keep), 1)], dim=1)
+            out = self._forward(
+                batch.slots,
+                input_ids=torch.tensor([tokens[i] for i in keep], device=self.device)[:, None],
+                attention_mask=batch.mask,
+                position_ids=batch.next_pos[:, None],
+                cache=batch.cache,
             )
-            next_pos = positions[:, -1] + 1  # (B,)
-            while True:
-                logits = out.logits[:, -1, :]  # (B_active, V)
-                tokens = sample(logits, [requests[i] for i in active], [generators[i] for i in active])
-                keep: list[int] = []
-                for row, (i, tok) in enumerate(zip(active, tokens, strict=True)):
-                    req, stream = requests[i], streams[i]
-                    if tok == eos:
-                        reasons[i] = "stop"
-                        emit(i, stream.finish())
-                        continue
-                    counts[i] += 1
-                    emit(i, stream.push(tok))
-                    if stream.stopped:
-                        reasons[i] = "stop"
-                    elif counts[i] >= req.max_tokens:
-                        reasons[i] = "length"
-                        emit(i, stream.finish())
-                    else:
-                        keep.append(row)
-                if not keep:
-                    break
-                if len(keep) < len(active):
-                    rows = torch.tensor(keep, device=self.device)
-                    cache.batch_select_indices(rows)
-                    mask, next_pos, slots = mask[rows], next_pos[rows], slots[rows]
-                    if self.rows.index is not None:
-                        self.rows.index = slots
-                    active = [active[r] for r in keep]
-                tokens = [tokens[r] for r in keep]
-                mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
-                out = self.model(
-                    input_ids=torch.tensor(tokens, device=self.device)[:, None],
-                    attention_mask=mask,
-                    position_ids=next_pos[:, None],
-                    past_key_values=cache,
-                    use_cache=True,
-                )
-                next_pos = next_pos + 1
+            batch.next_pos = batch.next_pos + 1
+            batch.logits = out.logits[:, -1, :]
+        return done
+
+    def _forward(self, slots: torch.Tensor, *, cache: DynamicCache | None, **inputs: torch.Tensor) -> Any:
+        """The model on `inputs` with row b using adapter slot slots[b] (no LoRA work at all when
+        every row is the base model)."""
+        self.rows.index = slots if bool((slots != 0).any()) else None
+        try:
+            return self.model(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)
         finally:
             self.rows.index = None
-        return [
-            GenResult(text=s.sent, completion_tokens=c, finish_reason=f)
-            for s, c, f in zip(streams, counts, reasons, strict=True)
-        ]
+
+
+@dataclass
+class _Row:
+    key: Any  # the caller's handle for the request
+    req: GenRequest
+    stream: TextStream
+    gen: torch.Generator
+    count: int = 0  # tokens generated
+
+
+@dataclass
+class DecodeBatch:
+    """Rows decoding together and their shared state: one KV cache (B, heads, L, head_dim) per layer,
+    the attention mask (B, L), each row's next position and adapter slot, and the logits (B, V)
+    of each row's latest position (what `ServingModel.step` samples next)."""
+
+    rows: list[_Row] = field(default_factory=list)
+    cache: DynamicCache | None = None
+    mask: torch.Tensor | None = None
+    next_pos: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+    def keep(self, indices: list[int]) -> None:
+        """Drop every row not in `indices` (positions in `rows`), cache rows included."""
+        if len(indices) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in indices]
+        if not indices:
+            self.cache = self.mask = self.next_pos = self.slots = self.logits = None
+            return
+        assert self.cache is not None and self.mask is not None and self.slots is not None
+        assert self.next_pos is not None
+        index = torch.tensor(indices, device=self.mask.device)
+        self.cache.batch_select_indices(index)
+        self.mask, self.next_pos, self.slots = self.mask[index], self.next_pos[index], self.slots[index]
+
+    def merge(
+        self,
+        rows: list[_Row],
+        cache: DynamicCache,
+        mask: torch.Tensor,
+        next_pos: torch.Tensor,
+        slots: torch.Tensor,
+        logits: torch.Tensor,
+    ) -> None:
+        """Add freshly prefilled rows. Caches of different lengths are left-padded to the longer
+        one (zeros, masked out), so every row's newest position stays in the last column."""
+        if not self.rows:
+            self.rows, self.cache, self.mask = list(rows), cache, mask
+            self.next_pos, self.slots, self.logits = next_pos, slots, logits
+            return
+        assert self.cache is not None and self.mask is not None and self.logits is not None
+        assert self.next_pos is not None and self.slots is not None
+        length = max(self.mask.shape[1], mask.shape[1])
+        for old, new in zip(self.cache.layers, cache.layers, strict=True):
+            if type(old) is not DynamicLayer or type(new) is not DynamicLayer:  # see ServingModel.joins
+                raise RuntimeError("only full-attention caches can be merged")
+            assert old.keys is not None and old.values is not None
+            assert new.keys is not None and new.values is not None
+            old.keys = torch.cat([_left_pad(old.keys, length), _left_pad(new.keys, length)])
+            old.values = torch.cat([_left_pad(old.values, length), _left_pad(new.values, length)])
+        self.mask = torch.cat([_left_pad(self.mask, length), _left_pad(mask, length)])
+        self.next_pos = torch.cat([self.next_pos, next_pos])
+        self.slots = torch.cat([self.slots, slots])
+        self.logits = torch.cat([self.logits, logits])
+        self.rows += rows
+
+
+def _left_pad(t: torch.Tensor, length: int) -> torch.Tensor:
+    """Zeros before `t`'s positions: (B, L) masks and (B, heads, L, head_dim) caches (the position
+    axis is dim 1 of a mask, dim 2 of a cache) grown to `length` positions."""
+    dim = 1 if t.dim() == 2 else 2
+    missing = length - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
 def _seed(seed: int | None) -> int:
