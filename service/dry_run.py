@@ -3,11 +3,12 @@
 The API checks what it can itself (model, files, hyperparameters: the same checks as a real
 submit); tokenizing the files needs the model's tokenizer, which only workers load, so an
 inference worker reads and tokenizes them exactly as the job would (worker/inference.py) and
-returns the counts. From those this module plans the run as the engine will: "auto" resolved as
-a worker resolves it, one row per example (jobs do not pack), so
+returns the counts, with the training rows the job will form (packed several examples a row
+unless `packing` is off, one example a row otherwise). From those this module plans the run as
+the engine will: "auto" resolved as a worker resolves it, and
 
-    steps per epoch = ceil(examples / batch_size)      steps = n_epochs · steps per epoch
-    trained tokens  = n_epochs · tokens
+    steps per epoch = ceil(rows / batch_size)      steps = n_epochs · steps per epoch
+    trained tokens  = n_epochs · tokens            (padding is never counted)
 
 and adds the estimates of service/estimates.py. Invalid lines come back as `errors` (200, with
 `valid: false`), so a client sees every problem of the file at once.
@@ -43,6 +44,7 @@ def worker_request(session: Session, *, tenant_id: str, spec: JobCreate) -> dict
         "training_file": training.storage_key,
         "validation_file": validation.storage_key if validation is not None else None,
         "max_seq_len": spec.max_seq_len,
+        "packing": spec.packing,
     }
 
 
@@ -60,7 +62,7 @@ def plan(spec: JobCreate, done: dict[str, Any], settings: Settings) -> DryRunPub
     hp = jobs.resolve_hyperparameters(jobs.requested_hyperparameters(spec))
     training, validation = done["training_file"], done.get("validation_file")
     n_epochs, batch_size = int(hp["n_epochs"]), int(hp["batch_size"])
-    steps_per_epoch = math.ceil(training["examples"] / batch_size)
+    steps_per_epoch = math.ceil(training["rows"] / batch_size)
     steps = n_epochs * steps_per_epoch
     errors = _errors("training_file", training) + _errors("validation_file", validation)
     if steps > settings.job_max_steps:
@@ -76,7 +78,7 @@ def plan(spec: JobCreate, done: dict[str, Any], settings: Settings) -> DryRunPub
         spec.model,
         trained_tokens=trained_tokens,
         batch_size=batch_size,
-        longest_example=training["max_tokens"],
+        longest_row=training["longest_row"],
     )
     return DryRunPublic(
         model=spec.model,
@@ -85,6 +87,7 @@ def plan(spec: JobCreate, done: dict[str, Any], settings: Settings) -> DryRunPub
         validation_file=_summary(validation) if validation else None,
         hyperparameters=HyperparametersPublic(**hp),
         max_seq_len=spec.max_seq_len,
+        packing=spec.packing,
         steps_per_epoch=steps_per_epoch,
         steps=steps,
         trained_tokens=trained_tokens,

@@ -9,7 +9,7 @@ still match). From a row measured at `batch × seq` tokens per step:
     peak GiB   = weights + (row GiB − weights) · (job tokens per step / row tokens per step)
 
 where weights = parameters × 2 bytes (bf16) and a job's tokens per step is its batch size times
-its longest example (a padded batch of the longest rows: the worst step). Activations grow about
+its longest training row (a batch of the longest rows: the worst step). Activations grow about
 linearly with the tokens of a step; other ranks than 16 change the figures little (the adapters
 are a fraction of a percent of the weights). A model without a row on a class has no estimate.
 
@@ -56,7 +56,7 @@ class Estimate:
     source: str
 
 
-def estimates(model: str, *, trained_tokens: int, batch_size: int, longest_example: int) -> list[Estimate]:
+def estimates(model: str, *, trained_tokens: int, batch_size: int, longest_row: int) -> list[Estimate]:
     """One estimate per worker class that has a benchmark row for `model`'s shape."""
     shape = SHAPE_OF.get(model, model)
     out = []
@@ -66,7 +66,7 @@ def estimates(model: str, *, trained_tokens: int, batch_size: int, longest_examp
             continue
         weights = PRESET_SHAPES[shape].parameter_count() * 2 / GIB
         per_token = max(row.mem_gib - weights, 0.0) / (row.batch * row.seq)
-        peak = weights + per_token * batch_size * longest_example
+        peak = weights + per_token * batch_size * longest_row
         out.append(
             Estimate(
                 worker_class=worker_class,

@@ -25,9 +25,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, select
+from sqlalchemy import bindparam, select
 
 from service.db.models import Artifact, Checkpoint, Job, is_id
+from service.db.session import read_first
 from service.errors import InvalidRequestError, LoraqError, NotFoundError, UnavailableError
 from service.settings import Settings
 from worker.engine.catalog import get_model_info
@@ -68,7 +69,19 @@ def _not_found(model: str, why: str = "") -> NotFoundError:
     )
 
 
-def resolve_model(conn: Connection, *, tenant_id: str, model: str, settings: Settings) -> Target:
+# Module constants: `read_first` compiles each statement once (the chat hot path).
+_JOB = select(Job.id, Job.model, Job.suffix, Job.status, Job.fine_tuned_model).where(
+    Job.id == bindparam("job_id"), Job.tenant_id == bindparam("tenant_id")
+)
+_ADAPTER = select(Artifact.storage_key, Artifact.sha256).where(
+    Artifact.job_id == bindparam("job_id"), Artifact.kind == bindparam("kind")
+)
+_CHECKPOINT = select(Checkpoint.storage_key, Checkpoint.sha256).where(
+    Checkpoint.job_id == bindparam("job_id"), Checkpoint.step == bindparam("step")
+)
+
+
+async def resolve_model(*, tenant_id: str, model: str, settings: Settings) -> Target:
     """A base model name, a job's `fine_tuned_model` (`ft:<base>:<suffix>:<job id>`) or a
     checkpoint's `fine_tuned_model_checkpoint` (`...:ckpt-step-<n>`) of this tenant; else 404
     (another tenant's model included: its existence is not revealed)."""
@@ -83,30 +96,18 @@ def resolve_model(conn: Connection, *, tenant_id: str, model: str, settings: Set
     parts = model.split(":")
     if len(parts) not in (4, 5) or not is_id(parts[3]):
         raise _not_found(model)
-    job = conn.execute(
-        select(Job.id, Job.model, Job.suffix, Job.status, Job.fine_tuned_model).where(
-            Job.id == parts[3], Job.tenant_id == tenant_id
-        )
-    ).first()
+    job = await read_first(_JOB, {"job_id": parts[3], "tenant_id": tenant_id})
     if job is None or job.model != parts[1] or (job.suffix or "") != parts[2]:
         raise _not_found(model)
     if len(parts) == 4:
-        artifact = conn.execute(
-            select(Artifact.storage_key, Artifact.sha256).where(
-                Artifact.job_id == job.id, Artifact.kind == "adapter"
-            )
-        ).first()
+        artifact = await read_first(_ADAPTER, {"job_id": job.id, "kind": "adapter"})
         if job.status != "succeeded" or job.fine_tuned_model != model or artifact is None:
             raise _not_found(model)
         return Target(job.model, artifact.storage_key, artifact.sha256)
     step = parts[4].removeprefix(CKPT_PREFIX)
     if not parts[4].startswith(CKPT_PREFIX) or not step.isdigit():
         raise _not_found(model)
-    ckpt = conn.execute(
-        select(Checkpoint.storage_key, Checkpoint.sha256).where(
-            Checkpoint.job_id == job.id, Checkpoint.step == int(step)
-        )
-    ).first()
+    ckpt = await read_first(_CHECKPOINT, {"job_id": job.id, "step": int(step)})
     if ckpt is None:
         raise _not_found(model)
     return Target(job.model, ckpt.storage_key, ckpt.sha256)
@@ -134,7 +135,7 @@ class Completion:
     def __init__(self, settings: Settings, request: dict[str, Any]) -> None:
         import redis.asyncio
 
-        from worker.celery_app import broker_url  # no torch
+        from service.broker import broker_url
 
         self.settings = settings
         self.request = request

@@ -434,6 +434,7 @@ class DatasetSummary(BaseModel):
     tokens: int
     trainable_tokens: int
     max_tokens: int  # longest example
+    rows: int  # training rows the job forms (packed: several examples a row)
 
 
 class DryRunError(BaseModel):
@@ -459,6 +460,7 @@ class DryRunPublic(BaseModel):
     validation_file: DatasetSummary | None
     hyperparameters: HyperparametersPublic  # "auto" resolved
     max_seq_len: int
+    packing: bool
     steps_per_epoch: int
     steps: int
     trained_tokens: int  # tokens the run trains on: every epoch sees every training token

@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
+from service.broker import broker_url
 from service.inference import REPLY_TTL_SECONDS, reply_key, requests_key, workers_key
 from service.settings import Settings
-from worker.celery_app import broker_url
 from worker.engine.types import EngineError
 
 if TYPE_CHECKING:
@@ -223,18 +223,20 @@ class InferenceWorker:
     # -- a job's dry run: tokenize its files as the job would (service/dry_run.py plans the rest)
     def _dry_run(self, p: Pending) -> None:
         from service.storage import FileStore
-        from worker.engine.data import validate_dataset
+        from worker.engine.data import read_examples, training_rows
 
         store = FileStore(self.settings.artifact_dir)
         try:
             tokenizer = self.tokenizer(p.raw["base"])
-            max_seq_len = int(p.raw["max_seq_len"])
-            reports: dict[str, Any] = {}
-            for name in ("training_file", "validation_file"):
+            max_seq_len, pack = int(p.raw["max_seq_len"]), bool(p.raw.get("packing", True))
+            reports: dict[str, Any] = {"training_file": None, "validation_file": None}
+            for name in reports:
                 key = p.raw.get(name)  # a store key, or None (no validation file)
-                reports[name] = (
-                    asdict(validate_dataset(store.path(key), tokenizer, max_seq_len)) if key else None
-                )
+                if key:
+                    examples, report = read_examples(store.path(key), tokenizer, max_seq_len)
+                    rows = training_rows(examples, max_seq_len, pack=pack)  # as the job will form them
+                    longest = max((len(r.input_ids) for r in rows), default=0)
+                    reports[name] = {**asdict(report), "rows": len(rows), "longest_row": longest}
         except Exception as exc:
             self._fail(p, exc)
             return

@@ -19,7 +19,6 @@ from fastapi.responses import StreamingResponse
 
 from service import inference
 from service.auth import CurrentTenant
-from service.db.session import run_read
 from service.errors import LoraqError, error_body
 from service.schemas import (
     AssistantMessage,
@@ -73,7 +72,7 @@ def usage_of(event: dict[str, Any]) -> Usage:
 @router.post("/completions", response_model=ChatCompletion, responses=SSE_RESPONSE)
 async def create_chat_completion(body: ChatCompletionCreate, tenant: CurrentTenant) -> Any:
     settings = get_settings()
-    target = await run_read(inference.resolve_model, tenant_id=tenant.id, model=body.model, settings=settings)
+    target = await inference.resolve_model(tenant_id=tenant.id, model=body.model, settings=settings)
     request_id = inference.new_request_id()
     completion = inference.Completion(settings, worker_request(body, target, request_id))
     await completion.submit()

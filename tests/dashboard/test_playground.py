@@ -38,7 +38,8 @@ def test_playground_samples_compare_and_new_job_fields(
     svc.start_inference()
     file_id = api(svc, "POST", "/v1/files", data={"purpose": "fine-tune"},
                   files={"file": ("t.jsonl", chat_lines(16))})["id"]  # fmt: skip
-    base = {"model": "tiny-llama", "training_file": file_id, "max_seq_len": 128}
+    # one example a row: 16 examples in batches of 4 are 4 steps an epoch, a checkpoint every 4
+    base = {"model": "tiny-llama", "training_file": file_id, "max_seq_len": 128, "packing": False}
     first = api(svc, "POST", "/v1/fine_tuning/jobs", json={
         **base, "hyperparameters": {"n_epochs": 2, "batch_size": 4, "learning_rate_multiplier": 10},
         "lora": {"r": 4, "alpha": 8}, "eval_prompts": EVAL_PROMPTS})  # fmt: skip
@@ -81,6 +82,14 @@ def test_playground_samples_compare_and_new_job_fields(
     expect(page.locator("#pg-tuned")).to_have_text(
         chat(svc, ckpt_model, "How many legs does a spider have?", 12)
     )
+    # the final adapter (trained longest) answers differently from the base
+    final = options.nth(0).get_attribute("value") or ""
+    assert final == f"ft:tiny-llama::{first['id']}"
+    page.select_option("#pg-model", final)
+    page.evaluate("document.getElementById('pg-tuned').dataset.done = 'stale'")  # the last run's
+    page.click("#pg-run")
+    expect(page.locator("#pg-tuned")).to_have_attribute("data-done", "true", timeout=60_000)
+    expect(page.locator("#pg-tuned")).to_have_text(chat(svc, final, "How many legs does a spider have?", 12))
     assert page.locator("#pg-base").text_content() != page.locator("#pg-tuned").text_content()
     page.screenshot(path=str(artifacts_dir / "dashboard-playground.png"), full_page=True)
 
@@ -126,7 +135,19 @@ def test_playground_samples_compare_and_new_job_fields(
     page.check("#lora_use_rslora")
     page.fill("#eval_prompts", "Hello?\nWhat is frozen water called?")
     page.click("#dryrun")
-    expect(page.locator("#plansteps")).to_have_text("9", timeout=30_000)  # 3 epochs x ceil(10 / 4)
+    expect(page.locator("#plan")).to_be_visible(timeout=30_000)
+    train_id = page.evaluate("uploaded.train.file.id")
+    hp = {"n_epochs": 3, "batch_size": 4}
+    same = {
+        "model": "tiny-llama",
+        "training_file": train_id,
+        "hyperparameters": hp,
+        "max_seq_len": 256,
+        "dry_run": True,
+    }
+    expect(page.locator("#plansteps")).to_have_text(
+        str(api(svc, "POST", "/v1/fine_tuning/jobs", json=same)["steps"])
+    )
     page.screenshot(path=str(artifacts_dir / "dashboard-new-job-dry-run.png"), full_page=True)
     page.click("#submit")
     page.wait_for_url("**/jobs/ftjob-*")

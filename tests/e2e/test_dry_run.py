@@ -39,7 +39,9 @@ def test_dry_run_plan_equals_the_real_run(e2e: Service) -> None:
         assert 0 < plan["training_file"]["trainable_tokens"] < plan["training_file"]["tokens"]
         batch = plan["hyperparameters"]["batch_size"]
         assert plan["hyperparameters"]["n_epochs"] == 3 and isinstance(batch, int)
-        assert plan["steps"] == 3 * plan["steps_per_epoch"] == 3 * -(-examples // batch)
+        rows = plan["training_file"]["rows"]  # packed (the default): several examples a row
+        assert plan["packing"] and 0 < rows < examples
+        assert plan["steps"] == 3 * plan["steps_per_epoch"] == 3 * -(-rows // batch)
         assert plan["estimates"] == []  # no benchmark row for tiny-llama
 
         job = c.post("/fine_tuning/jobs", json=body).json()
@@ -49,6 +51,15 @@ def test_dry_run_plan_equals_the_real_run(e2e: Service) -> None:
     assert sum(e["type"] == "metrics" for e in events) == plan["steps"]
     assert done["trained_tokens"] == plan["trained_tokens"]  # exact: every epoch sees every token
     assert done["hyperparameters"]["batch_size"] == batch
+
+    # Without packing: one example a row, so more steps, the same tokens.
+    with e2e.client(key) as c:
+        unpacked = c.post("/fine_tuning/jobs", json={**body, "packing": False, "dry_run": True}).json()
+    assert unpacked["training_file"]["rows"] == examples
+    assert (
+        unpacked["steps"] == 3 * -(-examples // batch)
+        and unpacked["trained_tokens"] == plan["trained_tokens"]
+    )
 
 
 def test_dry_run_lists_invalid_lines_and_estimates_gpu_classes(e2e: Service) -> None:

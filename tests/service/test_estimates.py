@@ -29,11 +29,11 @@ def test_table_rows_are_the_committed_loraq_rows(worker_class: str, shape: str) 
 def test_estimates_reproduce_the_measured_row_and_scale_with_the_step() -> None:
     row = TABLES["h100"]["llama-1b"]
     tokens = int(row.tokens_per_s * 100)
-    (at_row,) = estimates("llama-1b", trained_tokens=tokens, batch_size=row.batch, longest_example=row.seq)
+    (at_row,) = estimates("llama-1b", trained_tokens=tokens, batch_size=row.batch, longest_row=row.seq)
     assert at_row.wall_seconds == 100.0 and at_row.peak_gpu_memory_gib == pytest.approx(row.mem_gib, abs=0.01)
-    (small,) = estimates("llama-1b", trained_tokens=tokens, batch_size=1, longest_example=128)
+    (small,) = estimates("llama-1b", trained_tokens=tokens, batch_size=1, longest_row=128)
     weights = PRESET_SHAPES["llama-1b"].parameter_count() * 2 / GIB
     assert weights < small.peak_gpu_memory_gib < at_row.peak_gpu_memory_gib
-    assert estimates("tiny-llama", trained_tokens=1, batch_size=1, longest_example=1) == []
+    assert estimates("tiny-llama", trained_tokens=1, batch_size=1, longest_row=1) == []
     assert SHAPE_OF["smollm2-135m-instruct"] in TABLES["h100"]
-    assert estimates("smollm2-135m-instruct", trained_tokens=1, batch_size=1, longest_example=1)
+    assert estimates("smollm2-135m-instruct", trained_tokens=1, batch_size=1, longest_row=1)

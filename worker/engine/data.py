@@ -392,7 +392,7 @@ def load_dataset(
     if report.errors:
         raise DatasetError(report.errors, file_label=file_label)
     assert report.format is not None
-    rows = pack_examples(examples, max_seq_len) if pack else [_single_row(e) for e in examples]
+    rows = training_rows(examples, max_seq_len, pack=pack)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     assert pad is not None
     return TokenizedDataset(
@@ -405,6 +405,11 @@ def load_dataset(
         format=report.format,
         pad_token_id=int(pad),
     )
+
+
+def training_rows(examples: list[Example], max_seq_len: int, *, pack: bool) -> list[Row]:
+    """The rows a run trains on: packed (padding-free, several examples a row) or one per example."""
+    return pack_examples(examples, max_seq_len) if pack else [_single_row(e) for e in examples]
 
 
 def _single_row(e: Example) -> Row:
