@@ -37,7 +37,8 @@ def trained(service: Service) -> dict[str, Any]:
         suffix="chat",
         seed=1,
         hyperparameters={"n_epochs": 6, "batch_size": 4, "learning_rate_multiplier": 20.0},
-        extra_body={"lora": {"r": 8, "alpha": 16}, "max_seq_len": 128},
+        # unpacked: 24 steps of 4 examples, enough for the marker "ARRR!" to be learned
+        extra_body={"lora": {"r": 8, "alpha": 16}, "max_seq_len": 128, "packing": False},
     )
     done = service.wait_job(job.id, {"succeeded"}, key=key)
     return {"key": key, "job": done}
