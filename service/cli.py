@@ -9,18 +9,29 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Column, Table
+from rich.text import Text
 
-from service.client import ApiError, LoraqClient
+from service import cli_format as fmt
+from service.client import ApiError, ClientError, LoraqClient
 
-app = typer.Typer(name="loraq", help="Loraq: self-hostable LoRA fine-tuning.", no_args_is_help=True)
+app = typer.Typer(
+    name="loraq",
+    help="Loraq: self-hostable LoRA fine-tuning. Errors are one line; --debug shows tracebacks.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+)
 keys_app = typer.Typer(help="API keys (talks to the database directly).", no_args_is_help=True)
 files_app = typer.Typer(help="Upload and list dataset files.", no_args_is_help=True)
 jobs_app = typer.Typer(help="Fine-tuning jobs.", no_args_is_help=True)
@@ -32,30 +43,81 @@ console = Console()
 err_console = Console(stderr=True)
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
+DEFAULT_MODEL = "smollm2-135m-instruct"  # real pretrained weights; tiny-llama is random, for tests
+WIDE_COLUMNS = 10_000  # --wide: rows as long as their content
 
 UrlOpt = Annotated[str | None, typer.Option("--url", envvar="LORAQ_URL", help="API base URL.")]
 KeyOpt = Annotated[str | None, typer.Option("--api-key", envvar="LORAQ_API_KEY", help="API key.")]
+WideOpt = Annotated[bool, typer.Option("--wide", help="Full ids and every column (past 80 columns).")]
+
+T = TypeVar("T")
+
+
+class _State:
+    debug = os.environ.get("LORAQ_DEBUG", "") not in ("", "0")
+
+
+@app.callback()
+def _root(
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Show tracebacks instead of one-line errors (or LORAQ_DEBUG=1).")
+    ] = False,
+) -> None:
+    if debug:
+        _State.debug = True
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    """Print one line to stderr (never wrapped, so it stays greppable) and exit."""
+    err_console.print(Text("error: ", style="red") + Text(message), soft_wrap=True, highlight=False)
+    raise typer.Exit(code)
 
 
 def _client(url: str | None, api_key: str | None) -> LoraqClient:
-    try:
-        return LoraqClient(url, api_key)
-    except ApiError as e:
-        err_console.print(f"[red]{e}[/red]")
-        raise typer.Exit(2) from None
+    return _api_call(LoraqClient, url, api_key)
 
 
 def _print_json(obj: Any) -> None:
     console.print_json(json.dumps(obj))
 
 
-def _api_call(fn: Any, *args: Any, **kw: Any) -> Any:
-    """Run one client call; print an API error cleanly and exit 1 instead of a traceback."""
+def _api_call(fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+    """Run one client call. An expected failure is one line, exit 2 when the server cannot be
+    reached or no key is set (nothing was asked of the server), 1 when the server said no."""
     try:
         return fn(*args, **kw)
-    except ApiError as e:
-        err_console.print(f"[red]{e}[/red]")
-        raise typer.Exit(1) from None
+    except ClientError as e:
+        if _State.debug:
+            raise
+        fail(str(e), 1 if isinstance(e, ApiError) else 2)
+
+
+def main() -> None:
+    """The `loraq` entry point: `app()`, with an unexpected exception as one line unless --debug."""
+    try:
+        app()
+    except Exception as e:
+        if _State.debug:
+            raise
+        line = f"{type(e).__name__}: {e} (run with --debug for the traceback)"
+        err_console.print(Text("error: ", style="red") + Text(line), soft_wrap=True, highlight=False)
+        sys.exit(1)
+
+
+def _table(*columns: Column | str, wide: bool) -> Table:
+    """A borderless table: at 80 columns rich shrinks and ellipsizes the flexible columns."""
+    return Table(*columns, box=box.SIMPLE_HEAD, pad_edge=False, expand=False, show_edge=False)
+
+
+def _print_table(table: Table, wide: bool) -> None:
+    if wide:
+        Console(width=WIDE_COLUMNS).print(table, crop=False)
+    else:
+        console.print(table)
+
+
+def _short_ids(ids: list[str], wide: bool) -> dict[str, str]:
+    return {i: i for i in ids} if wide else fmt.unique_prefixes(ids)
 
 
 # --------------------------------------------------------------------------- local processes
@@ -100,8 +162,7 @@ def worker(
                 loglevel=loglevel,
             )
         except launcher.LaunchError as e:
-            err_console.print(f"[red]{e}[/red]")
-            raise typer.Exit(2) from None
+            fail(str(e), 2)
         raise typer.Exit(launcher.run_workers(specs))
 
     from worker.celery_app import celery_app
@@ -150,8 +211,7 @@ def keys_create(tenant: Annotated[str, typer.Option(help="Tenant name (created i
         with session_scope() as session:
             key = create_key(session, tenant)
     except LoraqError as e:  # e.g. an empty or over-long tenant name
-        err_console.print(f"[red]{e}[/red]")
-        raise typer.Exit(1) from None
+        fail(str(e))
     console.print(key)
 
 
@@ -168,8 +228,7 @@ def keys_revoke(
         with session_scope() as session:
             revoke_key(session, prefix)
     except LoraqError as e:
-        err_console.print(f"[red]{e}[/red]")
-        raise typer.Exit(1) from None
+        fail(str(e))
     console.print(f"revoked {prefix}")
 
 
@@ -179,11 +238,11 @@ def keys_list() -> None:
     from service.auth import list_keys
     from service.db.session import session_scope
 
-    table = Table(Column("prefix", no_wrap=True), "tenant", "created", "revoked")
+    table = _table(Column("prefix", no_wrap=True), "tenant", "created", "revoked", wide=False)
     with session_scope() as session:
         for row in list_keys(session):
-            fields = ("prefix", "tenant", "created_at", "revoked_at")
-            table.add_row(*(str(getattr(row, f, "") or "") for f in fields))
+            revoked = fmt.ago(row.revoked_at) if row.revoked_at else ""
+            table.add_row(row.prefix, row.tenant, fmt.ago(row.created_at), revoked)
     console.print(table)
 
 
@@ -203,13 +262,26 @@ def files_upload(
 
 
 @files_app.command("list")
-def files_list(url: UrlOpt = None, api_key: KeyOpt = None) -> None:
+def files_list(url: UrlOpt = None, api_key: KeyOpt = None, wide: WideOpt = False) -> None:
+    """Uploaded files, newest first; ids are shortened to a unique prefix (--wide: in full)."""
     with _client(url, api_key) as c:
         data = _api_call(c.list_files)["data"]
-    table = Table(Column("id", no_wrap=True), "filename", "bytes", "purpose", "created_at")
+    short = _short_ids([f["id"] for f in data], wide)
+    table = _table(
+        Column("id", no_wrap=True),
+        Column("filename", overflow="ellipsis", max_width=None if wide else 28),
+        Column("size", justify="right", no_wrap=True),
+        Column("status", no_wrap=True),
+        Column("purpose", no_wrap=True),
+        Column("created", no_wrap=True),
+        wide=wide,
+    )
     for f in data:
-        table.add_row(f["id"], f["filename"], str(f["bytes"]), f["purpose"], str(f["created_at"]))
-    console.print(table)
+        created = fmt.ago(f["created_at"])
+        table.add_row(
+            short[f["id"]], f["filename"], fmt.size(f["bytes"]), f.get("status") or "", f["purpose"], created
+        )
+    _print_table(table, wide)
 
 
 # --------------------------------------------------------------------------- jobs
@@ -231,6 +303,7 @@ def job_body(
     queue: str | None = None,
     n_gpus: int | None = None,
     packing: bool | None = None,
+    validation_split: float | None = None,
 ) -> dict[str, Any]:
     """The POST /v1/fine_tuning/jobs body; unset options are left out so the server's "auto" applies."""
     hp = {
@@ -245,6 +318,8 @@ def job_body(
     body: dict[str, Any] = {"model": model, "training_file": training_file}
     if validation_file:
         body["validation_file"] = validation_file
+    if validation_split is not None:
+        body["validation_split"] = validation_split
     if hp:
         body["hyperparameters"] = hp
     if suffix:
@@ -267,9 +342,15 @@ def job_body(
 
 @jobs_app.command("create")
 def jobs_create(
-    model: Annotated[str, typer.Option(help="Base model name, e.g. smollm2-135m-instruct.")],
     training_file: Annotated[str, typer.Option(help="File id (file-…) from `files upload`.")],
-    validation_file: Annotated[str | None, typer.Option()] = None,
+    model: Annotated[str, typer.Option(help="Base model (`loraq models list`).")] = DEFAULT_MODEL,
+    validation_file: Annotated[
+        str | None, typer.Option(help="File id; without one a share of the examples is held out.")
+    ] = None,
+    validation_split: Annotated[
+        float | None,
+        typer.Option(min=0.0, max=0.5, help="Held-out share with no validation file (0.05; 0: none)."),
+    ] = None,
     n_epochs: Annotated[int | None, typer.Option(min=1)] = None,
     batch_size: Annotated[int | None, typer.Option(min=1)] = None,
     learning_rate_multiplier: Annotated[float | None, typer.Option(min=0.0)] = None,
@@ -308,11 +389,31 @@ def jobs_create(
         queue=queue,
         n_gpus=n_gpus,
         packing=packing,
+        validation_split=validation_split,
     )
     if dry_run:
         body["dry_run"] = True
     with _client(url, api_key) as c:
         _print_json(_api_call(c.create_job, body))
+
+
+def find_job_id(c: LoraqClient, given: str) -> str:
+    """A full job id, or the one job whose id starts with `given` (the short ids tables show)."""
+    if len(given) >= len("ftjob-") + 24:
+        return given
+    matches: list[str] = []
+    after: str | None = None
+    while True:  # page through the tenant's jobs, newest first
+        page = _api_call(c.list_jobs, 100, after)
+        matches += [j["id"] for j in page["data"] if j["id"].startswith(given)]
+        if not page.get("has_more") or not page["data"] or len(matches) > 1:
+            break
+        after = page["data"][-1]["id"]
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        fail(f"job id {given!r} is ambiguous: {', '.join(matches[:5])}; give more characters")
+    fail(f"no fine-tuning job id starts with {given!r} (`loraq jobs list` shows them)")
 
 
 @jobs_app.command("list")
@@ -321,43 +422,108 @@ def jobs_list(
     after: Annotated[str | None, typer.Option(help="Cursor: the last job id of the previous page.")] = None,
     url: UrlOpt = None,
     api_key: KeyOpt = None,
+    wide: WideOpt = False,
 ) -> None:
+    """Jobs, newest first; ids are shortened to a unique prefix that every `jobs` command accepts."""
     with _client(url, api_key) as c:
         page = _api_call(c.list_jobs, limit, after)
-    table = Table(Column("id", no_wrap=True), "model", "status", "fine_tuned_model", "created_at")
-    for j in page["data"]:
-        table.add_row(j["id"], j["model"], j["status"], j.get("fine_tuned_model") or "", str(j["created_at"]))
-    console.print(table)
-    if page.get("has_more") and page["data"]:
-        console.print(f"more: --after {page['data'][-1]['id']}")
+    data = page["data"]
+    short = _short_ids([j["id"] for j in data], wide)
+    columns = [
+        Column("id", no_wrap=True),
+        Column("model", overflow="ellipsis", max_width=None if wide else 22),
+        Column("status", no_wrap=True),
+        Column("suffix", overflow="ellipsis", max_width=None if wide else 16),
+        Column("created", no_wrap=True),
+        Column("duration", justify="right", no_wrap=True),
+    ]
+    if wide:
+        columns += [Column("fine_tuned_model", no_wrap=True), Column("error", no_wrap=True)]
+    table = _table(*columns, wide=wide)
+    for j in data:
+        cells = [
+            short[j["id"]],
+            j["model"],
+            j["status"] + (" (cancelling)" if j.get("cancel_requested") and j["status"] == "running" else ""),
+            j.get("user_provided_suffix") or "",
+            fmt.ago(j["created_at"]),
+            fmt.job_duration(j),
+        ]
+        if wide:
+            err = j.get("error") or {}
+            cells += [j.get("fine_tuned_model") or "", err.get("code") or ""]
+        table.add_row(*cells)
+    _print_table(table, wide)
+    if page.get("has_more") and data:
+        console.print(f"more: --after {data[-1]['id']}", soft_wrap=True)
 
 
 @jobs_app.command("get")
-def jobs_get(job_id: str, url: UrlOpt = None, api_key: KeyOpt = None) -> None:
+def jobs_get(
+    job_id: Annotated[str, typer.Argument(help="A job id or a unique prefix of one.")],
+    url: UrlOpt = None,
+    api_key: KeyOpt = None,
+) -> None:
+    """The job object as JSON."""
     with _client(url, api_key) as c:
-        _print_json(_api_call(c.get_job, job_id))
+        _print_json(_api_call(c.get_job, find_job_id(c, job_id)))
+
+
+def cancel_message(job: dict[str, Any]) -> str:
+    """What a cancel did, in the status the server answered."""
+    if job["status"] == "running" and job.get("cancel_requested"):
+        return (
+            f"{job['id']}: running, cancel requested: it stops after its current step "
+            f"(`loraq jobs watch {job['id']}` shows when)"
+        )
+    return f"{job['id']}: {job['status']}"
 
 
 @jobs_app.command("cancel")
-def jobs_cancel(job_id: str, url: UrlOpt = None, api_key: KeyOpt = None) -> None:
+def jobs_cancel(
+    job_id: Annotated[str, typer.Argument(help="A job id or a unique prefix of one.")],
+    url: UrlOpt = None,
+    api_key: KeyOpt = None,
+) -> None:
+    """Cancel a job: a queued one at once, a running one after its current step."""
     with _client(url, api_key) as c:
-        job = _api_call(c.cancel_job, job_id)
-    console.print(f"{job['id']}: {job['status']}")
+        job = _api_call(c.cancel_job, find_job_id(c, job_id))
+    console.print(cancel_message(job), soft_wrap=True, highlight=False)
+
+
+LEVEL_STYLE = {"info": "", "warn": "yellow", "error": "red"}
+
+
+def event_line(ev: dict[str, Any]) -> Text:
+    """`12:03:04 warn  message` (local time; the date when it is not today)."""
+    t = time.localtime(ev["created_at"])
+    stamp = time.strftime("%H:%M:%S" if t[:3] == time.localtime()[:3] else "%Y-%m-%d %H:%M:%S", t)
+    level = ev["level"]
+    return Text(f"{stamp} ") + Text(f"{level:<5} ", style=LEVEL_STYLE.get(level, "")) + Text(ev["message"])
 
 
 @jobs_app.command("events")
 def jobs_events(
-    job_id: str,
+    job_id: Annotated[str, typer.Argument(help="A job id or a unique prefix of one.")],
     limit: Annotated[int, typer.Option(min=1, max=1000)] = 50,
+    steps: Annotated[bool, typer.Option("--steps", help="Also the per-step metrics lines.")] = False,
     url: UrlOpt = None,
     api_key: KeyOpt = None,
 ) -> None:
-    """Events, newest first (messages and per-step metrics)."""
+    """Events, oldest first: milestones, warnings and errors (--steps: per-step metrics too)."""
     with _client(url, api_key) as c:
-        events = _api_call(c.list_events, job_id, limit)["data"]
-    for ev in events:
-        data = f"  {json.dumps(ev['data'])}" if ev.get("data") else ""
-        console.print(f"{ev['created_at']} [{ev['level']}] {ev['message']}{data}")
+        events = _api_call(c.list_events, find_job_id(c, job_id), limit)["data"]
+    folded = 0
+    for ev in reversed(events):
+        if ev.get("type") == "metrics" and not steps:
+            folded += 1
+            continue
+        line = event_line(ev)
+        if steps and ev.get("data"):
+            line += Text(f"  {json.dumps(ev['data'])}", style="dim")
+        console.print(line, soft_wrap=True, highlight=False)
+    if folded:
+        console.print(f"({folded} per-step lines folded; --steps shows them)", style="dim")
 
 
 def _latest_metrics(c: LoraqClient, job_id: str) -> dict[str, Any] | None:
@@ -369,25 +535,27 @@ def _latest_metrics(c: LoraqClient, job_id: str) -> dict[str, Any] | None:
     return None
 
 
-def _fmt_eta(seconds: Any) -> str:
-    if not isinstance(seconds, int | float):
-        return "-"
-    m, s = divmod(int(seconds), 60)
-    h, m = divmod(m, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+def _new_messages(c: LoraqClient, job_id: str, seen: set[str]) -> list[dict[str, Any]]:
+    """Warning and error events not printed yet, oldest first."""
+    events = c.list_events(job_id, limit=50)["data"]
+    fresh = [e for e in reversed(events) if e["id"] not in seen and e.get("type") != "metrics"]
+    seen.update(e["id"] for e in events)
+    return [e for e in fresh if e["level"] in ("warn", "error")]
 
 
 @jobs_app.command("watch")
 def jobs_watch(
-    job_id: str,
+    job_id: Annotated[str, typer.Argument(help="A job id or a unique prefix of one.")],
     interval: Annotated[float, typer.Option(min=0.1, help="Seconds between polls.")] = 1.0,
     url: UrlOpt = None,
     api_key: KeyOpt = None,
 ) -> None:
-    """Live progress (step, loss, tokens/s, ETA) until the job ends; exit code 1 unless it succeeded."""
-    with (
-        _client(url, api_key) as c,
-        Progress(
+    """Live progress (step, loss, tokens/s, ETA) and health warnings until the job ends; exit code 1
+    unless it succeeded."""
+    with _client(url, api_key) as c:
+        job_id = find_job_id(c, job_id)
+        seen: set[str] = set()
+        with Progress(
             TextColumn("[bold]{task.fields[status]}"),
             BarColumn(),
             TextColumn("step {task.fields[steps]}"),
@@ -395,38 +563,46 @@ def jobs_watch(
             TextColumn("{task.fields[tps]} tok/s"),
             TextColumn("ETA {task.fields[eta]}"),
             console=console,
-        ) as progress,
-    ):
-        bar = progress.add_task(job_id, total=None, status="…", steps="-", loss="-", tps="-", eta="-")
-        while True:
-            job = _api_call(c.get_job, job_id)
-            m = _api_call(_latest_metrics, c, job_id)
-            if m:
-                loss = m.get("train_loss")
-                progress.update(
-                    bar,
-                    total=m.get("total_steps") or None,
-                    completed=m.get("step", 0),
-                    steps=f"{m.get('step', 0)}/{m.get('total_steps') or '?'}",
-                    loss=f"{loss:.4f}" if isinstance(loss, int | float) else "-",
-                    tps=f"{m['tokens_per_s']:.0f}" if isinstance(m.get("tokens_per_s"), int | float) else "-",
-                    eta=_fmt_eta(m.get("eta_seconds")),
-                )
-            progress.update(bar, status=job["status"])
-            if job["status"] in TERMINAL:
-                break
-            time.sleep(interval)
+        ) as progress:
+            bar = progress.add_task(job_id, total=None, status="…", steps="-", loss="-", tps="-", eta="-")
+            while True:
+                job = _api_call(c.get_job, job_id)
+                m = _api_call(_latest_metrics, c, job_id)
+                for ev in _api_call(_new_messages, c, job_id, seen):
+                    progress.console.print(event_line(ev), soft_wrap=True, highlight=False)
+                if m:
+                    loss = m.get("train_loss")
+                    tps = m.get("tokens_per_s")
+                    progress.update(
+                        bar,
+                        total=m.get("total_steps") or None,
+                        completed=m.get("step", 0),
+                        steps=f"{m.get('step', 0)}/{m.get('total_steps') or '?'}",
+                        loss=f"{loss:.4f}" if isinstance(loss, int | float) else "-",
+                        tps=f"{tps:.0f}" if isinstance(tps, int | float) else "-",
+                        eta=fmt.duration(m.get("eta_seconds")),
+                    )
+                progress.update(bar, status=job["status"])
+                if job["status"] in TERMINAL:
+                    break
+                time.sleep(interval)
+    took = fmt.job_duration(job)
     if job["status"] == "succeeded":
-        console.print(f"[green]succeeded[/green]: {job.get('fine_tuned_model')}")
+        console.print(f"[green]succeeded[/green] in {took}: {job.get('fine_tuned_model')}", soft_wrap=True)
         return
     error = job.get("error") or {}
-    console.print(f"[red]{job['status']}[/red] {error.get('code') or ''}: {error.get('message') or ''}")
+    line = Text(job["status"], style="red")
+    if error.get("code"):
+        line += Text(f" ({error['code']})")
+    if error.get("message"):
+        line += Text(f": {error['message']}")
+    console.print(line, soft_wrap=True, highlight=False)
     raise typer.Exit(1)
 
 
 @jobs_app.command("download")
 def jobs_download(
-    job_id: str,
+    job_id: Annotated[str, typer.Argument(help="A job id or a unique prefix of one.")],
     output: Annotated[
         Path | None, typer.Option("-o", "--output", help="Zip path (default <job>-adapter.zip).")
     ] = None,
@@ -434,6 +610,8 @@ def jobs_download(
     api_key: KeyOpt = None,
 ) -> None:
     """Download the job's PEFT adapter as a zip, with a progress bar."""
+    with _client(url, api_key) as c:
+        job_id = find_job_id(c, job_id)
     dest = output or Path(f"{job_id}-adapter.zip")
     with (
         _client(url, api_key) as c,
@@ -447,7 +625,7 @@ def jobs_download(
             progress.update(bar, completed=done, total=total)
 
         size = _api_call(c.download_adapter, job_id, dest, on_progress)
-    console.print(f"wrote {dest} ({size} bytes)")
+    console.print(f"wrote {dest} ({fmt.size(size)})", soft_wrap=True)
 
 
 # --------------------------------------------------------------------------- other helpers' commands
@@ -472,4 +650,4 @@ if importlib.util.find_spec("service.cli_export") is not None:
 
 
 if __name__ == "__main__":
-    app()
+    main()

@@ -1,7 +1,9 @@
 """A small typed HTTP client for the Loraq REST API, used by the CLI.
 
 Base URL and key come from the caller (`--url/--api-key`) or `LORAQ_URL`/`LORAQ_API_KEY`.
-Every non-2xx answer raises `ApiError` carrying OpenAI's error body fields.
+Every non-2xx answer raises `ApiError` carrying OpenAI's error body fields; a server that cannot be
+reached (refused, unknown host, timed out) raises `ServerUnreachable`. Both are `ClientError`s, the
+errors the CLI prints as one line.
 """
 
 from __future__ import annotations
@@ -18,13 +20,37 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 CHUNK_BYTES = 1 << 20
 
 
-class ApiError(RuntimeError):
+class ClientError(RuntimeError):
+    """An expected failure of a call: its message is one line that says what to do."""
+
+
+class ApiError(ClientError):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         self.status = status
+        self.message = message
         self.param = param
         self.code = code
-        where = f" (param: {param})" if param else ""
-        super().__init__(f"HTTP {status}: {message}{where}")
+        # the field first: it is what the user has to change
+        where = f"{param}: " if param else ""
+        super().__init__(f"{where}{message} (HTTP {status})")
+
+
+class ServerUnreachable(ClientError):
+    def __init__(self, url: str, cause: str) -> None:
+        self.url = url
+        self.cause = cause
+        hint = "is `loraq up` running? set LORAQ_URL"
+        super().__init__(f"cannot reach the Loraq API at {url}: {cause}; {hint}")
+
+
+def _cause(exc: httpx.TransportError) -> str:
+    """'connection refused', 'timed out', or the socket error's own words without '[Errno N]'."""
+    if isinstance(exc, httpx.TimeoutException):
+        return "timed out"
+    text = str(exc) or type(exc).__name__
+    if "]" in text and text.startswith("[Errno"):
+        text = text.split("]", 1)[1].strip()
+    return text[:1].lower() + text[1:]
 
 
 def _raise_for(resp: httpx.Response) -> None:
@@ -43,7 +69,10 @@ class LoraqClient:
         base = (url or os.environ.get("LORAQ_URL") or DEFAULT_URL).rstrip("/")
         key = api_key or os.environ.get("LORAQ_API_KEY")
         if not key:
-            raise ApiError(401, "no API key: pass --api-key or set LORAQ_API_KEY")
+            raise ClientError(
+                "no API key: pass --api-key or set LORAQ_API_KEY (`loraq up` printed where its key is)"
+            )
+        self.base_url = base
         self.http = httpx.Client(
             base_url=base + "/v1", headers={"Authorization": f"Bearer {key}"}, timeout=timeout
         )
@@ -57,8 +86,17 @@ class LoraqClient:
     def __exit__(self, *_: object) -> None:
         self.close()
 
+    @contextmanager
+    def _reaching(self) -> Iterator[None]:
+        """Turn a transport failure (refused, DNS, timeout) into `ServerUnreachable`."""
+        try:
+            yield
+        except httpx.TransportError as e:
+            raise ServerUnreachable(self.base_url, _cause(e)) from e
+
     def _json(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
-        resp = self.http.request(method, path, **kw)
+        with self._reaching():
+            resp = self.http.request(method, path, **kw)
         _raise_for(resp)
         body: dict[str, Any] = resp.json()
         return body
@@ -99,7 +137,7 @@ class LoraqClient:
 
     @contextmanager
     def stream_adapter(self, job_id: str) -> Iterator[httpx.Response]:
-        with self.http.stream("GET", f"/fine_tuning/jobs/{job_id}/adapter") as resp:
+        with self._reaching(), self.http.stream("GET", f"/fine_tuning/jobs/{job_id}/adapter") as resp:
             _raise_for(resp)
             yield resp
 

@@ -246,6 +246,10 @@ class JobPublic(BaseModel):
     n_gpus: int = 1
     worker_id: str | None = None  # "host:gpu2:pid" (worker.launcher.worker_identity)
     eval_prompts: list[str] | None = None  # extension: sampled at every checkpoint
+    # Loraq extensions: when training began (durations), and a cancel that a running job has been
+    # asked for but not reached yet (its status stays `running` until the step ends)
+    started_at: int | None = None
+    cancel_requested: bool = False
 
 
 class JobsPublic(BaseModel):

@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def default_data_dir() -> Path:
+    """`var/` of the source checkout this package runs from (`make up`, an editable install), or the
+    user's data dir (`$XDG_DATA_HOME/loraq`, else ~/.local/share/loraq) for an installed wheel. Never
+    the current directory: every command finds the same database and models wherever it is run."""
+    if (PROJECT_ROOT / "pyproject.toml").is_file() and (PROJECT_ROOT / "service").is_dir():
+        return PROJECT_ROOT / "var"
+    xdg = os.environ.get("XDG_DATA_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".local" / "share") / "loraq"
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LORAQ_", extra="ignore")
 
-    data_dir: Path = Path("./var")
+    data_dir: Path = Field(default_factory=default_data_dir)  # a relative LORAQ_DATA_DIR is the user's
     database_url: str | None = None  # default: sqlite under data_dir
     redis_url: str | None = None  # unset: `loraq up` starts its own redis-server
     host: str = "127.0.0.1"

@@ -75,6 +75,8 @@ def job_public(job: Job | Row[Any]) -> JobPublic:
         n_gpus=job.n_gpus,
         worker_id=job.worker_id,
         eval_prompts=job.eval_prompts,
+        started_at=job.started_at,
+        cancel_requested=bool(job.cancel_requested),
         progress=ProgressPublic(
             step=job.step,
             total_steps=job.total_steps,
