@@ -12,6 +12,7 @@ from fastapi.openapi.utils import get_openapi
 
 from service.api import chat, files, health, jobs, models
 from service.api.dashboard import mount_dashboard
+from service.api.docs import mount_docs
 from service.api.metrics import install_service_metrics
 from service.db.session import close_read_pools
 from service.errors import install_error_handlers
@@ -52,7 +53,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 reaper.stop()
             await close_read_pools()
 
-    app = FastAPI(title="Loraq", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
+    # /docs and /redoc are ours (service/api/docs.py): FastAPI's load their scripts from a CDN
+    app = FastAPI(
+        title="Loraq",
+        version="0.1.0",
+        description=DESCRIPTION,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
     install_error_handlers(app)
     if settings.cors_origins:  # off unless origins are listed explicitly
         app.add_middleware(
@@ -66,6 +75,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # issue 5: request metrics middleware + GET /metrics; the dashboard at / and its /static assets
     install_service_metrics(app, settings)
     mount_dashboard(app)
+    mount_docs(app)
     app.openapi = lambda: openapi_without_422(app)  # type: ignore[method-assign]
     return app
 

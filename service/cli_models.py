@@ -34,7 +34,7 @@ def list_command() -> None:
     try:
         infos = list_models(_store())
     except ModelError as exc:
-        err_console.print(f"[red]error:[/red] {exc}")
+        err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True, highlight=False)
         raise typer.Exit(1) from None
     table = Table(title=f"Base models ({_store()})")
     table.add_column("name", style="bold", no_wrap=True)
@@ -73,7 +73,7 @@ def pull_command(
 
             path = pull_model(name, _store(), progress=report)
     except ModelError as exc:
-        err_console.print(f"[red]error:[/red] {exc}")
+        err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True, highlight=False)
         raise typer.Exit(1) from None
     console.print(f"[green]{name}[/green] ready at {path}")
 
@@ -89,7 +89,7 @@ def add_command(
     try:
         info = register_local_model(name, path, _store())
     except ModelError as exc:
-        err_console.print(f"[red]error:[/red] {exc}")
+        err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True, highlight=False)
         raise typer.Exit(1) from None
     console.print(f"registered [green]{info.name}[/green] -> {info.path}")
 
@@ -100,6 +100,6 @@ def show_command(name: str) -> None:
     try:
         info = get_model_info(name, _store())
     except ModelError as exc:
-        err_console.print(f"[red]error:[/red] {exc}")
+        err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True, highlight=False)
         raise typer.Exit(1) from None
     console.print(info)

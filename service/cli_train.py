@@ -76,7 +76,7 @@ def train_command(
     try:
         train_config = load_config_file(config, default_model_store=get_settings().model_store)
     except EngineError as e:
-        err_console.print(f"[red]{e}[/red]")
+        err_console.print(f"[red]error:[/red] {e}", soft_wrap=True, highlight=False)
         raise typer.Exit(2) from None
 
     from worker.engine import recipe
@@ -104,7 +104,7 @@ def train_command(
         with progress:
             result = recipe.train(train_config, callbacks)
     except EngineError as e:
-        err_console.print(f"[red]training failed: {e}[/red]")
+        err_console.print(f"[red]training failed:[/red] {e}", soft_wrap=True, highlight=False)
         raise typer.Exit(1) from None
     finally:
         signal.signal(signal.SIGINT, previous)

@@ -8,10 +8,8 @@ uvicorn API in a thread of this process, on SQLite; jobs stay queued (no worker)
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,14 +19,7 @@ import pytest
 
 from service import cli_format as fmt
 from tests.conftest import DATASET, make_tenant_key
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.live_server import free_port, serve
 
 
 def loraq(*args: str, env: dict[str, str], columns: int = 80) -> subprocess.CompletedProcess[str]:
@@ -54,7 +45,6 @@ class LiveApi:
 @pytest.fixture
 def live_api(_sqlite_db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LiveApi]:
     import redis
-    import uvicorn
 
     from service.app import create_app
     from service.settings import get_settings
@@ -72,21 +62,12 @@ def live_api(_sqlite_db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         monkeypatch.setenv(k, v)
     get_settings.cache_clear()
     tenant_id, key = make_tenant_key()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
     env = {k: v for k, v in os.environ.items() if not k.startswith("LORAQ_")}
-    env.update(LORAQ_URL=f"http://127.0.0.1:{port}", LORAQ_API_KEY=key)
     try:
-        yield LiveApi(url=env["LORAQ_URL"], key=key, tenant_id=tenant_id, env=env)
+        with serve(create_app()) as url:
+            env.update(LORAQ_URL=url, LORAQ_API_KEY=key)
+            yield LiveApi(url=url, key=key, tenant_id=tenant_id, env=env)
     finally:
-        server.should_exit = True
-        thread.join(10)
         get_settings.cache_clear()
         r = redis.Redis.from_url(REDIS_URL)
         r.delete(queue)
