@@ -297,11 +297,15 @@ class ModelPublic(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str
-    # Loraq's extensions: random-init models (tests, benchmarks) say so in every listing.
+    # Loraq's extensions: random-init models (tests, benchmarks) say so in every listing; `use`
+    # says what a base is for ("tests": tiny-llama, never a real fine-tune); `upstream` is the hub
+    # id its adapters name as their base.
     random: bool = False
     description: str | None = None
     # In the model store now; a catalog model that is not is downloaded on its first job.
     local: bool = True
+    use: Literal["fine-tuning", "tests", "benchmarks"] | None = None
+    upstream: str | None = None
 
 
 class ModelsPublic(BaseModel):

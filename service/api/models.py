@@ -27,6 +27,8 @@ def all_models(session: SessionDep, tenant_id: str) -> list[ModelPublic]:
             random=m.random,
             description=m.description,
             local=m.pulled,
+            use=m.use,
+            upstream=m.upstream,
         )
         for m in catalog
     ]

@@ -83,7 +83,10 @@ def test_dashboard_end_to_end(stack: Service, page: Any, artifacts_dir: Path, tm
     page.goto(svc.url + "/new")
     expect(page.locator("#keydialog")).to_be_hidden()
     expect(page.locator("#model option", has_text="tiny-llama")).to_have_count(1)
-    expect(page.locator("#model option[value='tiny-llama']")).to_have_text("tiny-llama (random weights)")
+    expect(page.locator("#model option[value='tiny-llama']")).to_have_text(
+        "tiny-llama (random weights, tests only)"
+    )
+    expect(page.locator("#model")).to_have_value("smollm2-135m-instruct")  # the real model by default
     page.set_input_files(
         "#trainfile", {"name": "broken.jsonl", "mimeType": "application/jsonl", "buffer": broken_lines()}
     )

@@ -91,3 +91,19 @@ def test_merged_export_refuses_another_base(tmp_path: Path, tiny: LoadedModel) -
     other = LoadedModel(tiny.model, tiny.tokenizer, "some-other-model", is_random=True)
     with pytest.raises(ModelError, match="trained on 'tiny-llama'"):
         export_merged(adapter, other, tmp_path / "merged")
+
+
+def test_adapter_config_names_the_upstream_base_and_reads_back_the_catalog_name(
+    tmp_path: Path, tiny: LoadedModel
+) -> None:
+    from worker.engine.export import adapter_config, read_adapter_config, write_adapter
+    from worker.engine.lora import apply_lora
+
+    model = copy.deepcopy(tiny.model)
+    apply_lora(model, LoraConfig(r=2, alpha=4.0))
+    config = adapter_config(model, LoraConfig(r=2, alpha=4.0), "smollm2-135m-instruct")
+    assert config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    write_adapter(tmp_path, model, LoraConfig(r=2, alpha=4.0), "smollm2-135m-instruct")
+    assert read_adapter_config(tmp_path)[1] == "smollm2-135m-instruct"  # `loraq export merged` finds it
+    with pytest.raises(ModelError, match="catalog name, not a path"):
+        write_adapter(tmp_path, model, LoraConfig(r=2, alpha=4.0), "/home/me/models/x")

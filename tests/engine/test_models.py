@@ -318,3 +318,15 @@ def test_gpt2_style_tokenizer_files_are_accepted(model_store: Path, tmp_path: Pa
         register_local_model("qwen", d, model_store)
     (d / "merges.txt").write_text("")
     assert register_local_model("qwen", d, model_store).kind == "local"
+
+
+def test_catalog_names_upstream_ids_and_marks_test_only_models(model_store: Path) -> None:
+    from worker.engine.catalog import catalog_name, upstream_id
+
+    infos = {i.name: i for i in list_models(model_store)}
+    assert infos["smollm2-135m-instruct"].upstream == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert infos["smollm2-135m-instruct"].use == "fine-tuning"
+    assert infos["tiny-llama"].use == "tests" and infos["tiny-llama"].upstream == "tiny-llama"
+    assert {infos[n].use for n in ("llama-1b", "llama-8b", "smollm2-135m")} == {"benchmarks"}
+    for name in infos:
+        assert catalog_name(upstream_id(name)) == name

@@ -21,6 +21,7 @@ from typing import Any, Literal
 from worker.engine.types import ModelError
 
 ModelKind = Literal["pretrained", "random", "local"]
+ModelUse = Literal["fine-tuning", "tests", "benchmarks"]
 
 REGISTRY_FILE = "registry.json"
 
@@ -40,6 +41,7 @@ class PretrainedSource:
     filename: str  # file name in the store
     sha256: str  # digest of the .gguf file, pinned
     size: int  # bytes of the .gguf file
+    hub_id: str  # the upstream Hugging Face repository: adapters name it as their base
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ SMOLLM2_SOURCE = PretrainedSource(
     filename="SmolLM2-135M-Instruct.Q4_1.gguf",
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     size=98_362_432,
+    hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
 )
 
 # tiny-llama: a few MB; its tokenizer (~512 tokens) is built in worker/engine/tiny.py.
@@ -144,11 +147,15 @@ PRETRAINED: dict[str, PretrainedSource] = {"smollm2-135m-instruct": SMOLLM2_SOUR
 
 _DESCRIPTIONS = {
     "smollm2-135m-instruct": "SmolLM2-135M-Instruct, pretrained (GGUF Q4_1, dequantized on load)",
-    "tiny-llama": "random-init Llama, 0.14M parameters, for tests",
+    "tiny-llama": "random-init Llama, 0.14M parameters: for tests only, learns nothing real",
     "llama-1b": "random-init Llama-3.2-1B shape, benchmarks only",
     "llama-8b": "random-init Llama-3.1-8B shape, benchmarks only",
     "smollm2-135m": "random-init SmolLM2-135M shape, benchmarks only",
 }
+
+
+# Random-init built-ins are for tests or benchmarks: a fine-tune of random weights learns nothing.
+_USES: dict[str, ModelUse] = {"tiny-llama": "tests"}
 
 
 @dataclass(frozen=True)
@@ -159,6 +166,23 @@ class BaseModelInfo:
     random: bool
     path: str | None  # pretrained: the .gguf once pulled; local: the directory; random: None
     pulled: bool  # ready to load without a download (always True for random presets)
+    # adapter_config.json's base_model_name_or_path: the upstream hub id where there is one (what
+    # PEFT, vLLM and llama.cpp load), else the catalog name; never a path of this machine
+    upstream: str = ""
+    use: ModelUse = "fine-tuning"
+
+
+def upstream_id(name: str) -> str:
+    """The base's upstream hub id (`HuggingFaceTB/SmolLM2-135M-Instruct`), or `name` without one."""
+    return PRETRAINED[name].hub_id if name in PRETRAINED else name
+
+
+def catalog_name(base_model_name_or_path: str) -> str:
+    """The catalog name an adapter's base_model_name_or_path stands for (the inverse of upstream_id)."""
+    for name, source in PRETRAINED.items():
+        if source.hub_id == base_model_name_or_path:
+            return name
+    return base_model_name_or_path
 
 
 def builtin_names() -> list[str]:
@@ -257,9 +281,17 @@ def _builtin_info(name: str, store: Path) -> BaseModelInfo:
             random=False,
             path=str(file) if pulled else None,
             pulled=pulled,
+            upstream=upstream_id(name),
         )
     return BaseModelInfo(
-        name=name, kind="random", description=_DESCRIPTIONS[name], random=True, path=None, pulled=True
+        name=name,
+        kind="random",
+        description=_DESCRIPTIONS[name],
+        random=True,
+        path=None,
+        pulled=True,
+        upstream=name,
+        use=_USES.get(name, "benchmarks"),
     )
 
 
@@ -272,6 +304,7 @@ def _local_info(name: str, entry: dict[str, str]) -> BaseModelInfo:
         random=False,
         path=path,
         pulled=Path(path).is_dir(),
+        upstream=name,
     )
 
 

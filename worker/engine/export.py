@@ -4,8 +4,9 @@ PEFT layout (a directory):
     adapter_model.safetensors   {"base_model.model.<module path>.lora_A.weight": (r, in) fp32,
                                  "base_model.model.<module path>.lora_B.weight": (out, r) fp32}
     adapter_config.json         peft_type LORA, task_type CAUSAL_LM, base_model_name_or_path = the
-                                catalog NAME of the base model (never a path of this machine), r,
-                                lora_alpha, lora_dropout, target_modules, use_rslora, bias "none"
+                                base's upstream hub id (`catalog.upstream_id`: the catalog name
+                                where it has none; never a path of this machine), r, lora_alpha,
+                                lora_dropout, target_modules, use_rslora, bias "none"
 
 `export_merged` folds W ← W + s·B·A into a copy of the base model and writes a plain Hugging Face
 model directory (safetensors + config.json + tokenizer) loadable by AutoModelForCausalLM.
@@ -25,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from worker.engine.catalog import catalog_name, upstream_id
 from worker.engine.lora import (
     apply_lora,
     load_lora_state_dict,
@@ -43,12 +45,12 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 
 def adapter_config(model: nn.Module, cfg: LoraConfig, model_name: str) -> dict[str, Any]:
-    """adapter_config.json's content. target_modules lists the leaf names actually wrapped, so
-    PEFT wraps exactly the same layers ("all-linear" is expanded)."""
+    """adapter_config.json's content for a base of catalog name `model_name`. target_modules lists
+    the leaf names actually wrapped, so PEFT wraps exactly the same layers ("all-linear" is expanded)."""
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": model_name,
+        "base_model_name_or_path": upstream_id(model_name),
         "r": cfg.r,
         "lora_alpha": cfg.alpha,
         "lora_dropout": cfg.dropout,
@@ -73,7 +75,7 @@ def write_adapter(directory: Path, model: nn.Module, cfg: LoraConfig, model_name
     if not lora_modules(model):
         raise RuntimeError("model has no LoRA layers to export")
     if "/" in model_name or os.sep in model_name:
-        raise ModelError(f"base_model_name_or_path must be a catalog name, not a path: {model_name!r}")
+        raise ModelError(f"the base must be given by its catalog name, not a path: {model_name!r}")
     save_file(lora_state_dict(model), str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     config = adapter_config(model, cfg, model_name)
     (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -112,7 +114,7 @@ def export_adapter(out_dir: Path, model: nn.Module, cfg: LoraConfig, model_name:
 
 
 def read_adapter_config(adapter_dir: Path) -> tuple[LoraConfig, str]:
-    """LoraConfig and base model name from adapter_config.json."""
+    """LoraConfig and the base's catalog name (its upstream hub id mapped back) from adapter_config.json."""
     path = adapter_dir / ADAPTER_CONFIG
     if not path.is_file():
         raise ModelError(f"{adapter_dir} is not a PEFT adapter directory: no {ADAPTER_CONFIG}")
@@ -126,7 +128,7 @@ def read_adapter_config(adapter_dir: Path) -> tuple[LoraConfig, str]:
         target_modules=data["target_modules"],
         use_rslora=bool(data.get("use_rslora", False)),
     )
-    return cfg, str(data.get("base_model_name_or_path", ""))
+    return cfg, catalog_name(str(data.get("base_model_name_or_path", "")))
 
 
 def load_adapter(adapter_dir: Path, model: nn.Module) -> LoraConfig:

@@ -4,6 +4,7 @@
 "use strict";
 
 const uploaded = { train: null, valid: null }; // {id, summary}
+const DEFAULT_MODEL = "smollm2-135m-instruct";
 
 function summaryHtml(label, file, s) {
   const bad = s.bad_lines.map((b) => `<li>line ${b.line}: ${loraq.esc(b.reason)}</li>`).join("");
@@ -161,12 +162,15 @@ async function loadModels() {
   const names = base.map((m) => m.id);
   // Random-init models (tests, benchmarks) and models not downloaded yet are labelled as such;
   // the value stays the bare name.
-  const label = (m) => [m.random ? "random weights" : "", m.local ? "" : "not local: downloaded on first use"]
-    .filter(Boolean).join("; ");
+  const label = (m) => [
+    m.use === "tests" ? "random weights, tests only" : m.random ? "random weights" : "",
+    m.local ? "" : "not local: downloaded on first use",
+  ].filter(Boolean).join("; ");
   select.innerHTML = base
     .map((m) => `<option value="${loraq.esc(m.id)}">${loraq.esc(m.id)}${label(m) ? ` (${label(m)})` : ""}</option>`)
     .join("");
-  if (names.includes("tiny-llama")) select.value = "tiny-llama";
+  // The real pretrained model by default: a first job on random weights teaches nothing.
+  if (names.includes(DEFAULT_MODEL)) select.value = DEFAULT_MODEL;
 }
 
 document.addEventListener("DOMContentLoaded", () => {
