@@ -13,7 +13,7 @@ from __future__ import annotations
 import signal
 import types
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import typer
 from rich.console import Console
@@ -52,7 +52,9 @@ class ProgressCallbacks:
             eta=_duration(metrics.eta_seconds),
         )
 
-    def on_event(self, level: Literal["info", "warn", "error"], message: str) -> None:
+    def on_event(
+        self, level: Literal["info", "warn", "error"], message: str, data: dict[str, Any] | None = None
+    ) -> None:
         style = {"info": "dim", "warn": "yellow", "error": "red"}[level]
         self.progress.console.print(f"[{style}]{message}[/{style}]")
 

@@ -118,11 +118,14 @@ class JobCallbacks:
         if due or len(self._buffer) >= FLUSH_EVERY_STEPS:
             self.flush()
 
-    def on_event(self, level: Literal["info", "warn", "error"], message: str) -> None:
+    def on_event(
+        self, level: Literal["info", "warn", "error"], message: str, data: dict[str, Any] | None = None
+    ) -> None:
         if self.fenced:
             return
+        self.flush()  # a health warning names a step: that step's row is on the chart first
         with session_scope() as session:
-            jobs.add_event(session, job_id=self.claim.job_id, level=level, message=message)
+            jobs.add_event(session, job_id=self.claim.job_id, level=level, message=message, data=data)
 
     def on_checkpoint(self, checkpoint: CheckpointInfo) -> None:
         self.flush()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -33,7 +33,9 @@ class Recorder:
     def on_step(self, metrics: StepMetrics) -> None:
         self.steps.append(metrics)
 
-    def on_event(self, level: Literal["info", "warn", "error"], message: str) -> None:
+    def on_event(
+        self, level: Literal["info", "warn", "error"], message: str, data: dict[str, Any] | None = None
+    ) -> None:
         self.events.append(message)
 
     def on_checkpoint(self, checkpoint: CheckpointInfo) -> None:

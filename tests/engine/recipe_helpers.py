@@ -56,6 +56,7 @@ class Recorder(NullCallbacks):
     def __init__(self, stop_after: int | None = None) -> None:
         self.steps: list[StepMetrics] = []
         self.events: list[tuple[str, str]] = []
+        self.full_events: list[tuple[str, str, dict[str, Any] | None]] = []
         self.checkpoints: list[CheckpointInfo] = []
         self.stop_after = stop_after
         self.stop_checks = 0
@@ -63,8 +64,11 @@ class Recorder(NullCallbacks):
     def on_step(self, metrics: StepMetrics) -> None:
         self.steps.append(metrics)
 
-    def on_event(self, level: Literal["info", "warn", "error"], message: str) -> None:
+    def on_event(
+        self, level: Literal["info", "warn", "error"], message: str, data: dict[str, Any] | None = None
+    ) -> None:
         self.events.append((level, message))
+        self.full_events.append((level, message, data))
 
     def on_checkpoint(self, checkpoint: CheckpointInfo) -> None:
         self.checkpoints.append(checkpoint)

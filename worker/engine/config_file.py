@@ -74,6 +74,7 @@ TRAIN_SPECS: dict[str, FieldSpec] = {
     "max_grad_norm": FieldSpec("float", check=_between(0, 1e6, lo_open=True)),
     "seed": FieldSpec("int", check=_between(0, 2**63 - 1)),
     "pack": FieldSpec("bool"),
+    "validation_split": FieldSpec("float", check=_between(0, 0.5)),
     "eval_every": FieldSpec("int", check=_at_least(0)),
     "checkpoint_every": FieldSpec("int", check=_at_least(0)),
     "resume_from": FieldSpec("path", optional=True),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -379,6 +380,17 @@ def validate_dataset(path: Path, tokenizer: PreTrainedTokenizerBase, max_seq_len
     return read_examples(path, tokenizer, max_seq_len)[1]
 
 
+HOLDOUT_MIN_EXAMPLES = 100  # fewer examples: every one is needed for training, none held out
+HOLDOUT_MAX_EXAMPLES = 200  # enough for a steady validation loss; more only slows evaluation
+
+
+def holdout_size(examples: int, fraction: float) -> int:
+    """How many examples a `fraction` holdout takes from a file of `examples` examples."""
+    if fraction <= 0 or examples < HOLDOUT_MIN_EXAMPLES:
+        return 0
+    return min(HOLDOUT_MAX_EXAMPLES, max(1, round(fraction * examples)))
+
+
 def load_dataset(
     path: Path,
     tokenizer: PreTrainedTokenizerBase,
@@ -388,21 +400,56 @@ def load_dataset(
     file_label: str = "training_file",
 ) -> TokenizedDataset:
     """Tokenize a JSONL file; raise DatasetError listing every bad line if any line is bad."""
+    train, _ = load_split_dataset(path, tokenizer, max_seq_len, pack=pack, file_label=file_label)
+    return train
+
+
+def load_split_dataset(
+    path: Path,
+    tokenizer: PreTrainedTokenizerBase,
+    max_seq_len: int,
+    *,
+    pack: bool = False,
+    file_label: str = "training_file",
+    holdout: float = 0.0,
+    seed: int = 0,
+) -> tuple[TokenizedDataset, TokenizedDataset | None]:
+    """`load_dataset`, with `holdout_size(examples, holdout)` examples, drawn by `seed`, set apart as a
+    validation set (None when nothing is held out)."""
     examples, report = read_examples(path, tokenizer, max_seq_len)
     if report.errors:
         raise DatasetError(report.errors, file_label=file_label)
     assert report.format is not None
+    k = holdout_size(len(examples), holdout)
+    if k == 0:
+        return _dataset(examples, tokenizer, max_seq_len, pack, report.format), None
+    held = set(random.Random(seed).sample(range(len(examples)), k))
+    train = [e for i, e in enumerate(examples) if i not in held]
+    valid = [e for i, e in enumerate(examples) if i in held]
+    return (
+        _dataset(train, tokenizer, max_seq_len, pack, report.format),
+        _dataset(valid, tokenizer, max_seq_len, pack, report.format),
+    )
+
+
+def _dataset(
+    examples: list[Example],
+    tokenizer: PreTrainedTokenizerBase,
+    max_seq_len: int,
+    pack: bool,
+    fmt: DatasetFormat,
+) -> TokenizedDataset:
     rows = training_rows(examples, max_seq_len, pack=pack)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     assert pad is not None
     return TokenizedDataset(
         rows=rows,
-        examples=report.examples,
-        tokens=report.tokens,
-        trainable_tokens=report.trainable_tokens,
+        examples=len(examples),
+        tokens=sum(len(e.input_ids) for e in examples),
+        trainable_tokens=sum(e.trainable_tokens for e in examples),
         max_seq_len=max_seq_len,
         packed=pack,
-        format=report.format,
+        format=fmt,
         pad_token_id=int(pad),
     )
 

@@ -153,9 +153,11 @@ class RankZeroCallbacks:
         if self.ctx.is_main:
             self.inner.on_step(metrics)
 
-    def on_event(self, level: Literal["info", "warn", "error"], message: str) -> None:
+    def on_event(
+        self, level: Literal["info", "warn", "error"], message: str, data: dict[str, Any] | None = None
+    ) -> None:
         if self.ctx.is_main:
-            self.inner.on_event(level, message)
+            self.inner.on_event(level, message, data)
 
     def on_checkpoint(self, checkpoint: CheckpointInfo) -> None:
         if self.ctx.is_main:
@@ -186,8 +188,10 @@ class FileCallbacks:
     def on_step(self, metrics: StepMetrics) -> None:
         self._write({"type": "step", **dataclasses.asdict(metrics)})
 
-    def on_event(self, level: Literal["info", "warn", "error"], message: str) -> None:
-        self._write({"type": "event", "level": level, "message": message})
+    def on_event(
+        self, level: Literal["info", "warn", "error"], message: str, data: dict[str, Any] | None = None
+    ) -> None:
+        self._write({"type": "event", "level": level, "message": message, "data": data})
 
     def on_checkpoint(self, checkpoint: CheckpointInfo) -> None:
         self._write(
@@ -345,7 +349,7 @@ def _forward(events: Path, offset: int, callbacks: TrainingCallbacks, records: l
         if kind == "step":
             callbacks.on_step(StepMetrics(**record))
         elif kind == "event":
-            callbacks.on_event(record["level"], record["message"])
+            callbacks.on_event(record["level"], record["message"], record.get("data"))
         elif kind == "checkpoint":
             callbacks.on_checkpoint(
                 CheckpointInfo(record["step"], Path(record["path"]), record.get("samples", []))

@@ -36,17 +36,27 @@ from worker.engine.checkpoint import (
     save_checkpoint,
 )
 from worker.engine.config_file import validate_config
-from worker.engine.data import IGNORE_INDEX, Batch, BatchSampler, TokenizedDataset, load_dataset
+from worker.engine.data import (
+    HOLDOUT_MIN_EXAMPLES,
+    IGNORE_INDEX,
+    Batch,
+    BatchSampler,
+    TokenizedDataset,
+    load_dataset,
+    load_split_dataset,
+)
 from worker.engine.export import export_adapter
 from worker.engine.fused_llama import FuseReport, fuse_llama, fused_stack, lm_loss_sum
+from worker.engine.health import Finding, HealthMonitor
 from worker.engine.lora import apply_lora, lora_modules, remove_lora, trainable_parameters
 from worker.engine.models import LoadedModel, load_base_model
 from worker.engine.sampling import greedy_samples
-from worker.engine.schedule import build_scheduler
+from worker.engine.schedule import build_scheduler, warmup_steps
 from worker.engine.train_step import CapturedTrainStep, HostStep, StepShape, host_step
 from worker.engine.types import (
     CheckpointInfo,
     ConfigError,
+    DivergedError,
     KernelUnavailableError,
     LimitExceeded,
     NonFiniteError,
@@ -116,11 +126,20 @@ class LoRAFinetuneRecipe:
         model = self.model
         tokenizer = self.loaded.tokenizer
 
-        self.train_data = load_dataset(cfg.train_file, tokenizer, cfg.max_seq_len, pack=cfg.pack)
         self.valid_data: TokenizedDataset | None = None
         if cfg.validation_file is not None:
+            self.train_data = load_dataset(cfg.train_file, tokenizer, cfg.max_seq_len, pack=cfg.pack)
             self.valid_data = load_dataset(
                 cfg.validation_file, tokenizer, cfg.max_seq_len, pack=cfg.pack, file_label="validation_file"
+            )
+        else:  # hold some examples out (seeded), so the run has a validation curve all the same
+            self.train_data, self.valid_data = load_split_dataset(
+                cfg.train_file,
+                tokenizer,
+                cfg.max_seq_len,
+                pack=cfg.pack,
+                holdout=cfg.validation_split,
+                seed=cfg.seed,
             )
         self.sampler = BatchSampler(self.train_data, cfg.batch_size, cfg.seed)
         self.batches_per_epoch = len(self.sampler)
@@ -130,6 +149,7 @@ class LoRAFinetuneRecipe:
         else:
             self.total_micro_batches = cfg.n_epochs * self.batches_per_epoch
             self.total_steps = math.ceil(self.total_micro_batches / cfg.grad_accum)
+        self.health = HealthMonitor(warmup_steps=warmup_steps(self.total_steps, cfg.warmup_ratio))
         if cfg.step_limit is not None and self.total_steps > cfg.step_limit:
             # Known before the first step: fail now rather than train up to the limit and stop.
             raise LimitExceeded(
@@ -195,6 +215,24 @@ class LoRAFinetuneRecipe:
         elif self.on_cuda:
             log.warning("eager training step: %s", self.eager_reason)
             self.callbacks.on_event("warn", f"Training step runs eagerly (slower): {self.eager_reason}")
+        self._announce_validation()
+
+    def _announce_validation(self) -> None:
+        cfg = self.config
+        if cfg.validation_file is not None or cfg.validation_split <= 0:
+            return
+        if self.valid_data is None:
+            self.callbacks.on_event(
+                "info",
+                f"No validation holdout: {self.train_data.examples} examples are fewer than "
+                f"{HOLDOUT_MIN_EXAMPLES}; give a validation_file for a validation curve",
+            )
+            return
+        self.callbacks.on_event(
+            "info",
+            f"Validation: {self.valid_data.examples} examples held out of the training file "
+            f"({cfg.validation_split:.0%}, at most 200); validation_split 0 trains on all of them",
+        )
 
     def _eager_reason(self, report: FuseReport) -> str | None:
         """Why this run cannot take the captured fused step (None: it can)."""
@@ -346,6 +384,36 @@ class LoRAFinetuneRecipe:
 
     # ------------------------------------------------------------------ loop
 
+    def _step_metrics(
+        self,
+        step: int,
+        loss: float,
+        lr: float,
+        grad_norm: float,
+        tokens: int,
+        seconds: float,
+        valid_loss: float | None = None,
+    ) -> StepMetrics:
+        """One step's report (eta 0: the caller sets it when the run goes on)."""
+        return StepMetrics(
+            step=step,
+            total_steps=self.total_steps,
+            epoch=self.state.micro_batches / self.batches_per_epoch,
+            train_loss=loss,
+            lr=lr,
+            grad_norm=grad_norm,
+            tokens=tokens,
+            trained_tokens=self.state.trained_tokens,
+            tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
+            step_seconds=seconds,
+            eta_seconds=0.0,
+            valid_loss=valid_loss,
+        )
+
+    def _report(self, findings: list[Finding]) -> None:
+        for f in findings:
+            self.callbacks.on_event("warn", f.message, f.data())
+
     def _micro_batches_at(self, start: int) -> list[Batch]:
         """The micro-batches of the optimizer step whose first micro-batch is number `start`."""
         out = []
@@ -391,6 +459,7 @@ class LoRAFinetuneRecipe:
                 path = self.save_checkpoint()
                 return self._result(path, valid_loss, stopped=True)
             t0 = time.monotonic()
+            epoch_before = state.micro_batches // self.batches_per_epoch
             micro, host = upcoming or self._prepare(state.micro_batches)
             step = state.step + 1
             lr = self._current_lr()
@@ -404,8 +473,16 @@ class LoRAFinetuneRecipe:
                 slots = sum(b.input_ids.numel() for b in micro)
             # the one host read of the step (it waits for the GPU)
             loss, grad_norm = torch.stack([loss_t.float(), norm_t.float().to(loss_t.device)]).tolist()
-            if not math.isfinite(loss):
-                raise NonFiniteError(step, "loss")
+            tokens = sum(b.num_tokens for b in micro)
+            # A diverged run stops with its last checkpoint intact (on the eager path before the
+            # optimizer applies the step). The step that blew up is still reported, so the loss
+            # curve shows the jump.
+            try:
+                findings = self.health.check_step(step, loss)
+            except DivergedError:
+                metrics = self._step_metrics(step, loss, lr, grad_norm, tokens, time.monotonic() - t0)
+                self.callbacks.on_step(metrics)
+                raise
             if not math.isfinite(grad_norm):
                 raise NonFiniteError(step, "gradient norm")
             if host is None:
@@ -413,7 +490,7 @@ class LoRAFinetuneRecipe:
             else:  # the graph stepped the optimizer; the schedule moves on the host
                 self.scheduler.step()
             state.micro_batches += len(micro)
-            tokens = sum(b.num_tokens for b in micro)
+            epoch_end = state.micro_batches // self.batches_per_epoch > epoch_before
             state.step = step
             state.trained_tokens += tokens
             state.last_train_loss = loss
@@ -421,28 +498,21 @@ class LoRAFinetuneRecipe:
 
             valid_loss = None
             last = step == self.total_steps
-            if self.valid_data is not None and (last or (cfg.eval_every and step % cfg.eval_every == 0)):
+            # validation loss at every epoch end, every eval_every steps and at the end
+            due = last or epoch_end or bool(cfg.eval_every and step % cfg.eval_every == 0)
+            if self.valid_data is not None and due:
                 valid_loss = self.evaluate()
+                if valid_loss is not None:
+                    findings += self.health.check_eval(step, valid_loss)
+            if last or step == self.total_steps // 2:
+                findings += self.health.check_progress(step)
             now = time.monotonic()
-            step_seconds = now - t0
             per_step = (now - run_start) / steps_this_run
-            self.callbacks.on_step(
-                StepMetrics(
-                    step=step,
-                    total_steps=self.total_steps,
-                    epoch=state.micro_batches / self.batches_per_epoch,
-                    train_loss=loss,
-                    lr=lr,
-                    grad_norm=grad_norm,
-                    tokens=tokens,
-                    trained_tokens=state.trained_tokens,
-                    tokens_per_s=tokens / step_seconds if step_seconds > 0 else 0.0,
-                    step_seconds=step_seconds,
-                    eta_seconds=per_step * (self.total_steps - step),
-                    valid_loss=valid_loss,
-                    padding_fraction=1.0 - tokens / slots if slots else 0.0,
-                )
-            )
+            metrics = self._step_metrics(step, loss, lr, grad_norm, tokens, now - t0, valid_loss)
+            metrics.eta_seconds = per_step * (self.total_steps - step)
+            metrics.padding_fraction = 1.0 - tokens / slots if slots else 0.0
+            self.callbacks.on_step(metrics)
+            self._report(findings)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and not last:
                 self.save_checkpoint()
             self._check_limits(last)

@@ -45,7 +45,11 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     seed: int = 0
     pack: bool = True  # padding-free: examples packed into rows of max_seq_len tokens
-    eval_every: int = 0  # 0 = only at the end (when a validation file is given)
+    # Without a validation_file, hold out this share of the examples for the validation loss (at
+    # most HOLDOUT_MAX_EXAMPLES, only from HOLDOUT_MIN_EXAMPLES examples on: worker/engine/data.py);
+    # 0 = train on everything. The service passes LORAQ_VALIDATION_SPLIT (0.05) or the job's value.
+    validation_split: float = 0.0
+    eval_every: int = 0  # steps between validation losses; they also come at every epoch end and the end
     checkpoint_every: int = 0  # 0 = only at the end
     resume_from: Path | None = None
     device: DeviceName = "auto"
@@ -101,9 +105,13 @@ class TrainResult:
     stopped: bool = False  # True when should_stop() ended the run early
 
 
+EventLevel = Literal["info", "warn", "error"]
+
+
 class TrainingCallbacks(Protocol):
     def on_step(self, metrics: StepMetrics) -> None: ...
-    def on_event(self, level: Literal["info", "warn", "error"], message: str) -> None: ...
+    # `data` carries what a reader needs beyond the words: a health warning's {"health": kind, "step"}
+    def on_event(self, level: EventLevel, message: str, data: dict[str, Any] | None = None) -> None: ...
     def on_checkpoint(self, checkpoint: CheckpointInfo) -> None: ...
     def should_stop(self) -> bool: ...
 
@@ -114,7 +122,7 @@ class NullCallbacks:
     def on_step(self, metrics: StepMetrics) -> None:
         return None
 
-    def on_event(self, level: Literal["info", "warn", "error"], message: str) -> None:
+    def on_event(self, level: EventLevel, message: str, data: dict[str, Any] | None = None) -> None:
         return None
 
     def on_checkpoint(self, checkpoint: CheckpointInfo) -> None:
@@ -153,12 +161,24 @@ class ModelError(EngineError):
     param = "model"
 
 
-class NonFiniteError(EngineError):
-    code = "non_finite"
+LOWER_LR_HINT = "lower the learning rate (learning_rate_multiplier) or raise warmup"
 
-    def __init__(self, step: int, what: str = "loss") -> None:
+
+class DivergedError(EngineError):
+    """Training blew up: a NaN/inf loss or gradient, or the loss far above where it started."""
+
+    code = "diverged"
+    param = "hyperparameters.learning_rate_multiplier"
+
+    def __init__(self, step: int, what: str) -> None:
         self.step = step
-        super().__init__(f"non-finite {what} at step {step}; run stopped, last good checkpoint kept")
+        super().__init__(f"training diverged at step {step}: {what}; {LOWER_LR_HINT}")
+
+
+class NonFiniteError(DivergedError):
+    def __init__(self, step: int, what: str = "loss") -> None:
+        stopped = "run stopped before the optimizer step, last good checkpoint kept"
+        super().__init__(step, f"non-finite {what} ({stopped})")
 
 
 class LimitExceeded(EngineError):

@@ -1,0 +1,160 @@
+"""Training tells you when it went wrong: each health case driven on the CPU tiny model.
+
+tiny-llama's random head keeps its logits near zero (its final RMSNorm bounds the hidden state), so
+its loss can neither blow up nor fall near zero. The fixture makes the tiny model a "pretrained"
+one in two real steps: the head scaled ×20 (registered as a local model, `tiny-sharp`), then 100
+steps on the animal chats merged in (`tiny-pretrained`, train loss ≈ 0.04). On that model:
+- learning rate ×500 → the loss leaves its first value ×3 → `DivergedError` (code `diverged`);
+- training "the X is a plant." while validating on the animal answers it knew → the validation
+  loss rises while the train loss falls (overfitting), and the train loss drops under 0.05
+  (memorizing);
+and on tiny-llama, a learning rate of 1e-9 leaves the loss flat (nothing trained).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.engine.recipe_helpers import ANIMALS, Recorder, tiny_config, write_animal_chats
+from worker.engine.catalog import register_local_model
+from worker.engine.export import export_merged
+from worker.engine.health import HealthMonitor
+from worker.engine.models import load_base_model
+from worker.engine.recipe import train
+from worker.engine.types import DivergedError, NonFiniteError
+
+
+@pytest.fixture(scope="module")
+def pretrained_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("health")
+    store = tmp / "models"
+    tiny = load_base_model("tiny-llama", store=store)
+    with torch.no_grad():
+        tiny.model.get_output_embeddings().weight.mul_(20.0)
+    tiny.model.save_pretrained(tmp / "sharp", safe_serialization=True)
+    tiny.tokenizer.save_pretrained(tmp / "sharp")
+    register_local_model("tiny-sharp", tmp / "sharp", store)
+    config = tiny_config(
+        tmp / "pre", model="tiny-sharp", model_store=store, max_steps=100, learning_rate=1e-2,
+        lr_scheduler="constant",
+    )  # fmt: skip
+    adapter = train(config, Recorder()).adapter_dir
+    export_merged(adapter, load_base_model("tiny-sharp", store=store), tmp / "pretrained")
+    register_local_model("tiny-pretrained", tmp / "pretrained", store)
+    return store
+
+
+def health_events(rec: Recorder) -> list[tuple[str, dict[str, object]]]:
+    return [(msg, data) for level, msg, data in rec.full_events if level == "warn" and data]
+
+
+# --------------------------------------------------------------------------- the monitor alone
+
+
+def test_monitor_rules() -> None:
+    m = HealthMonitor(warmup_steps=2)
+    assert m.check_step(1, 2.0) == []
+    assert m.check_step(2, 7.0) == []  # still warming up: a spike is allowed
+    with pytest.raises(DivergedError, match=r"step 3: train loss 6.1 is over 3x its first value 2") as e:
+        m.check_step(3, 6.1)
+    assert e.value.code == "diverged" and "lower the learning rate" in str(e.value)
+    with pytest.raises(NonFiniteError):
+        HealthMonitor().check_step(1, float("nan"))
+
+    flat = HealthMonitor()
+    for step in range(1, 11):
+        flat.check_step(step, 3.0 + 0.001 * (step % 2))
+    (finding,) = flat.check_progress(10)
+    assert finding.kind == "not_training" and finding.data() == {"health": "not_training", "step": 10}
+    assert flat.check_progress(11) == []  # once per run
+
+    over = HealthMonitor()
+    for step, (train_loss, valid) in enumerate([(3.0, 2.0), (2.0, 2.1), (1.0, 2.2)], start=1):
+        over.check_step(step, train_loss)
+        findings = over.check_eval(step, valid)
+    assert [f.kind for f in findings] == ["overfitting"]
+
+
+# --------------------------------------------------------------------------- on the tiny model
+
+
+def test_divergence_fails_with_code_and_hint(pretrained_store: Path, tmp_path: Path) -> None:
+    rec = Recorder()
+    config = tiny_config(
+        tmp_path, model="tiny-pretrained", model_store=pretrained_store, max_steps=20, learning_rate=0.1,
+        checkpoint_every=1,
+    )  # fmt: skip
+    with pytest.raises(DivergedError) as err:
+        train(config, rec)
+    assert err.value.code == "diverged" and err.value.param == "hyperparameters.learning_rate_multiplier"
+    assert "over 3x its first value" in str(err.value) and "lower the learning rate" in str(err.value)
+    # stopped before the optimizer applied the diverged step: no checkpoint of it, no adapter
+    assert [c.step for c in rec.checkpoints] == [m.step for m in rec.steps] == list(range(1, err.value.step))
+    assert not (tmp_path / "out" / "adapter").exists()
+
+
+def test_overfitting_and_memorizing_warn_once_with_their_step(pretrained_store: Path, tmp_path: Path) -> None:
+    plant = tmp_path / "plant.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": f"what is the {a}?"},
+                      {"role": "assistant", "content": f"the {a} is a plant."}]}
+        for a in ANIMALS * 4
+    ]  # fmt: skip
+    plant.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    known = write_animal_chats(tmp_path / "animals.jsonl", 8)
+    rec = Recorder()
+    config = tiny_config(
+        tmp_path, model="tiny-pretrained", model_store=pretrained_store, train_file=plant,
+        validation_file=known, eval_every=2, max_steps=24, learning_rate=5e-3,
+    )  # fmt: skip
+    train(config, rec)
+    events = health_events(rec)
+    kinds = [d["health"] for _, d in events]
+    assert sorted(kinds) == ["memorizing", "overfitting"], events
+    for message, data in events:
+        step = data["step"]
+        assert isinstance(step, int) and 1 <= step <= 24
+        if data["health"] == "overfitting":
+            assert message.startswith("Overfitting: validation loss rose")
+            valid = [m.valid_loss for m in rec.steps if m.valid_loss is not None and m.step <= step]
+            assert valid[-1] > valid[-2] > valid[-3]
+        else:
+            assert message.startswith("Memorizing: train loss")
+            assert sum(m.train_loss for m in rec.steps[step - 5 : step]) / 5 < 0.05
+
+
+def test_flat_loss_says_nothing_trained(tmp_path: Path) -> None:
+    rec = Recorder()
+    train(tiny_config(tmp_path, max_steps=12, learning_rate=1e-9), rec)
+    events = health_events(rec)
+    assert [d["health"] for _, d in events] == ["not_training"]
+    assert events[0][1]["step"] == 12 and "raise the learning rate" in events[0][0]
+
+
+# --------------------------------------------------------------------------- the default holdout
+
+
+def test_holdout_of_five_percent_only_from_100_examples(tmp_path: Path) -> None:
+    (tmp_path / "big").mkdir()
+    (tmp_path / "small").mkdir()
+    write_animal_chats(tmp_path / "big" / "train.jsonl", 120)
+    rec = Recorder()
+    result = train(tiny_config(tmp_path / "big", validation_split=0.05, max_steps=3), rec)
+    assert any("Validation: 6 examples held out" in msg for _, msg in rec.events)
+    assert any("114 examples" in msg for _, msg in rec.events)  # trained on the rest
+    assert rec.steps[-1].valid_loss is not None and result.final_valid_loss is not None
+
+    write_animal_chats(tmp_path / "small" / "train.jsonl", 60)
+    rec = Recorder()
+    train(tiny_config(tmp_path / "small", validation_split=0.05, max_steps=2), rec)
+    assert any("No validation holdout: 60 examples are fewer than 100" in msg for _, msg in rec.events)
+    assert all(m.valid_loss is None for m in rec.steps)
+
+    rec = Recorder()
+    train(tiny_config(tmp_path / "big", validation_split=0.0, max_steps=2, output_dir=tmp_path / "o"), rec)
+    assert all(m.valid_loss is None for m in rec.steps)
+    assert any("120 examples" in msg for _, msg in rec.events)
