@@ -238,6 +238,17 @@ def _training_file(session: Session, *, tenant_id: str, file_id: str, param: str
     return file
 
 
+# Kept with the hyperparameters (a JSON column): the held-out share is a choice about training data
+VALIDATION_SPLIT = "validation_split"
+
+
+def validation_split(spec: JobCreate) -> float:
+    """The share held out: none with a validation file, else the job's or the server's default."""
+    if spec.validation_file is not None:
+        return 0.0
+    return spec.validation_split if spec.validation_split is not None else get_settings().validation_split
+
+
 def requested_hyperparameters(spec: JobCreate) -> dict[str, Any]:
     """`method.supervised.hyperparameters` (current API) or `hyperparameters` (deprecated), not both."""
     method_hp = spec.method.supervised.hyperparameters if spec.method and spec.method.supervised else None
@@ -295,7 +306,7 @@ def create_job(
         model=spec.model,
         training_file=spec.training_file,
         validation_file=spec.validation_file,
-        hyperparameters=requested_hyperparameters(spec),
+        hyperparameters={**requested_hyperparameters(spec), VALIDATION_SPLIT: validation_split(spec)},
         method_type="supervised",
         lora=lora,
         max_seq_len=spec.max_seq_len,
@@ -378,10 +389,12 @@ def _fenced(claim: Claim) -> Update:
 
 
 def resolve_hyperparameters(requested: dict[str, Any]) -> dict[str, Any]:
-    return {
+    resolved: dict[str, Any] = {
         k: (AUTO_HYPERPARAMETERS[k] if requested.get(k, "auto") == "auto" else requested[k])
         for k in AUTO_HYPERPARAMETERS
     }
+    resolved[VALIDATION_SPLIT] = float(requested.get(VALIDATION_SPLIT, 0.0))  # 0 for older jobs
+    return resolved
 
 
 def claim(session: Session, *, job_id: str, worker_id: str) -> Claim | None:

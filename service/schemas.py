@@ -135,6 +135,10 @@ class JobCreate(Forbid):
     # Loraq extension: pack examples into rows of max_seq_len tokens, each attending only to
     # itself (padding-free, the fast path); false trains one example per row, padded
     packing: bool = True
+    # Loraq extension: the share of the training examples held out for the validation loss when no
+    # validation_file is given (at most 200, only from 100 examples on); unset: LORAQ_VALIDATION_SPLIT
+    # (5%); 0: train on every example.
+    validation_split: float | None = Field(None, ge=0, le=0.5)
     # Loraq extensions (deployment): the worker class to run on (its queue, e.g. "h100", "cpu";
     # default LORAQ_WORKER_QUEUE) and GPUs on one host (> 1 runs data-parallel under torchrun).
     queue: str | None = Field(None, min_length=1, max_length=40, pattern=r"^[A-Za-z0-9_-]+$")
@@ -250,6 +254,7 @@ class JobPublic(BaseModel):
     # asked for but not reached yet (its status stays `running` until the step ends)
     started_at: int | None = None
     cancel_requested: bool = False
+    validation_split: float = 0.0  # the held-out share (see JobCreate); 0 with a validation_file
 
 
 class JobsPublic(BaseModel):

@@ -64,6 +64,9 @@ class Settings(BaseSettings):
     prometheus_targets_dir: Path | None = None
     worker_metrics_advertise: str | None = None
     checkpoint_every: int = 0
+    # A job without a validation_file holds out this share of its examples for a validation curve
+    # (at most 200, and only from 100 examples on); a job's `validation_split` overrides it; 0: off.
+    validation_split: float = Field(0.05, ge=0, le=0.5)
 
     # Chat completions (service/inference.py, worker/inference.py): the Redis request list that
     # `loraq inference` workers serve, and what one such worker holds.

@@ -239,6 +239,7 @@ def build_train_config(claim: jobs.Claim, settings: Settings, out_dir: Path) -> 
         n_epochs=int(hp["n_epochs"]),
         learning_rate=BASE_LEARNING_RATE * float(hp["learning_rate_multiplier"]),
         seed=claim.seed,
+        validation_split=float(hp.get("validation_split", 0.0)),
         checkpoint_every=settings.checkpoint_every,
         resume_from=resume,
         max_wall_seconds=settings.job_max_wall_seconds,

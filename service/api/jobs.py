@@ -77,6 +77,7 @@ def job_public(job: Job | Row[Any]) -> JobPublic:
         eval_prompts=job.eval_prompts,
         started_at=job.started_at,
         cancel_requested=bool(job.cancel_requested),
+        validation_split=float(job.hyperparameters.get(jobs.VALIDATION_SPLIT, 0.0)),
         progress=ProgressPublic(
             step=job.step,
             total_steps=job.total_steps,

@@ -33,9 +33,16 @@ def all_models(session: SessionDep, tenant_id: str) -> list[ModelPublic]:
         for m in catalog
     ]
     random_bases = {m.name for m in catalog if m.random}
+    uses = {m.name: m.use for m in catalog}
     tuned = [
-        # "ft:<base>:<suffix>:<job id>": an adapter on random weights is random too
-        ModelPublic(id=name, created=finished, owned_by=tenant_id, random=name.split(":")[1] in random_bases)
+        # "ft:<base>:<suffix>:<job id>": an adapter on random weights is random (and test-only) too
+        ModelPublic(
+            id=name,
+            created=finished,
+            owned_by=tenant_id,
+            random=name.split(":")[1] in random_bases,
+            use=uses.get(name.split(":")[1]),
+        )
         for name, finished in jobs.succeeded_models(session, tenant_id=tenant_id)
     ]
     return base + tuned

@@ -80,3 +80,32 @@ class Recorder(NullCallbacks):
     @property
     def losses(self) -> list[float]:
         return [m.train_loss for m in self.steps]
+
+
+def build_pretrained_tiny(store: Path, workdir: Path) -> None:
+    """Register `tiny-sharp` and `tiny-pretrained` (local models) in `store`.
+
+    tiny-llama's random head keeps its logits near zero (its final RMSNorm bounds the hidden
+    state), so its loss can neither blow up nor fall near zero. `tiny-sharp` is tiny-llama with
+    the head scaled x20; `tiny-pretrained` is tiny-sharp with 100 steps on the animal chats merged
+    in (train loss about 0.04): a small "pretrained" model whose loss can go wrong."""
+    import torch
+
+    from worker.engine.catalog import register_local_model
+    from worker.engine.export import export_merged
+    from worker.engine.models import load_base_model
+    from worker.engine.recipe import train
+
+    tiny = load_base_model("tiny-llama", store=store)
+    with torch.no_grad():
+        tiny.model.get_output_embeddings().weight.mul_(20.0)
+    tiny.model.save_pretrained(workdir / "sharp", safe_serialization=True)
+    tiny.tokenizer.save_pretrained(workdir / "sharp")
+    register_local_model("tiny-sharp", workdir / "sharp", store)
+    config = tiny_config(
+        workdir / "pre", model="tiny-sharp", model_store=store, max_steps=100, learning_rate=1e-2,
+        lr_scheduler="constant",
+    )  # fmt: skip
+    adapter = train(config, NullCallbacks()).adapter_dir
+    export_merged(adapter, load_base_model("tiny-sharp", store=store), workdir / "pretrained")
+    register_local_model("tiny-pretrained", workdir / "pretrained", store)

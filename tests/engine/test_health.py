@@ -1,9 +1,7 @@
 """Training tells you when it went wrong: each health case driven on the CPU tiny model.
 
-tiny-llama's random head keeps its logits near zero (its final RMSNorm bounds the hidden state), so
-its loss can neither blow up nor fall near zero. The fixture makes the tiny model a "pretrained"
-one in two real steps: the head scaled ×20 (registered as a local model, `tiny-sharp`), then 100
-steps on the animal chats merged in (`tiny-pretrained`, train loss ≈ 0.04). On that model:
+tiny-llama's loss can neither blow up nor fall near zero, so the fixture makes it a small
+"pretrained" model first (`recipe_helpers.build_pretrained_tiny`: `tiny-pretrained`). On that model:
 - learning rate ×500 → the loss leaves its first value ×3 → `DivergedError` (code `diverged`);
 - training "the X is a plant." while validating on the animal answers it knew → the validation
   loss rises while the train loss falls (overfitting), and the train loss drops under 0.05
@@ -17,13 +15,15 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.engine.recipe_helpers import ANIMALS, Recorder, tiny_config, write_animal_chats
-from worker.engine.catalog import register_local_model
-from worker.engine.export import export_merged
+from tests.engine.recipe_helpers import (
+    ANIMALS,
+    Recorder,
+    build_pretrained_tiny,
+    tiny_config,
+    write_animal_chats,
+)
 from worker.engine.health import HealthMonitor
-from worker.engine.models import load_base_model
 from worker.engine.recipe import train
 from worker.engine.types import DivergedError, NonFiniteError
 
@@ -31,21 +31,8 @@ from worker.engine.types import DivergedError, NonFiniteError
 @pytest.fixture(scope="module")
 def pretrained_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("health")
-    store = tmp / "models"
-    tiny = load_base_model("tiny-llama", store=store)
-    with torch.no_grad():
-        tiny.model.get_output_embeddings().weight.mul_(20.0)
-    tiny.model.save_pretrained(tmp / "sharp", safe_serialization=True)
-    tiny.tokenizer.save_pretrained(tmp / "sharp")
-    register_local_model("tiny-sharp", tmp / "sharp", store)
-    config = tiny_config(
-        tmp / "pre", model="tiny-sharp", model_store=store, max_steps=100, learning_rate=1e-2,
-        lr_scheduler="constant",
-    )  # fmt: skip
-    adapter = train(config, Recorder()).adapter_dir
-    export_merged(adapter, load_base_model("tiny-sharp", store=store), tmp / "pretrained")
-    register_local_model("tiny-pretrained", tmp / "pretrained", store)
-    return store
+    build_pretrained_tiny(tmp / "models", tmp)
+    return tmp / "models"
 
 
 def health_events(rec: Recorder) -> list[tuple[str, dict[str, object]]]:

@@ -271,6 +271,8 @@ def test_finished_job_events_checkpoints_results_adapter_and_models(api: ApiClie
         "random": True,
         "description": None,
         "local": True,
+        "use": "tests",  # a fine-tune of the test-only base is test-only too
+        "upstream": None,
     }
     assert_error(api.get("/v1/models/ft:nope"), 404, "model")
     # another tenant sees only base models

@@ -74,7 +74,13 @@ def test_create_job_queues_and_claim_carries_what_the_worker_needs(tenant: str) 
     assert (c.job_id, c.tenant_id, c.attempt, c.model) == (job_id, tenant, 1, "tiny-llama")
     assert c.training_file == key and c.validation_file == key
     assert storage.local_path(c.training_file).read_bytes() == DATASET
-    assert c.hyperparameters == {"n_epochs": 2, "batch_size": 4, "learning_rate_multiplier": 1.0}
+    # validation_split 0: the job has a validation file, so nothing is held out of training
+    assert c.hyperparameters == {
+        "n_epochs": 2,
+        "batch_size": 4,
+        "learning_rate_multiplier": 1.0,
+        "validation_split": 0.0,
+    }
     assert c.lora["r"] == 8 and c.lora["alpha"] == 32.0 and c.lora["target_modules"] == "all-linear"
     assert (c.seed, c.max_seq_len, c.suffix, c.resume_checkpoint) == (1, 64, "t", None)
     assert len(c.attempt_token) == 32

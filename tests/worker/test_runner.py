@@ -52,7 +52,12 @@ def test_job_succeeds_with_artifacts_checkpoints_and_metrics(worker_env: WorkerE
     assert job.fine_tuned_model == f"ft:tiny-llama:t:{job_id}"
     assert job.attempt == 1 and job.error is None
     assert job.trained_tokens and job.trained_tokens > 0
-    assert job.hyperparameters == {"n_epochs": 1, "batch_size": 4, "learning_rate_multiplier": 5.0}
+    assert job.hyperparameters == {
+        "n_epochs": 1,
+        "batch_size": 4,
+        "learning_rate_multiplier": 5.0,
+        "validation_split": 0.05,
+    }  # the default holdout share (a file this small keeps every example for training)
     with session_scope() as s:
         steps = list(
             s.scalars(select(JobMetric.step).where(JobMetric.job_id == job_id).order_by(JobMetric.step))
@@ -254,3 +259,28 @@ def test_heartbeat_thread_beats_and_fences_when_refused(worker_env: WorkerEnv) -
             assert time.monotonic() < deadline
             time.sleep(0.02)
     assert cb.should_stop()
+
+
+@pytest.mark.parametrize("worker_env", ["sqlite"], indirect=True)
+def test_diverged_job_fails_with_code_hint_and_no_adapter(worker_env: WorkerEnv, tmp_path: Any) -> None:
+    """Learning rate x100 on a small pretrained model (tests/engine/recipe_helpers.py): `diverged`."""
+    from service.settings import get_settings
+    from tests.engine.recipe_helpers import build_pretrained_tiny, write_animal_chats
+
+    build_pretrained_tiny(get_settings().model_store, tmp_path)
+    data = write_animal_chats(tmp_path / "animals.jsonl", 32).read_bytes()
+    job_id = worker_env.create_job(
+        worker_env.upload(data),
+        model="tiny-pretrained",
+        hyperparameters={"n_epochs": 3, "batch_size": 4, "learning_rate_multiplier": 100.0},
+        lora={"r": 8, "alpha": 16},
+        seed=3,
+    )
+    assert runner.run_claimed_job(job_id) == "failed", explain(job_id)
+    job = job_row(job_id)
+    assert job.error is not None and job.error["code"] == "diverged", explain(job_id)
+    assert job.error["param"] == "hyperparameters.learning_rate_multiplier"
+    assert "lower the learning rate" in job.error["message"]
+    assert job.fine_tuned_model is None and job.result_files == []
+    errors = [e.message for e in events(job_id) if e.level == "error"]
+    assert errors == [job.error["message"]]  # said once

@@ -4,7 +4,8 @@ Pure Python (no torch). The recipe feeds every step's train loss and every valid
 `HealthMonitor` answers with findings (each kind reported once per run) or raises:
 
 - diverged (fatal, `DivergedError`): a NaN/inf train loss, or once warm-up is over a train loss
-  above DIVERGE_FACTOR × the first step's loss;
+  above DIVERGE_FACTOR × the first step's loss (and at least DIVERGE_MIN_RISE nats above it, so a
+  run that starts near zero is not failed for the noise of one batch);
 - overfitting: the validation loss rose at OVERFIT_RISES evaluations in a row while the train loss
   (its mean since the evaluation before) fell;
 - memorizing: the mean train loss of the last MEMORIZE_WINDOW steps is below MEMORIZE_BELOW;
@@ -25,6 +26,7 @@ from worker.engine.types import DivergedError, NonFiniteError
 HealthKind = Literal["overfitting", "memorizing", "not_training"]
 
 DIVERGE_FACTOR = 3.0
+DIVERGE_MIN_RISE = 1.0
 OVERFIT_RISES = 2
 MEMORIZE_BELOW = 0.05
 MEMORIZE_WINDOW = 5
@@ -65,7 +67,9 @@ class HealthMonitor:
             raise NonFiniteError(step, "loss")
         if self.first_loss is None:
             self.first_loss = loss
-        elif step > self.warmup_steps and loss > DIVERGE_FACTOR * self.first_loss:
+        elif step > self.warmup_steps and loss > max(
+            DIVERGE_FACTOR * self.first_loss, self.first_loss + DIVERGE_MIN_RISE
+        ):
             raise DivergedError(
                 step,
                 f"train loss {loss:.4g} is over {DIVERGE_FACTOR:g}x its first value {self.first_loss:.4g}",
