@@ -18,6 +18,8 @@ silent) finds its token gone and every write is refused (`StaleAttemptError` or 
 
 from __future__ import annotations
 
+import csv
+import io
 import math
 import secrets
 import time
@@ -193,6 +195,22 @@ def metric_rows(session: Session, *, job_id: str) -> list[dict[str, Any]]:
         .order_by(JobMetric.step)
     ).all()
     return [{"step": s, "train_loss": t, "valid_loss": v} for s, t, v in rows]
+
+
+RESULTS_CSV_COLUMNS = ("step", "train_loss", "train_accuracy", "valid_loss", "valid_mean_token_accuracy")
+
+
+def metrics_csv(rows: list[dict[str, Any]]) -> bytes:
+    """OpenAI's results file: one row per step, accuracy columns empty (not measured)."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(RESULTS_CSV_COLUMNS)
+    for r in rows:
+        valid = r.get("valid_loss")
+        writer.writerow(
+            [r["step"], f"{r['train_loss']:.6f}", "", "" if valid is None else f"{valid:.6f}", ""]
+        )
+    return buf.getvalue().encode()
 
 
 def succeeded_models(session: Session, *, tenant_id: str) -> list[tuple[str, int]]:

@@ -18,8 +18,6 @@ writes nothing more.
 from __future__ import annotations
 
 import contextlib
-import csv
-import io
 import logging
 import shutil
 import threading
@@ -51,7 +49,6 @@ FLUSH_EVERY_SECONDS = 1.0
 FLUSH_EVERY_STEPS = 50
 CANCEL_CACHE_SECONDS = 1.0
 GENERIC_FAILURE = "The job failed because of an internal error in the worker; the event log has details."
-RESULTS_CSV_COLUMNS = ("step", "train_loss", "train_accuracy", "valid_loss", "valid_mean_token_accuracy")
 
 # Set when the Celery worker starts a warm shutdown (SIGTERM, `loraq up` stopping): the running
 # job stops at its next step, keeps a checkpoint and goes back to the queue to resume elsewhere.
@@ -253,19 +250,6 @@ def fine_tuned_model_name(claim: jobs.Claim) -> str:
     return f"ft:{claim.model}:{claim.suffix or ''}:{claim.job_id}"
 
 
-def metrics_csv(rows: list[dict[str, Any]]) -> bytes:
-    """OpenAI's results file: one row per step, accuracy columns empty (not measured)."""
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(RESULTS_CSV_COLUMNS)
-    for r in rows:
-        valid = r.get("valid_loss")
-        writer.writerow(
-            [r["step"], f"{r['train_loss']:.6f}", "", "" if valid is None else f"{valid:.6f}", ""]
-        )
-    return buf.getvalue().encode()
-
-
 def ensure_base_model(name: str, settings: Settings, callbacks: JobCallbacks) -> None:
     """A catalog model's first use downloads it here, its milestones as job events (the heartbeat
     keeps going meanwhile). With `LORAQ_AUTO_PULL=0` the submit refused such a job already."""
@@ -357,7 +341,7 @@ def _succeed(claim: jobs.Claim, result: TrainResult) -> str:
             tenant_id=claim.tenant_id,
             filename=f"{claim.job_id}-results.csv",
             purpose="fine-tune-results",
-            content=metrics_csv(rows),
+            content=jobs.metrics_csv(rows),
         )
         ok = jobs.finish(
             session,

@@ -10,6 +10,7 @@ Dashboard-only endpoints (same auth as /v1, the tenant's rows only):
 - `GET /dashboard/api/jobs/{id}/progress`         the same for one job
 - `GET /dashboard/api/jobs/{id}/metrics?after=`   per-step rows after step `after`, for the charts
 - `GET /dashboard/api/jobs/{id}/samples`          eval_prompts and their greedy answers per checkpoint
+- `GET /dashboard/api/jobs/{id}/metrics.csv`       every step so far as OpenAI's results CSV (any status)
 - `GET /dashboard/api/files/{id}/summary`         structural check of an uploaded JSONL file
 - `GET /dashboard/api/workers`                    the worker registry (Redis): GPUs, job, kernels
 """
@@ -22,15 +23,16 @@ from typing import Annotated, Any, Literal
 
 import redis
 from fastapi import APIRouter, FastAPI, Query
-from fastapi.responses import HTMLResponse
+from fastapi.responses import HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 from sqlalchemy import select
 
+from service import jobs as job_service
 from service import storage, worker_registry
 from service.api.dataset_summary import summarize
 from service.auth import CurrentTenant
 from service.broker import broker_url
-from service.db.models import Checkpoint, File, Job, JobMetric
+from service.db.models import Checkpoint, File, Job, JobEvent, JobMetric
 from service.db.session import SessionDep
 from service.errors import NotFoundError, UnavailableError
 from service.settings import get_settings
@@ -90,11 +92,31 @@ def workers_page() -> str:
     return render_page("workers")
 
 
-def progress(job: Job) -> dict[str, Any]:
+def health_warnings(session: SessionDep, job_ids: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """Each job's health warnings ({"health", "step"}, in order), from its `warn` events' data."""
+    found: dict[str, list[dict[str, Any]]] = {j: [] for j in job_ids}
+    if not job_ids:
+        return found
+    rows = session.execute(
+        select(JobEvent.job_id, JobEvent.data)
+        .where(JobEvent.job_id.in_(job_ids), JobEvent.level == "warn")
+        .order_by(JobEvent.seq)
+    ).all()
+    for job_id, data in rows:
+        if isinstance(data, dict) and "health" in data:
+            found[job_id].append({"health": data["health"], "step": data.get("step")})
+    return found
+
+
+def progress(job: Job, warnings: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {
         "id": job.id,
         "status": job.status,
         "model": job.model,
+        "suffix": job.suffix,
+        "error_code": (job.error or {}).get("code"),
+        "warnings": warnings or [],
+        "result_files": list(job.result_files or []),
         "fine_tuned_model": job.fine_tuned_model,
         "step": job.step,
         "total_steps": job.total_steps,
@@ -127,12 +149,27 @@ def list_jobs(
     if status is not None:
         query = query.where(Job.status == status)
     jobs = session.scalars(query.order_by(Job.seq.desc()).limit(limit)).all()
-    return {"object": "list", "data": [progress(j) for j in jobs]}
+    warnings = health_warnings(session, [j.id for j in jobs])
+    return {"object": "list", "data": [progress(j, warnings[j.id]) for j in jobs]}
 
 
 @api.get("/jobs/{job_id}/progress")
 def job_progress(job_id: str, tenant: CurrentTenant, session: SessionDep) -> dict[str, Any]:
-    return progress(tenant_job(session, tenant.id, job_id))
+    job = tenant_job(session, tenant.id, job_id)
+    return progress(job, health_warnings(session, [job.id])[job.id])
+
+
+@api.get(
+    "/jobs/{job_id}/metrics.csv",
+    response_class=Response,
+    responses={200: {"content": {"text/csv": {}}, "description": "per-step metrics, OpenAI's columns"}},
+)
+def job_metrics_csv(job_id: str, tenant: CurrentTenant, session: SessionDep) -> Response:
+    """The results CSV of every step so far: for a running, failed or cancelled job too."""
+    tenant_job(session, tenant.id, job_id)
+    body = job_service.metrics_csv(job_service.metric_rows(session, job_id=job_id))
+    headers = {"Content-Disposition": f'attachment; filename="{job_id}-metrics.csv"'}
+    return Response(body, media_type="text/csv", headers=headers)
 
 
 @api.get("/jobs/{job_id}/metrics")

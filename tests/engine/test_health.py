@@ -79,8 +79,11 @@ def test_divergence_fails_with_code_and_hint(pretrained_store: Path, tmp_path: P
         train(config, rec)
     assert err.value.code == "diverged" and err.value.param == "hyperparameters.learning_rate_multiplier"
     assert "over 3x its first value" in str(err.value) and "lower the learning rate" in str(err.value)
-    # stopped before the optimizer applied the diverged step: no checkpoint of it, no adapter
-    assert [c.step for c in rec.checkpoints] == [m.step for m in rec.steps] == list(range(1, err.value.step))
+    # stopped before the optimizer applied the diverged step: no checkpoint of it, no adapter; the
+    # step itself is reported, so the chart shows the jump
+    assert [c.step for c in rec.checkpoints] == list(range(1, err.value.step))
+    assert [m.step for m in rec.steps] == list(range(1, err.value.step + 1))
+    assert rec.steps[-1].train_loss > 3 * rec.steps[0].train_loss
     assert not (tmp_path / "out" / "adapter").exists()
 
 

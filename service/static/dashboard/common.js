@@ -128,6 +128,12 @@ const loraq = {
     return String(s ?? "").replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
   },
   time(unix) { return unix ? new Date(unix * 1000).toLocaleString() : "–"; },
+  // The time of day for today's events, the date and time for older ones.
+  clock(unix) {
+    if (!unix) return "–";
+    const d = new Date(unix * 1000);
+    return d.toDateString() === new Date().toDateString() ? d.toLocaleTimeString() : d.toLocaleString();
+  },
   num(x, digits = 4) { return x === null || x === undefined ? "–" : Number(x).toPrecision(digits); },
   int(x) { return x === null || x === undefined ? "–" : Math.round(x).toLocaleString(); },
   duration(s) {
@@ -144,6 +150,39 @@ const loraq = {
     return `${n.toFixed(i ? 1 : 0)} ${units[i]}`;
   },
   statusBadge(status) { return `<span class="status ${loraq.esc(status)}">${loraq.esc(status)}</span>`; },
+
+  // "2 min ago"; the exact time is in the title.
+  ago(unix) {
+    if (!unix) return "–";
+    const s = Date.now() / 1000 - unix;
+    if (s < 10) return "just now";
+    if (s < 60) return `${Math.floor(s)} s ago`;
+    if (s < 3600) return `${Math.floor(s / 60)} min ago`;
+    if (s < 86400) return `${Math.floor(s / 3600)} h ago`;
+    const d = Math.floor(s / 86400);
+    return `${d} day${d > 1 ? "s" : ""} ago`;
+  },
+
+  // Start to finish (to now while it runs).
+  jobDuration(j) {
+    if (!j.started_at) return "–";
+    return loraq.duration((j.finished_at || Date.now() / 1000) - j.started_at);
+  },
+
+  // Health warnings ({health, step}) and a diverged run's code, as badges; `title` says the step.
+  HEALTH_LABELS: { overfitting: "overfitting", memorizing: "memorizing", not_training: "nothing trained", diverged: "diverged" },
+  healthBadges(warnings, errorCode) {
+    const seen = new Set();
+    const out = [];
+    for (const w of warnings || []) {
+      if (seen.has(w.health)) continue;
+      seen.add(w.health);
+      const label = loraq.HEALTH_LABELS[w.health] || w.health;
+      out.push(`<span class="badge warn" data-health="${loraq.esc(w.health)}" title="from step ${loraq.esc(w.step)}">⚠ ${loraq.esc(label)}</span>`);
+    }
+    if (errorCode === "diverged") out.push('<span class="badge bad" data-health="diverged">✖ diverged</span>');
+    return out.join(" ");
+  },
 };
 
 document.addEventListener("DOMContentLoaded", () => {

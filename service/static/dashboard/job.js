@@ -1,16 +1,23 @@
-// Job page: loss / learning-rate / grad-norm charts (uPlot), events, checkpoints, downloads, cancel.
+// Job page: loss / learning-rate / grad-norm charts (uPlot) over step, tokens seen or wall time,
+// health warnings as badges (header, above and on the loss chart), events with the per-step lines
+// folded, checkpoints, downloads (adapter, metrics CSV), cancel.
 // Polls every second while the job is not finished; metric rows are fetched incrementally.
 "use strict";
 
 const POLL_MS = 1000;
 const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
 const jobId = decodeURIComponent(location.pathname.split("/").filter(Boolean).pop());
+const jobPath = `/v1/fine_tuning/jobs/${encodeURIComponent(jobId)}`;
+const dashPath = `/dashboard/api/jobs/${encodeURIComponent(jobId)}`;
 
-// Column arrays, one entry per step (uPlot's data layout): steps[i] is the x of every series.
-const rows = { step: [], train: [], valid: [], lr: [], gn: [] };
+// Column arrays, one entry per step (uPlot's data layout). tokens and time are running sums of
+// each step's tokens and seconds: the "tokens seen" and "wall time" x-axes.
+const rows = { step: [], tokens: [], time: [], train: [], valid: [], lr: [], gn: [] };
 const charts = {};
 let job = null;
 let checkpoints = [];
+let warnings = []; // [{health, step}] from the progress endpoint
+let lastEvents = [];
 
 // TensorBoard's smoothing: an exponential moving average, de-biased so early points are not
 // pulled toward zero. weight 0 = raw values.
@@ -28,11 +35,63 @@ function smooth(values, weight) {
 
 // Steps are integers: never put a tick between two steps.
 const STEP_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000];
-const stepAxis = { label: "step", incrs: STEP_INCRS };
 // Learning rates are small: 2e-4, not 0.000.
 const sciValues = (u, vals) => vals.map((v) => (v === 0 ? "0" : Math.abs(v) < 0.01 ? v.toExponential(1) : v.toPrecision(3)));
+const compact = (v) => (v >= 1e9 ? `${+(v / 1e9).toFixed(1)}G` : v >= 1e6 ? `${+(v / 1e6).toFixed(1)}M` : v >= 1e3 ? `${+(v / 1e3).toFixed(1)}k` : `${v}`);
 
-function chartWidth(el) { return Math.max(300, el.clientWidth || el.parentElement.clientWidth - 32); }
+const X_AXES = {
+  step: { label: "step", incrs: STEP_INCRS },
+  tokens: { label: "tokens seen", values: (u, vals) => vals.map(compact) },
+  time: { label: "wall time (training)", values: (u, vals) => vals.map((v) => loraq.duration(v)) },
+};
+
+function xMode() { return document.getElementById("xaxis").value; }
+function xs() { return rows[xMode()]; }
+
+function chartWidth(el) { return Math.max(260, el.clientWidth || el.parentElement.clientWidth - 32); }
+
+// What the loss chart marks: each health warning at its step, and where a diverged run blew up
+// (its last reported step: the one the optimizer never applied).
+function chartMarks() {
+  const marks = [...warnings];
+  if (job && job.error && job.error.code === "diverged" && rows.step.length) {
+    marks.push({ health: "diverged", step: rows.step[rows.step.length - 1] });
+  }
+  return marks;
+}
+
+// Health warnings on the loss chart: a dashed line at the step, labelled.
+function healthMarkers() {
+  return {
+    hooks: {
+      draw: [(u) => {
+        const ctx = u.ctx;
+        ctx.save();
+        ctx.strokeStyle = ctx.fillStyle = "#b26a00";
+        ctx.setLineDash([5, 4]);
+        ctx.lineWidth = 1.5 * devicePixelRatio;
+        ctx.font = `${11 * devicePixelRatio}px system-ui, sans-serif`;
+        chartMarks().forEach((w, n) => {
+          const i = rows.step.indexOf(w.step);
+          if (i < 0) return;
+          const x = u.valToPos(xs()[i], "x", true);
+          ctx.strokeStyle = ctx.fillStyle = w.health === "diverged" ? "#c62828" : "#b26a00";
+          ctx.beginPath();
+          ctx.moveTo(x, u.bbox.top);
+          ctx.lineTo(x, u.bbox.top + u.bbox.height);
+          ctx.stroke();
+          // labels one line apart, so two warnings close together stay readable; left of the line
+          // near the right edge, where the text would be cut off
+          const y = u.bbox.top + (12 + 14 * n) * devicePixelRatio;
+          const right = x > u.bbox.left + 0.75 * u.bbox.width;
+          ctx.textAlign = right ? "right" : "left";
+          ctx.fillText(loraq.HEALTH_LABELS[w.health] || w.health, x + (right ? -4 : 4) * devicePixelRatio, y);
+        });
+        ctx.restore();
+      }],
+    },
+  };
+}
 
 function makeLossChart() {
   const el = document.getElementById("losschart");
@@ -41,7 +100,8 @@ function makeLossChart() {
   charts.loss = new uPlot({
     width: chartWidth(el), height: 300,
     scales: { x: { time: false }, y: log ? { distr: 3 } : {} },
-    axes: [stepAxis, { label: "loss" }],
+    axes: [X_AXES[xMode()], { label: "loss" }],
+    plugins: [healthMarkers()],
     series: [
       {},
       { label: "train", stroke: "rgba(51,85,221,0.25)", width: 1 },
@@ -53,24 +113,40 @@ function makeLossChart() {
 
 function lossData() {
   const w = Number(document.getElementById("smoothing").value);
-  return [rows.step, rows.train, smooth(rows.train, w), rows.valid];
+  return [xs(), rows.train, smooth(rows.train, w), rows.valid];
 }
 
 function makeSmallChart(id, label, color) {
   const el = document.getElementById(id);
+  const axis = X_AXES[xMode()];
   return new uPlot({
     width: chartWidth(el), height: 160,
     scales: { x: { time: false } },
-    axes: [{ incrs: STEP_INCRS }, { size: 70, values: sciValues }],
+    axes: [{ incrs: axis.incrs, values: axis.values }, { size: 70, values: sciValues }],
     legend: { show: true },
     series: [{}, { label, stroke: color, width: 1.5 }],
-  }, [[], []], el);
+  }, [xs(), rows[id === "lrchart" ? "lr" : "gn"]], el);
+}
+
+function makeCharts() {
+  makeLossChart();
+  for (const key of ["lr", "gn"]) if (charts[key]) charts[key].destroy();
+  charts.lr = makeSmallChart("lrchart", "lr", "#2b8a3e");
+  charts.gn = makeSmallChart("gnchart", "grad norm", "#862e9c");
+  window.loraqCharts = charts; // for tests and the curious: charts.loss.data[0] are the x values
+}
+
+function resizeCharts() {
+  for (const [key, id] of [["loss", "losschart"], ["lr", "lrchart"], ["gn", "gnchart"]]) {
+    const el = document.getElementById(id);
+    if (charts[key] && el.clientWidth) charts[key].setSize({ width: chartWidth(el), height: charts[key].height });
+  }
 }
 
 function redraw() {
   charts.loss.setData(lossData());
-  charts.lr.setData([rows.step, rows.lr]);
-  charts.gn.setData([rows.step, rows.gn]);
+  charts.lr.setData([xs(), rows.lr]);
+  charts.gn.setData([xs(), rows.gn]);
   const el = document.getElementById("losschart");
   el.dataset.points = String(rows.step.length);
   document.getElementById("points").textContent = `${rows.step.length} steps`;
@@ -78,9 +154,12 @@ function redraw() {
 
 async function fetchMetrics() {
   const after = rows.step.length ? rows.step[rows.step.length - 1] : 0;
-  const body = await loraq.json(`/dashboard/api/jobs/${encodeURIComponent(jobId)}/metrics?after=${after}`);
+  const body = await loraq.json(`${dashPath}/metrics?after=${after}`);
   for (const m of body.data) {
+    const n = rows.step.length;
     rows.step.push(m.step);
+    rows.tokens.push((n ? rows.tokens[n - 1] : 0) + (m.tokens || 0));
+    rows.time.push((n ? rows.time[n - 1] : 0) + (m.step_seconds || 0));
     rows.train.push(m.train_loss);
     rows.valid.push(m.valid_loss ?? null);
     rows.lr.push(m.lr ?? null);
@@ -89,8 +168,30 @@ async function fetchMetrics() {
   return body.data.length > 0;
 }
 
+// No step ran (yet): charts would be empty boxes, so a sentence stands in for them.
+function showCharts(status) {
+  const empty = rows.step.length === 0;
+  const wasHidden = document.getElementById("charts").hidden;
+  document.getElementById("charts").hidden = empty;
+  const note = document.getElementById("nocharts");
+  note.hidden = !empty;
+  note.textContent = TERMINAL.has(status)
+    ? "No training step ran, so there is nothing to chart."
+    : "Charts appear with the first training step.";
+  if (wasHidden && !empty) resizeCharts(); // drawn while hidden: take the real width now
+}
+
 function kv(el, pairs) {
   el.innerHTML = pairs.map(([k, v]) => `<dt>${loraq.esc(k)}</dt><dd>${v}</dd>`).join("");
+}
+
+function renderHealth(j) {
+  document.getElementById("badges").innerHTML = loraq.healthBadges(warnings, j.error && j.error.code);
+  const notes = warnings.map((w) => {
+    const label = loraq.HEALTH_LABELS[w.health] || w.health;
+    return `<span class="badge warn" data-health="${loraq.esc(w.health)}">⚠ ${loraq.esc(label)} at step ${loraq.esc(w.step)}</span>`;
+  });
+  document.getElementById("healthnotes").innerHTML = notes.join(" ");
 }
 
 function renderJob(j, progress) {
@@ -99,25 +200,30 @@ function renderJob(j, progress) {
   document.getElementById("status").dataset.status = j.status;
   document.getElementById("cancel").hidden = TERMINAL.has(j.status);
   document.getElementById("download-adapter").hidden = j.status !== "succeeded";
+  document.getElementById("download-csv").hidden = rows.step.length === 0;
+  // The error, once, at the top (the event log leaves out its copy of it).
   const err = document.getElementById("joberror");
   err.hidden = !j.error || !j.error.message;
   if (j.error && j.error.message) {
     err.textContent = `${j.error.code || "error"}: ${j.error.message}${j.error.param ? ` (param: ${j.error.param})` : ""}`;
   }
+  renderHealth(j);
   const p = progress || {};
   kv(document.getElementById("summary"), [
     ["Model", loraq.esc(j.model)],
+    ["Suffix", loraq.esc(j.user_provided_suffix || "–")],
     ["Fine-tuned model", loraq.esc(j.fine_tuned_model || "–")],
     ["Progress", p.total_steps ? `${p.step} / ${p.total_steps} steps` : "–"],
     ["Train loss", loraq.num(p.train_loss)],
     ["Tokens/s (real)", j.status === "running" ? loraq.int(p.tokens_per_s) : "–"],
     ["Padding", p.padding_fraction == null ? "–" : `${(100 * p.padding_fraction).toFixed(1)}% of token slots`],
     ["ETA", j.status === "running" ? loraq.duration(p.eta_seconds) : "–"],
+    ["Duration", loraq.jobDuration(p)],
     ["Trained tokens", loraq.int(j.trained_tokens)],
     ["Training file", loraq.esc(j.training_file)],
-    ["Validation file", loraq.esc(j.validation_file || "–")],
-    ["Created", loraq.time(j.created_at)],
-    ["Finished", loraq.time(j.finished_at)],
+    ["Validation", loraq.esc(j.validation_file || (j.validation_split
+      ? `${Math.round(j.validation_split * 100)}% of the examples held out (from 100 examples on)` : "none"))],
+    ["Created", `${loraq.ago(j.created_at)} <span class="muted">(${loraq.esc(loraq.time(j.created_at))})</span>`],
   ]);
   const method = j.method && j.method.supervised && j.method.supervised.hyperparameters;
   const hp = { ...(method || {}), ...(j.hyperparameters || {}) };
@@ -129,40 +235,74 @@ function renderJob(j, progress) {
     Object.entries(hp).map(([k, v]) => [k, loraq.esc(typeof v === "object" ? JSON.stringify(v) : v)]));
 }
 
+// Events oldest first. Routine lines (per-step metrics, "Checkpoint created") fold into one line
+// per run of them, unless "per-step lines" is ticked: the charts and the Checkpoints table have
+// them. Milestones, warnings and errors always show. The job's own error is at the top of the
+// page, so its copy here is left out.
+const isRoutine = (e) => e.type === "metrics" || (e.level === "info" && e.message.startsWith("Checkpoint created"));
+
+function renderEvents() {
+  const showSteps = document.getElementById("showsteps").checked;
+  const errorText = job && job.error ? job.error.message : null;
+  const out = [];
+  let steps = 0, checkpoints = 0;
+  const flush = () => {
+    const parts = [];
+    if (steps) parts.push(`${steps} per-step line${steps > 1 ? "s" : ""}`);
+    if (checkpoints) parts.push(`${checkpoints} checkpoint${checkpoints > 1 ? "s" : ""}`);
+    if (parts.length) out.push(`<div class="folded muted">… ${parts.join(", ")}</div>`);
+    steps = checkpoints = 0;
+  };
+  for (const e of [...lastEvents].reverse()) {
+    if (!showSteps && isRoutine(e)) {
+      if (e.type === "metrics") steps += 1; else checkpoints += 1;
+      continue;
+    }
+    if (e.level === "error" && e.message === errorText) continue;
+    flush();
+    const health = e.data && e.data.health ? ` data-health="${loraq.esc(e.data.health)}"` : "";
+    out.push(`<div class="level-${loraq.esc(e.level)}"${health}><span class="muted">${loraq.esc(loraq.clock(e.created_at))}</span> ${loraq.esc(e.message)}</div>`);
+  }
+  flush();
+  document.getElementById("events").innerHTML = out.join("");
+}
+
 async function fetchEvents() {
-  const body = await loraq.json(`/v1/fine_tuning/jobs/${encodeURIComponent(jobId)}/events?limit=200`);
-  document.getElementById("events").innerHTML = body.data.map((e) =>
-    `<div class="level-${loraq.esc(e.level)}">${loraq.esc(loraq.time(e.created_at))} [${loraq.esc(e.level)}] ${loraq.esc(e.message)}</div>`
-  ).join("");
+  const body = await loraq.json(`${jobPath}/events?limit=200`);
+  lastEvents = body.data;
+  renderEvents();
 }
 
 async function fetchCheckpoints() {
-  const body = await loraq.json(`/v1/fine_tuning/jobs/${encodeURIComponent(jobId)}/checkpoints?limit=100`);
+  const body = await loraq.json(`${jobPath}/checkpoints?limit=100`);
   const data = [...body.data].sort((a, b) => a.step_number - b.step_number);
   checkpoints = data;
   document.getElementById("nocheckpoints").hidden = data.length > 0;
+  document.getElementById("checkpoints-link").textContent = `Checkpoints (${data.length})`;
   document.querySelector("#checkpoints tbody").innerHTML = data.map((c) => `<tr>
       <td class="num">${c.step_number}</td>
       <td class="num">${loraq.num(c.metrics && c.metrics.train_loss)}</td>
       <td class="num">${loraq.num(c.metrics && c.metrics.valid_loss)}</td>
-      <td>${loraq.time(c.created_at)}</td>
+      <td title="${loraq.esc(loraq.time(c.created_at))}">${loraq.ago(c.created_at)}</td>
       <td><button class="secondary" type="button" data-checkpoint="${loraq.esc(c.id)}" data-step="${c.step_number}">Download</button></td>
     </tr>`).join("");
 }
 
 async function refresh() {
-  const [j, progress] = await Promise.all([
-    loraq.json(`/v1/fine_tuning/jobs/${encodeURIComponent(jobId)}`),
-    loraq.json(`/dashboard/api/jobs/${encodeURIComponent(jobId)}/progress`),
-  ]);
+  const [j, progress] = await Promise.all([loraq.json(jobPath), loraq.json(`${dashPath}/progress`)]);
   job = j;
+  warnings = progress.warnings || [];
   if (await fetchMetrics()) redraw();
+  showCharts(j.status);
   renderJob(j, progress);
   await Promise.all([fetchEvents(), fetchCheckpoints()]);
   await fetchSamples();
+  document.getElementById("loaderror").hidden = true;
   if (TERMINAL.has(j.status)) {
     // Rows written in the job's last flush may land after the status: read once more, then stop.
     if (await fetchMetrics()) redraw();
+    showCharts(j.status);
+    renderJob(j, progress);
     if (j.status === "succeeded") showPlayground(j);
     document.body.dataset.final = "true";
     return false;
@@ -225,21 +365,21 @@ async function runPlayground() {
 
 document.addEventListener("DOMContentLoaded", () => {
   document.getElementById("pg-run").onclick = runPlayground;
-  makeLossChart();
-  charts.lr = makeSmallChart("lrchart", "lr", "#2b8a3e");
-  charts.gn = makeSmallChart("gnchart", "grad norm", "#862e9c");
-  window.loraqCharts = charts; // for tests and the curious: charts.loss.data[0] are the steps
+  makeCharts();
   const slider = document.getElementById("smoothing");
   slider.oninput = () => {
     document.getElementById("smoothing-value").textContent = Number(slider.value).toFixed(2);
     charts.loss.setData(lossData());
   };
   document.getElementById("logscale").onchange = makeLossChart;
+  document.getElementById("xaxis").onchange = () => { makeCharts(); redraw(); };
+  document.getElementById("showsteps").onchange = renderEvents;
+  window.addEventListener("resize", resizeCharts);
   document.getElementById("cancel").onclick = async () => {
     const btn = document.getElementById("cancel");
     btn.disabled = true;
     try {
-      await loraq.json(`/v1/fine_tuning/jobs/${encodeURIComponent(jobId)}/cancel`, { method: "POST" });
+      await loraq.json(`${jobPath}/cancel`, { method: "POST" });
     } catch (e) {
       alert(`Cancel failed: ${e.message}`);
     } finally {
@@ -247,16 +387,18 @@ document.addEventListener("DOMContentLoaded", () => {
     }
   };
   document.getElementById("download-adapter").onclick = () =>
-    loraq.download(`/v1/fine_tuning/jobs/${encodeURIComponent(jobId)}/adapter`, `${jobId}-adapter.zip`);
+    loraq.download(`${jobPath}/adapter`, `${jobId}-adapter.zip`);
+  document.getElementById("download-csv").onclick = () =>
+    loraq.download(`${dashPath}/metrics.csv`, `${jobId}-metrics.csv`);
   document.getElementById("checkpoints").onclick = (ev) => {
     const btn = ev.target.closest("button[data-checkpoint]");
     if (!btn) return;
     loraq.download(
-      `/v1/fine_tuning/jobs/${encodeURIComponent(jobId)}/checkpoints/${encodeURIComponent(btn.dataset.checkpoint)}/adapter`,
+      `${jobPath}/checkpoints/${encodeURIComponent(btn.dataset.checkpoint)}/adapter`,
       `${jobId}-step-${btn.dataset.step}.zip`);
   };
   loraq.poll(refresh, POLL_MS, (e) => {
-    const el = document.getElementById("joberror");
+    const el = document.getElementById("loaderror");
     el.textContent = e.message;
     el.hidden = false;
   });

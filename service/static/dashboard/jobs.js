@@ -1,4 +1,5 @@
 // Jobs page: the table refreshes every second from /dashboard/api/jobs (filtered by status).
+// Narrow screens hide the .opt columns (app.css); the table scrolls sideways if still too wide.
 // Ticking several jobs and "Compare selected" opens /compare?ids=… (selection survives refreshes).
 "use strict";
 
@@ -7,24 +8,32 @@ const selected = new Set();
 
 function progressCell(j) {
   if (!j.total_steps) return `<span class="muted">${j.step ? j.step : "–"}</span>`;
-  const pct = Math.min(100, (100 * j.step) / j.total_steps);
-  return `<span class="progress"><div style="width:${pct.toFixed(1)}%"></div></span>${j.step} / ${j.total_steps}`;
+  return `<progress max="${j.total_steps}" value="${j.step}"></progress> ${j.step} / ${j.total_steps}`;
+}
+
+function filesCell(j) {
+  // Every job with steps has a metrics CSV; the job page lists its checkpoints.
+  const id = encodeURIComponent(j.id);
+  const csv = j.step ? `<a href="#" data-csv="${loraq.esc(j.id)}">CSV</a>` : "";
+  return `${csv} <a href="/jobs/${id}#checkpoints-card">checkpoints</a>`;
 }
 
 function row(j) {
   const running = j.status === "running";
   const checked = selected.has(j.id) ? " checked" : "";
   return `<tr data-job-id="${loraq.esc(j.id)}" data-status="${loraq.esc(j.status)}">
-    <td><input type="checkbox" class="pick" data-job="${loraq.esc(j.id)}"${checked} aria-label="compare ${loraq.esc(j.id)}"></td>
-    <td class="jobid"><a href="/jobs/${encodeURIComponent(j.id)}" title="${loraq.esc(j.id)}">${loraq.esc(j.id)}</a></td>
-    <td class="status-cell">${loraq.statusBadge(j.status)}</td>
-    <td>${loraq.esc(j.model)}</td>
-    <td class="num progress-cell">${progressCell(j)}</td>
-    <td class="num">${loraq.num(j.train_loss)}</td>
-    <td class="num">${running || j.tokens_per_s ? loraq.int(j.tokens_per_s) : "–"}</td>
-    <td class="num">${running ? loraq.duration(j.eta_seconds) : "–"}</td>
-    <td class="time">${loraq.time(j.created_at)}</td>
-    <td class="time">${loraq.time(j.finished_at)}</td>
+    <td class="pickcell"><input type="checkbox" class="pick" data-job="${loraq.esc(j.id)}"${checked} aria-label="compare ${loraq.esc(j.id)}"></td>
+    <td class="id"><a href="/jobs/${encodeURIComponent(j.id)}" title="${loraq.esc(j.id)}">${loraq.esc(j.id)}</a></td>
+    <td class="status-cell wrapcell">${loraq.statusBadge(j.status)} ${loraq.healthBadges(j.warnings, j.error_code)}</td>
+    <td class="model" data-label="model">${loraq.esc(j.model)}</td>
+    <td class="suffix" data-label="suffix">${loraq.esc(j.suffix || "–")}</td>
+    <td class="num progress-cell" data-label="steps">${progressCell(j)}</td>
+    <td class="num opt">${loraq.num(j.train_loss)}</td>
+    <td class="num duration" data-label="took">${loraq.jobDuration(j)}</td>
+    <td class="num opt">${running || j.tokens_per_s ? loraq.int(j.tokens_per_s) : "–"}</td>
+    <td class="num opt">${running ? loraq.duration(j.eta_seconds) : "–"}</td>
+    <td class="opt" title="${loraq.esc(loraq.time(j.created_at))}">${loraq.ago(j.created_at)}</td>
+    <td class="opt files">${filesCell(j)}</td>
   </tr>`;
 }
 
@@ -60,6 +69,13 @@ document.addEventListener("DOMContentLoaded", () => {
   filter.onchange = () => {
     history.replaceState(null, "", filter.value ? `/?status=${filter.value}` : "/");
     refresh();
+  };
+  document.getElementById("jobs").onclick = (ev) => {
+    const link = ev.target.closest("a[data-csv]");
+    if (!link) return;
+    ev.preventDefault();
+    const id = link.dataset.csv;
+    loraq.download(`/dashboard/api/jobs/${encodeURIComponent(id)}/metrics.csv`, `${id}-metrics.csv`);
   };
   loraq.poll(refresh, REFRESH_MS, (e) => {
     const el = document.getElementById("loaderror");
