@@ -123,7 +123,7 @@ def test_dashboard_end_to_end(stack: Service, page: Any, artifacts_dir: Path, tm
     assert page.url.endswith("/?status=succeeded")
 
     # 4. The job page: one loss point per step, the hyperparameters, events, checkpoints.
-    row.locator("a").click()
+    row.locator("td.id a").click()
     page.wait_for_url(f"**/jobs/{job_id}")
     expect(page.locator("body")).to_have_attribute("data-final", "true", timeout=30_000)
     progress = api(svc, "GET", f"/dashboard/api/jobs/{job_id}/progress")

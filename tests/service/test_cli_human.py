@@ -197,3 +197,35 @@ def test_cancel_of_a_running_job_says_the_server_status(live_api: LiveApi) -> No
     assert line.startswith(f"{job['id']}: running, cancel requested")
     listing = loraq("jobs", "list", env=live_api.env).stdout
     assert "running (cancelling)" in listing or "running (canc" in listing
+
+
+def test_events_print_health_warnings_and_fold_step_lines(live_api: LiveApi) -> None:
+    from service import jobs
+    from service.db.session import session_scope
+
+    file_id = http(live_api, "POST", "/v1/files", data={"purpose": "fine-tune"},
+                   files={"file": ("t.jsonl", DATASET)})["id"]  # fmt: skip
+    job = http(live_api, "POST", "/v1/fine_tuning/jobs",
+               json={"model": "tiny-llama", "training_file": file_id, "max_seq_len": 64})  # fmt: skip
+    warning = "Overfitting: validation loss rose 1.0 -> 1.2 over the last 2 evaluations"
+    with session_scope() as s:
+        for step in (1, 2, 3):
+            jobs.add_event(s, job_id=str(job["id"]), level="info", message=f"Step {step}", type="metrics",
+                           data={"step": step, "train_loss": 1.0})  # fmt: skip
+        jobs.add_event(s, job_id=str(job["id"]), level="warn", message=warning,
+                       data={"health": "overfitting", "step": 3})  # fmt: skip
+    out = loraq("jobs", "events", str(job["id"]), env=live_api.env)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert any(" warn " in x and warning in x for x in lines)
+    assert not any("Step 2" in x for x in lines) and "(3 per-step lines folded; --steps shows them)" in lines
+    assert lines.index(next(x for x in lines if "queued" in x)) < lines.index(
+        next(x for x in lines if warning in x)
+    )
+    steps = loraq("jobs", "events", str(job["id"]), "--steps", env=live_api.env).stdout
+    assert "Step 2" in steps
+
+    # `jobs watch` prints the warnings as they come, then the end (cancelled: exit code 1)
+    http(live_api, "POST", f"/v1/fine_tuning/jobs/{job['id']}/cancel")
+    watch = loraq("jobs", "watch", str(job["id"]), env=live_api.env)
+    assert watch.returncode == 1 and warning in watch.stdout and "cancelled" in watch.stdout
