@@ -43,7 +43,7 @@ def test_files_and_jobs_commands(e2e: Service, tmp_path: Path) -> None:
 
     uploaded = json.loads(e2e.cli("files", "upload", str(data), *env_key).stdout)
     assert uploaded["id"].startswith("file-") and uploaded["bytes"] == data.stat().st_size
-    assert uploaded["id"] in e2e.cli("files", "list", *env_key).stdout
+    assert uploaded["id"] in e2e.cli("files", "list", "--wide", *env_key).stdout  # full ids with --wide
 
     created = json.loads(
         e2e.cli(
@@ -56,7 +56,7 @@ def test_files_and_jobs_commands(e2e: Service, tmp_path: Path) -> None:
     assert created["hyperparameters"]["n_epochs"] == 400 and created["packing"] is False
     assert created["model"] == "tiny-llama" and created["training_file"] == uploaded["id"]
 
-    assert job_id in e2e.cli("jobs", "list", *env_key).stdout
+    assert job_id in e2e.cli("jobs", "list", "--wide", *env_key).stdout
     assert json.loads(e2e.cli("jobs", "get", job_id, *env_key).stdout)["id"] == job_id
     assert job_id in e2e.cli("jobs", "cancel", job_id, *env_key).stdout
     e2e.wait_job(job_id, {"cancelled"}, key=key)

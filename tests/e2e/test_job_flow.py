@@ -7,6 +7,7 @@ import csv
 import io
 import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -81,7 +82,7 @@ def test_job_runs_end_to_end(e2e: Service, tmp_path: Path) -> None:
     watch_out, _ = watch.communicate(timeout=60)
     assert watch.returncode == 0, watch_out
     assert f"step {STEPS}/{STEPS}" in watch_out and "tok/s" in watch_out
-    assert f"succeeded: {done['fine_tuned_model']}" in watch_out
+    assert re.search(rf"succeeded in \S+( \S+)?: {re.escape(done['fine_tuned_model'])}", watch_out)
     assert done["fine_tuned_model"] == f"ft:tiny-llama:e2e:{job['id']}"
     assert done["trained_tokens"] > 0
     assert done["finished_at"] >= done["created_at"]
