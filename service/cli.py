@@ -104,7 +104,7 @@ def main() -> None:
         sys.exit(1)
 
 
-def _table(*columns: Column | str, wide: bool) -> Table:
+def _table(*columns: Column | str) -> Table:
     """A borderless table: at 80 columns rich shrinks and ellipsizes the flexible columns."""
     return Table(*columns, box=box.SIMPLE_HEAD, pad_edge=False, expand=False, show_edge=False)
 
@@ -238,7 +238,7 @@ def keys_list() -> None:
     from service.auth import list_keys
     from service.db.session import session_scope
 
-    table = _table(Column("prefix", no_wrap=True), "tenant", "created", "revoked", wide=False)
+    table = _table(Column("prefix", no_wrap=True), "tenant", "created", "revoked")
     with session_scope() as session:
         for row in list_keys(session):
             revoked = fmt.ago(row.revoked_at) if row.revoked_at else ""
@@ -274,7 +274,6 @@ def files_list(url: UrlOpt = None, api_key: KeyOpt = None, wide: WideOpt = False
         Column("status", no_wrap=True),
         Column("purpose", no_wrap=True),
         Column("created", no_wrap=True),
-        wide=wide,
     )
     for f in data:
         created = fmt.ago(f["created_at"])
@@ -439,7 +438,7 @@ def jobs_list(
     ]
     if wide:
         columns += [Column("fine_tuned_model", no_wrap=True), Column("error", no_wrap=True)]
-    table = _table(*columns, wide=wide)
+    table = _table(*columns)
     for j in data:
         cells = [
             short[j["id"]],
