@@ -229,3 +229,19 @@ def test_events_print_health_warnings_and_fold_step_lines(live_api: LiveApi) -> 
     http(live_api, "POST", f"/v1/fine_tuning/jobs/{job['id']}/cancel")
     watch = loraq("jobs", "watch", str(job["id"]), env=live_api.env)
     assert watch.returncode == 1 and warning in watch.stdout and "cancelled" in watch.stdout
+
+
+def test_paths_come_from_settings_not_the_current_directory(tmp_path: Path) -> None:
+    from service.settings import PROJECT_ROOT, default_data_dir
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAQ_")}
+    titles = []
+    for cwd in ("/", str(tmp_path)):
+        out = subprocess.run(
+            [sys.executable, "-m", "service.cli", "models", "list"],
+            env={**env, "COLUMNS": "1000"}, cwd=cwd, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        titles.append(out.stdout.splitlines()[0].strip())
+    assert titles[0] == titles[1] == f"Base models ({PROJECT_ROOT / 'var' / 'models'})"
+    assert default_data_dir() == PROJECT_ROOT / "var"  # a checkout: its own var/
