@@ -278,6 +278,7 @@ async function fetchCheckpoints() {
   const data = [...body.data].sort((a, b) => a.step_number - b.step_number);
   checkpoints = data;
   document.getElementById("nocheckpoints").hidden = data.length > 0;
+  document.getElementById("checkpoints").hidden = data.length === 0; // no header row over nothing
   document.getElementById("checkpoints-link").textContent = `Checkpoints (${data.length})`;
   document.querySelector("#checkpoints tbody").innerHTML = data.map((c) => `<tr>
       <td class="num">${c.step_number}</td>
