@@ -26,10 +26,11 @@ from typing import Any
 
 import pytest
 
-from tests.dashboard.test_browser import CHROMIUM, CHROMIUM_ARGS
+from tests.dashboard.test_browser import CHROMIUM_ARGS
 from tests.e2e.datasets import broken_lines
 from tests.engine.recipe_helpers import ANIMALS, build_pretrained_tiny, write_animal_chats
 from tests.live_server import serve
+from tests.servers import require_binary
 from tests.worker.conftest import WorkerEnv, worker_env  # noqa: F401
 from worker import runner
 
@@ -53,11 +54,20 @@ def chats(pairs: list[tuple[str, str]]) -> bytes:
 
 
 @pytest.fixture
-def dashboard(worker_env: WorkerEnv, tmp_path: Path) -> Iterator[Dashboard]:  # noqa: F811
+def dashboard(
+    worker_env: WorkerEnv,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[Dashboard]:
     from service.app import create_app
     from service.auth import create_key
     from service.db.session import session_scope
     from service.settings import get_settings
+    from tests.servers import shared_redis_url
+
+    monkeypatch.setenv("LORAQ_REDIS_URL", shared_redis_url())  # the Workers page reads its registry
+    monkeypatch.setenv("LORAQ_REAPER_INTERVAL_SECONDS", "0")
+    get_settings.cache_clear()
 
     build_pretrained_tiny(get_settings().model_store, tmp_path)
     animals = worker_env.upload(
@@ -91,12 +101,11 @@ def dashboard(worker_env: WorkerEnv, tmp_path: Path) -> Iterator[Dashboard]:  # 
 
 @pytest.fixture
 def browser() -> Iterator[Any]:
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium")
+    chromium = require_binary("chromium")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        b = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
         yield b
         b.close()
 

@@ -13,8 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.dashboard.test_browser import CHROMIUM, CHROMIUM_ARGS
+from tests.dashboard.test_browser import CHROMIUM_ARGS
 from tests.live_server import serve
+from tests.servers import require_binary
 
 pytestmark = pytest.mark.browser
 
@@ -48,8 +49,7 @@ def test_favicon_and_assets_are_local(docs_url: str) -> None:
 
 
 def test_docs_render_offline(docs_url: str, artifacts_dir: Path) -> None:
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium")
+    chromium = require_binary("chromium")
     from playwright.sync_api import expect, sync_playwright
 
     outside: list[str] = []
@@ -62,7 +62,7 @@ def test_docs_render_offline(docs_url: str, artifacts_dir: Path) -> None:
             route.abort()
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 900})
         errors: list[str] = []
         page.on("pageerror", lambda e: errors.append(str(e)))

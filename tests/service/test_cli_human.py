@@ -48,13 +48,13 @@ def live_api(_sqlite_db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 
     from service.app import create_app
     from service.settings import get_settings
-    from tests.conftest import REDIS_URL
+    from tests.servers import shared_redis_url
 
     queue = f"test-cli-{os.getpid()}-{time.monotonic_ns()}"
     settings_env = {
         "LORAQ_DATA_DIR": str(tmp_path / "var"),
         "LORAQ_DATABASE_URL": _sqlite_db,
-        "LORAQ_REDIS_URL": REDIS_URL,
+        "LORAQ_REDIS_URL": shared_redis_url(),
         "LORAQ_WORKER_QUEUE": queue,
         "LORAQ_REAPER_INTERVAL_SECONDS": "0",
     }
@@ -69,7 +69,7 @@ def live_api(_sqlite_db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
             yield LiveApi(url=url, key=key, tenant_id=tenant_id, env=env)
     finally:
         get_settings.cache_clear()
-        r = redis.Redis.from_url(REDIS_URL)
+        r = redis.Redis.from_url(shared_redis_url())
         r.delete(queue)
         r.close()
 
