@@ -124,6 +124,7 @@ def test_playground_samples_compare_and_new_job_fields(
     # 4. New job: LoRA shape, max_seq_len and eval prompts; a dry run first.
     page.goto(svc.url + "/new")
     expect(page.locator("#model option[value='tiny-llama']")).to_have_count(1)
+    page.select_option("#model", "tiny-llama")  # the form defaults to the real smollm2-135m-instruct
     page.set_input_files("#trainfile", jsonl("train.jsonl", chat_lines(10)))
     expect(page.locator('.summary[data-kind="training file"] .examples')).to_have_text("10")
     page.fill("#n_epochs", "3")
