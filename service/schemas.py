@@ -246,6 +246,8 @@ class JobPublic(BaseModel):
     n_gpus: int = 1
     worker_id: str | None = None  # "host:gpu2:pid" (worker.launcher.worker_identity)
     eval_prompts: list[str] | None = None  # extension: sampled at every checkpoint
+    # Loraq extension: why a queued job has not started, in words (tenant limit, no worker yet)
+    waiting_for: str | None = None
 
 
 class JobsPublic(BaseModel):

@@ -448,8 +448,8 @@ def _redis(settings: Settings | None = None) -> redis.Redis:
     if _redis_client is None:
         from service.broker import broker_url
 
-        url = broker_url(settings or get_settings())
-        _redis_client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        settings = settings or get_settings()
+        _redis_client = redis.Redis.from_url(broker_url(settings), **settings.redis_timeouts)
     return _redis_client
 
 

@@ -27,7 +27,7 @@ from fastapi.staticfiles import StaticFiles
 from sqlalchemy import select
 
 from service import storage, worker_registry
-from service.api.dataset_summary import summarize
+from service.api.dataset_summary import check_file
 from service.auth import CurrentTenant
 from service.broker import broker_url
 from service.db.models import Checkpoint, File, Job, JobMetric
@@ -184,14 +184,13 @@ def file_summary(file_id: str, tenant: CurrentTenant, session: SessionDep) -> di
     file = session.scalar(select(File).where(File.id == file_id, File.tenant_id == tenant.id))
     if file is None:
         raise NotFoundError(f"No file with id {file_id!r}", param="file_id")
-    with storage.local_path(file.storage_key).open("rb") as fh:
-        summary = summarize(fh)
+    summary = check_file(storage.local_path(file.storage_key), get_settings().max_line_bytes)
     return {"file_id": file.id, "filename": file.filename, **summary.to_dict()}
 
 
 @lru_cache
 def _redis_client(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    return redis.Redis.from_url(url, **get_settings().redis_timeouts)
 
 
 def registry_client() -> redis.Redis:

@@ -14,8 +14,6 @@ from service.settings import get_settings
 
 router = APIRouter(tags=["health"])
 
-CHECK_TIMEOUT_S = 2.0
-
 
 @router.get("/healthz", response_model=HealthPublic)
 def healthz() -> HealthPublic:
@@ -34,9 +32,7 @@ def _check_db() -> str:
 def _check_redis() -> str:
     url = broker_url(get_settings())
     try:
-        client = redis.Redis.from_url(
-            url, socket_timeout=CHECK_TIMEOUT_S, socket_connect_timeout=CHECK_TIMEOUT_S
-        )
+        client = redis.Redis.from_url(url, **get_settings().redis_timeouts)
         try:
             client.ping()
         finally:

@@ -216,7 +216,7 @@ def service_sources(settings: Settings) -> StateSources:
     from service.db.models import Artifact, Checkpoint, File, Job
     from service.db.session import session_scope
 
-    client = redis.Redis.from_url(broker_url(settings), socket_timeout=2.0, socket_connect_timeout=2.0)
+    client = redis.Redis.from_url(broker_url(settings), **settings.redis_timeouts)
 
     def jobs_by_status() -> dict[str, int]:
         with session_scope() as session:

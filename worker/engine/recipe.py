@@ -89,6 +89,7 @@ class LoRAFinetuneRecipe:
         self.loaded: LoadedModel | None = None
         self.checkpoints: list[CheckpointInfo] = []
         self._last_checkpoint_step = -1
+        self._last_checkpoint_time = time.monotonic()
         self.dist = distributed.SINGLE
 
     # ------------------------------------------------------------------ setup
@@ -391,6 +392,7 @@ class LoRAFinetuneRecipe:
                 path = self.save_checkpoint()
                 return self._result(path, valid_loss, stopped=True)
             t0 = time.monotonic()
+            epoch_before = state.micro_batches // self.batches_per_epoch
             micro, host = upcoming or self._prepare(state.micro_batches)
             step = state.step + 1
             lr = self._current_lr()
@@ -443,7 +445,7 @@ class LoRAFinetuneRecipe:
                     padding_fraction=1.0 - tokens / slots if slots else 0.0,
                 )
             )
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and not last:
+            if not last and self._checkpoint_due(step, epoch_before):
                 self.save_checkpoint()
             self._check_limits(last)
 
@@ -463,6 +465,18 @@ class LoRAFinetuneRecipe:
         """Token slots one captured step computes on (real or padding), all ranks."""
         assert self.step_fn is not None and self.step_fn.shape is not None
         return self.step_fn.shape.slots * self.dist.world_size
+
+    def _checkpoint_due(self, step: int, epoch_before: int) -> bool:
+        """Every `checkpoint_every` steps, at an epoch end, or once `checkpoint_interval_seconds`
+        of training passed since the last checkpoint: a lost worker loses at most that much."""
+        cfg = self.config
+        epoch_ended = self.state.micro_batches // self.batches_per_epoch > epoch_before
+        interval = cfg.checkpoint_interval_seconds
+        return bool(
+            (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+            or (cfg.checkpoint_each_epoch and epoch_ended)
+            or (interval > 0 and time.monotonic() - self._last_checkpoint_time >= interval)
+        )
 
     def _check_limits(self, last: bool) -> None:
         cfg, state = self.config, self.state
@@ -510,6 +524,7 @@ class LoRAFinetuneRecipe:
             batches_per_epoch=self.batches_per_epoch,
         )
         self._last_checkpoint_step = self.state.step
+        self._last_checkpoint_time = time.monotonic()
         info = CheckpointInfo(step=self.state.step, path=path, samples=self.sample_eval_prompts())
         self.checkpoints.append(info)
         self.callbacks.on_checkpoint(info)

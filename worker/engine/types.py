@@ -47,6 +47,8 @@ class TrainConfig:
     pack: bool = True  # padding-free: examples packed into rows of max_seq_len tokens
     eval_every: int = 0  # 0 = only at the end (when a validation file is given)
     checkpoint_every: int = 0  # 0 = only at the end
+    checkpoint_each_epoch: bool = False  # also at every epoch end
+    checkpoint_interval_seconds: float = 0.0  # also once this much training time passed (0 = off)
     resume_from: Path | None = None
     device: DeviceName = "auto"
     # limits (reliability issue): exceeding one fails the run with the reason, checkpoints kept
