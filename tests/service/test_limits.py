@@ -1,5 +1,5 @@
-"""Per-tenant limits: 429 on queued jobs, the running-job limit at start (with fair share), and the per-key request rate limit
-(a fixed window counted in the real local Redis)."""
+"""Per-tenant limits: 429 on queued jobs, the running-job limit at start (with fair share), and
+the per-key request rate limit (a fixed window counted in the real local Redis)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def test_queued_jobs_per_tenant_limit(api: ApiClient, monkeypatch: pytest.Monkey
     api.create_job(file_id)
 
 
-def test_running_jobs_per_tenant_limit_holds_at_start(api: ApiClient, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_running_limit_holds_at_start(api: ApiClient, monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 13.5: a job over the running-job limit is accepted, waits with the reason in its
     status and events, and starts when a slot frees; another tenant is not held up by it."""
     set_env(monkeypatch, max_running_jobs_per_tenant="1")

@@ -5,6 +5,9 @@ from __future__ import annotations
 import csv
 import hashlib
 import io
+import os
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -156,8 +159,24 @@ def test_unexpected_error_fails_generically_and_logs_details(worker_env: WorkerE
     assert runner.run_claimed_job(job_id) == "failed"
     job = job_row(job_id)
     assert job.error == {"code": "internal_error", "message": runner.GENERIC_FAILURE, "param": None}
-    details = [e for e in events(job_id) if e.data and "traceback" in e.data]
-    assert len(details) == 1 and "Error" in details[0].data["traceback"]  # type: ignore[index]
+    # Issue 17.5: the tenant reads a code and one-line messages; the traceback (with server paths)
+    # is in an operator-only event, which the API's event list never returns.
+    with session_scope() as s:
+        tenant_view, _ = jobs.list_events(
+            s, tenant_id=worker_env.tenant_id, job_id=job_id, after=None, limit=100
+        )
+        operator_view = jobs.operator_events(s, job_id=job_id)
+    assert tenant_view and all(
+        "\n" not in e.message and not e.data for e in tenant_view if e.type == "message"
+    )
+    assert not any(str(worker_env.data_dir) in f"{e.message} {e.data}" for e in tenant_view)
+    assert [e.level for e in tenant_view if e.level == "error"] == ["error"]  # the one-line failure
+    assert len(operator_view) == 1 and "Error" in operator_view[0].data["traceback"]  # type: ignore[index]
+    cli = subprocess.run(
+        [sys.executable, "-m", "service.cli", "jobs", "internal-errors", job_id],
+        capture_output=True, text=True, check=True, env={**os.environ, "COLUMNS": "1000"},
+    )  # fmt: skip
+    assert "Traceback (most recent call last)" in cli.stdout
 
 
 def step(i: int) -> StepMetrics:
