@@ -123,3 +123,69 @@ def test_redis_restart_with_jobs_queued_loses_none_and_runs_none_twice(stack: St
     assert stack.job(long_job)["status"] == "running"
     for job_id in [long_job, *queued]:
         stack.assert_succeeded_once(job_id, attempts=1)  # attempt 1: none ran twice
+
+
+def test_frozen_redis_submits_answer_in_bounded_time_and_every_job_runs(stack: Stack) -> None:
+    """Issue 17.1: with the broker's redis-server stopped (SIGSTOP: a stalled disk or a paused VM),
+    30 concurrent submits each answer within 5 s, /healthz and the job list keep answering, and
+    after SIGCONT every job that exists is one whose caller was told about it, and it runs."""
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from tests.e2e.datasets import chat_lines
+    from tests.e2e.procs import ROOT
+
+    stack.only_workers(1)
+    out = subprocess.run(
+        [sys.executable, "-m", "service.cli", "keys", "create", "--tenant", f"frozen-{os.getpid()}"],
+        env=stack.env, cwd=ROOT, check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    headers = {"Authorization": f"Bearer {out.stdout.strip().splitlines()[-1]}"}
+    api = httpx.Client(base_url=stack.url, headers=headers, timeout=30)
+    files = {"file": ("train.jsonl", chat_lines(4))}  # one step a job: 30 jobs run in seconds
+    file_id = api.post("/v1/files", data={"purpose": "fine-tune"}, files=files).json()["id"]
+    body = {
+        "model": "tiny-llama",
+        "training_file": file_id,
+        "hyperparameters": {"n_epochs": 1, "batch_size": 4},
+        "lora": {"r": 4, "alpha": 8},
+        "max_seq_len": 128,
+    }
+
+    def submit(_: int) -> tuple[float, int, str | None]:
+        t0 = time.monotonic()
+        try:
+            r = httpx.post(stack.url + "/v1/fine_tuning/jobs", json=body, headers=headers, timeout=15)
+        except httpx.TimeoutException:
+            return time.monotonic() - t0, 0, None
+        return time.monotonic() - t0, r.status_code, r.json().get("id") if r.status_code == 200 else None
+
+    assert stack.redis is not None
+    os.kill(stack.redis.pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(30) as pool:
+            answers = list(pool.map(submit, range(30)))
+        t0 = time.monotonic()
+        assert httpx.get(stack.url + "/healthz", timeout=5).status_code == 200
+        listed = api.get("/v1/fine_tuning/jobs", params={"limit": 100})
+        read_s = time.monotonic() - t0
+    finally:
+        os.kill(stack.redis.pid, signal.SIGCONT)
+    slowest = max(s for s, _, _ in answers)
+    print(f"frozen Redis: 30 concurrent submits, slowest {slowest:.2f}s; healthz + list {read_s:.2f}s")
+    assert all(code == 200 for _, code, _ in answers), answers
+    assert slowest < 5.0, answers
+    assert listed.status_code == 200 and read_s < 5.0
+    told = {job_id for _, _, job_id in answers}
+    assert {j["id"] for j in listed.json()["data"]} == told
+    deadline = time.monotonic() + 300
+    for job_id in told:  # sent by the reconciler once Redis answers again; each runs once
+        while (job := api.get(f"/v1/fine_tuning/jobs/{job_id}").json())["status"] != "succeeded":
+            assert job["status"] in ("queued", "running") and time.monotonic() < deadline, (job, stack.logs())
+            time.sleep(0.2)
+        assert job["error"] is None
+    assert {j["id"] for j in api.get("/v1/fine_tuning/jobs", params={"limit": 100}).json()["data"]} == told
+    api.close()
