@@ -39,13 +39,23 @@ def test_sigkill_mid_training_resumes_from_the_last_checkpoint(stack: Stack) -> 
     killed_at = max(stack.metric_steps(job_id), default=0)
     assert stack.job(job_id)["status"] == "running"  # nobody told the database
     assert killed_at < EPOCHS * 4, "the job finished before the kill; make it longer"
+    with stack.client() as c:
+        before = c.get(f"/fine_tuning/jobs/{job_id}/checkpoints", params={"limit": 100}).json()["data"]
+    last_saved = before[0]["step_number"]
+    assert last_saved >= ckpt_step
 
     stack.start_worker()  # the restarted worker
     stack.assert_succeeded_once(job_id, attempts=2)
     events = stack.events(job_id)
     assert any(f"no heartbeat for {HEARTBEAT_TIMEOUT_S:g}s (attempt 1 of 3)" in e for e in events), events
+    # Issue 17.6: it resumes from the last checkpoint saved before the kill, and says which step
+    assert f"Resuming from the checkpoint at step {last_saved}" in events, events
     resumed = [e for e in events if e.startswith("Resumed from checkpoint at step")]
-    assert len(resumed) == 1 and int(resumed[0].rsplit(" ", 1)[1]) >= ckpt_step, events
+    assert resumed == [f"Resumed from checkpoint at step {last_saved}"], events
+    with stack.client() as c:  # the ids of checkpoints saved before the resume still answer
+        for ckpt in before:
+            r = c.get(f"/fine_tuning/jobs/{job_id}/checkpoints/{ckpt['id']}/adapter")
+            assert r.status_code == 200, (ckpt, r.text)
 
     # Same seed, never interrupted: the same loss curve and (within float noise) the same adapter.
     reference = stack.submit(EPOCHS)

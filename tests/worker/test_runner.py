@@ -273,3 +273,17 @@ def test_heartbeat_thread_beats_and_fences_when_refused(worker_env: WorkerEnv) -
             assert time.monotonic() < deadline
             time.sleep(0.02)
     assert cb.should_stop()
+
+
+@pytest.mark.parametrize("worker_env", ["sqlite"], indirect=True)
+def test_a_restart_without_checkpoint_says_it_starts_from_step_0(worker_env: WorkerEnv) -> None:
+    """Issue 17.6: the event says where an attempt starts; with nothing saved, step 0, not "resumes"."""
+    job_id = worker_env.create_job(worker_env.upload(chat_lines(8)))
+    with session_scope() as s:
+        lost = jobs.claim(s, job_id=job_id, worker_id="lost-worker")
+        assert lost is not None
+        assert jobs.requeue(s, job_id=job_id, attempt_token=lost.attempt_token, reason="test")
+    assert runner.run_claimed_job(job_id) == "succeeded", explain(job_id)
+    messages = [e.message for e in events(job_id)]
+    assert "Restarting from step 0: no checkpoint was saved by the earlier attempt" in messages
+    assert not any(m.startswith("Resum") for m in messages), messages
