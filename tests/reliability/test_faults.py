@@ -6,10 +6,13 @@ once, no metric step stored twice, one adapter whose bytes match its sha256."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import time
 import zipfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -199,3 +202,80 @@ def test_frozen_redis_submits_answer_in_bounded_time_and_every_job_runs(stack: S
         assert job["error"] is None
     assert {j["id"] for j in api.get("/v1/fine_tuning/jobs", params={"limit": 100}).json()["data"]} == told
     api.close()
+
+
+def vm_hwm(pid: int) -> int:
+    """Peak resident set size of a process (bytes)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for pid {pid}")
+
+
+def test_512_mib_upload_with_a_100_mib_line_stays_within_1_gib(stack: Stack) -> None:
+    """Issue 17.2: the whole service (API + worker + Redis) grows its peak RSS by at most 1 GiB
+    while it takes a 512 MiB upload holding one 100 MiB line; the file says `error` naming that
+    line, and a job on it is refused at submit. The upload is generated while it is sent."""
+    import httpx
+
+    (worker,) = stack.only_workers(1)
+    assert stack.api is not None and stack.redis is not None
+    pids = {"api": stack.api.pid, "worker": worker.pid, "redis": stack.redis.pid}
+    before = {name: vm_hwm(pid) for name, pid in pids.items()}
+
+    total, long_len = 512 << 20, 100 << 20
+    good = json.dumps({"text": "y" * ((1 << 20) - 14)}).encode() + b"\n"  # a valid 1 MiB line
+    head = b'{"text": "' + b"x" * (long_len - 12) + b'"}\n'
+    boundary = "loraq17boundary"
+    prefix = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nfine-tune\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="big.jsonl"\r\n'
+        "Content-Type: application/octet-stream\r\n\r\n"
+    ).encode()
+    suffix = f"\r\n--{boundary}--\r\n".encode()
+    n_good, rest = divmod(total - len(good) - len(head), len(good))
+    tail_line = json.dumps({"text": "z" * (rest - 13)}).encode() + b"\n" if rest > 20 else b""
+
+    def body() -> Iterator[bytes]:
+        yield prefix
+        yield good  # line 1 is fine; line 2 is the 100 MiB one
+        for start in range(0, len(head), 1 << 20):
+            yield head[start : start + (1 << 20)]
+        for _ in range(n_good):
+            yield good
+        yield tail_line
+        yield suffix
+
+    size = len(good) + len(head) + n_good * len(good) + len(tail_line)
+    headers = {
+        "Authorization": f"Bearer {stack.key}",
+        "Content-Type": f"multipart/form-data; boundary={boundary}",
+        "Content-Length": str(len(prefix) + size + len(suffix)),
+    }
+    t0 = time.monotonic()
+    r = httpx.post(stack.url + "/v1/files", content=body(), headers=headers, timeout=300)
+    seconds = time.monotonic() - t0
+    assert r.status_code == 200, r.text
+    file = r.json()
+    assert file["bytes"] == size and file["status"] == "error"
+    assert file["status_details"].startswith(
+        f"1 bad line(s): line 2: line is {len(head)} bytes, over the limit"
+    )
+    with stack.client() as c:
+        refused = c.post(
+            "/fine_tuning/jobs",
+            json={"model": "tiny-llama", "training_file": file["id"], "max_seq_len": 128},
+        )
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "training_file"
+        summary = httpx.get(
+            f"{stack.url}/dashboard/api/files/{file['id']}/summary",
+            headers={"Authorization": f"Bearer {stack.key}"},
+            timeout=120,
+        )
+        assert summary.status_code == 200 and summary.json()["bad_line_count"] == 1
+    growth = {name: vm_hwm(pid) - before[name] for name, pid in pids.items()}
+    print(
+        f"{size >> 20} MiB upload, one {len(head) >> 20} MiB line: {seconds:.1f}s; peak RSS growth "
+        + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in growth.items())
+    )
+    assert sum(growth.values()) <= 1 << 30, growth
