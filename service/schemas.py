@@ -468,3 +468,4 @@ class DryRunPublic(BaseModel):
     trained_tokens: int  # tokens the run trains on: every epoch sees every training token
     estimates: list[EstimatePublic]
     errors: list[DryRunError]
+    latency_ms: dict[str, float] = Field(default_factory=dict)  # /readyz: how long each check took

@@ -33,6 +33,7 @@ from service.broker import broker_url
 from service.db.models import Checkpoint, File, Job, JobMetric
 from service.db.session import SessionDep
 from service.errors import NotFoundError, UnavailableError
+from service.schemas import error_responses
 from service.settings import get_settings
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
@@ -50,7 +51,21 @@ PAGES = {  # page name -> (title, body fragment, script)
 }
 
 pages = APIRouter(include_in_schema=False)
-api = APIRouter(prefix="/dashboard/api", tags=["dashboard"])
+api = APIRouter(
+    prefix="/dashboard/api", tags=["dashboard"], responses=error_responses(400, 401, 404, 429, 503)
+)
+
+# The pages load only same-origin scripts and styles (no inline script or style attribute), may not
+# be framed, and send no referrer to other origins: an injected string cannot run as script.
+PAGE_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+        "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
+    ),
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",
+}
 
 
 @lru_cache
@@ -65,19 +80,23 @@ def render_page(name: str) -> str:
     )
 
 
+def page(name: str) -> HTMLResponse:
+    return HTMLResponse(render_page(name), headers=PAGE_HEADERS)
+
+
 @pages.get("/", response_class=HTMLResponse)
-def jobs_page() -> str:
-    return render_page("jobs")
+def jobs_page() -> HTMLResponse:
+    return page("jobs")
 
 
 @pages.get("/jobs/{job_id}", response_class=HTMLResponse)
-def job_page(job_id: str) -> str:
-    return render_page("job")  # the page reads the id from its URL
+def job_page(job_id: str) -> HTMLResponse:
+    return page("job")  # the page reads the id from its URL
 
 
 @pages.get("/new", response_class=HTMLResponse)
-def new_job_page() -> str:
-    return render_page("new")
+def new_job_page() -> HTMLResponse:
+    return page("new")
 
 
 @pages.get("/compare", response_class=HTMLResponse)
@@ -86,8 +105,8 @@ def compare_page() -> str:
 
 
 @pages.get("/workers", response_class=HTMLResponse)
-def workers_page() -> str:
-    return render_page("workers")
+def workers_page() -> HTMLResponse:
+    return page("workers")
 
 
 def progress(job: Job) -> dict[str, Any]:

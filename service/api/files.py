@@ -120,7 +120,8 @@ def retrieve_file(file_id: str, tenant: CurrentTenant, session: SessionDep) -> F
 @router.get(
     "/{file_id}/content",
     response_class=FileResponse,
-    responses={200: {"content": {"application/octet-stream": {}}}},
+    # uploads come back as bytes; a job's results file (purpose fine-tune-results) as text/csv
+    responses={200: {"content": {"application/octet-stream": {}, "text/csv": {}}}},
 )
 def file_content(file_id: str, tenant: CurrentTenant, session: SessionDep) -> FileResponse:
     row = files.get_file(session, tenant_id=tenant.id, file_id=file_id)

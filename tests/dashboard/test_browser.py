@@ -42,6 +42,13 @@ def page(artifacts_dir: Path) -> Any:
         page = context.new_page()
         errors: list[str] = []
         page.on("pageerror", lambda e: errors.append(str(e)))
+        # a script or style the Content-Security-Policy blocks shows up as a console error only
+        page.on(
+            "console",
+            lambda m: (
+                errors.append(m.text) if m.type == "error" and "Content Security Policy" in m.text else None
+            ),
+        )
         yield page
         context.close()
         browser.close()
@@ -169,7 +176,8 @@ def test_dashboard_end_to_end(stack: Service, page: Any, artifacts_dir: Path, tm
     svc.wait_job(long_job["id"], {"running"})  # raises with the job's error if it ends instead
     page.goto(f"{svc.url}/jobs/{long_job['id']}")
     expect(page.locator("#status")).to_have_attribute("data-status", "running", timeout=JOB_TIMEOUT_MS)
-    page.wait_for_function("window.loraqCharts.loss.data[0].length >= 3", timeout=JOB_TIMEOUT_MS)
+    # a function, not an expression string: the page's CSP forbids eval, which a string would need
+    page.wait_for_function("() => window.loraqCharts.loss.data[0].length >= 3", timeout=JOB_TIMEOUT_MS)
     # Meanwhile the worker registry names the job this worker runs (the Workers page's data).
     workers = api(svc, "GET", "/dashboard/api/workers")["data"]
     mine = [w for w in workers if w["queue"] == svc.env["LORAQ_WORKER_QUEUE"]]

@@ -8,7 +8,8 @@ const selected = new Set();
 function progressCell(j) {
   if (!j.total_steps) return `<span class="muted">${j.step ? j.step : "–"}</span>`;
   const pct = Math.min(100, (100 * j.step) / j.total_steps);
-  return `<span class="progress"><div style="width:${pct.toFixed(1)}%"></div></span>${j.step} / ${j.total_steps}`;
+  // the width is set through the CSSOM after insertion: the page's CSP allows no inline styles
+  return `<span class="progress"><div data-pct="${pct.toFixed(1)}"></div></span>${j.step} / ${j.total_steps}`;
 }
 
 function row(j) {
@@ -34,6 +35,7 @@ async function refresh() {
   if (status) params.set("status", status);
   const body = await loraq.json(`/dashboard/api/jobs?${params}`);
   document.querySelector("#jobs tbody").innerHTML = body.data.map(row).join("");
+  for (const bar of document.querySelectorAll(".progress div[data-pct]")) bar.style.width = `${bar.dataset.pct}%`;
   document.getElementById("empty").hidden = body.data.length > 0;
   document.getElementById("loaderror").hidden = true;
   document.getElementById("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
