@@ -280,6 +280,17 @@ def check_target_modules(spec_targets: list[str] | str, model: str) -> None:
             )
 
 
+def check_max_seq_len(file: File, model: str, max_seq_len: int, param: str) -> None:
+    """400 naming `max_seq_len` when examples of the file are longer (the engine truncates nothing,
+    so such a job would fail); counted with the model's tokenizer once per (file, model)."""
+    from service.token_lengths import lengths, too_long_message
+
+    found = lengths(file, model)
+    message = too_long_message(param, found, max_seq_len) if found is not None else None
+    if message is not None:
+        raise InvalidRequestError(message, param="max_seq_len", code="max_seq_len_too_short")
+
+
 def routing_wait(
     *, queue: str, n_gpus: int, served_queues: set[str] | None, default_queue: str
 ) -> str | None:
@@ -398,9 +409,12 @@ def create_job(
 
     settings = get_settings()
     waiting_for = check_job_limits(session, tenant_id=tenant_id)
-    training, _ = check_job_inputs(session, tenant_id=tenant_id, spec=spec)
+    training, validation = check_job_inputs(session, tenant_id=tenant_id, spec=spec)
     if spec.lora is not None:
         check_target_modules(spec.lora.target_modules, spec.model)
+    check_max_seq_len(training, spec.model, spec.max_seq_len, "training_file")
+    if validation is not None:
+        check_max_seq_len(validation, spec.model, spec.max_seq_len, "validation_file")
     queue = spec.queue or settings.worker_queue
     waiting_for = waiting_for or routing_wait(
         queue=queue, n_gpus=spec.n_gpus, served_queues=served_queues, default_queue=settings.worker_queue

@@ -143,8 +143,8 @@ def _check_messages(messages: Any) -> tuple[int, int]:
     return len(messages), assistants
 
 
-def _parse(raw: bytes) -> tuple[str, int, int, int]:
-    """(format, messages, assistant messages, text bytes) of one line; raises `_Bad`."""
+def _parse(raw: bytes) -> tuple[str, int, int, int, dict[str, Any]]:
+    """(format, messages, assistant messages, text bytes, the record) of one line; raises `_Bad`."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -161,7 +161,7 @@ def _parse(raw: bytes) -> tuple[str, int, int, int]:
     if "messages" in record:
         n, assistants = _check_messages(record["messages"])
         size = sum(len(m["content"].encode()) for m in record["messages"])
-        return "chat", n, assistants, size
+        return "chat", n, assistants, size, record
     if "prompt" in record or "completion" in record:
         for key in ("prompt", "completion"):
             if key not in record:
@@ -171,14 +171,14 @@ def _parse(raw: bytes) -> tuple[str, int, int, int]:
             _check_text(record[key], f"field '{key}'")
         if not record["completion"]:
             raise _Bad("field 'completion' is empty")
-        return "prompt_completion", 0, 0, len((record["prompt"] + record["completion"]).encode())
+        return "prompt_completion", 0, 0, len((record["prompt"] + record["completion"]).encode()), record
     if "text" in record:
         if not isinstance(record["text"], str):
             raise _Bad(f"field 'text' must be a string, got {type(record['text']).__name__}")
         if not record["text"].strip():
             raise _Bad("field 'text' is empty")
         _check_text(record["text"], "field 'text'")
-        return "text", 0, 0, len(record["text"].encode())
+        return "text", 0, 0, len(record["text"].encode()), record
     keys = ", ".join(sorted(record)) or "none"
     raise _Bad(f"missing field: expected 'messages', 'prompt'+'completion' or 'text' (got keys: {keys})")
 
@@ -203,7 +203,7 @@ def summarize(lines: Iterable[bytes | int], max_line_bytes: int | None = None) -
         if not raw.strip():
             continue
         try:
-            fmt, n_messages, n_assistant, size = _parse(raw)
+            fmt, n_messages, n_assistant, size, _ = _parse(raw)
         except _Bad as exc:
             bad(number, str(exc))
             continue
@@ -238,3 +238,16 @@ def check_file(path: Path, max_line_bytes: int) -> DatasetSummary:
     """Summarize a stored JSONL file, reading it line by line within `max_line_bytes`."""
     with path.open("rb") as fh:
         return summarize(bounded_lines(fh, max_line_bytes), max_line_bytes)
+
+
+def examples(path: Path, max_line_bytes: int) -> Iterator[tuple[int, str, dict[str, Any]]]:
+    """(line number, format, record) of each valid line of a file, read as `check_file` reads it."""
+    with path.open("rb") as fh:
+        for number, raw in enumerate(bounded_lines(fh, max_line_bytes), start=1):
+            if isinstance(raw, int) or not raw.strip():
+                continue
+            try:
+                fmt, _, _, _, record = _parse(raw)
+            except _Bad:
+                continue
+            yield number, fmt, record

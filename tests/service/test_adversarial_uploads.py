@@ -114,6 +114,10 @@ def test_adversarial_lines_never_5xx_and_no_internal_error(api: ApiClient, lines
     if file["status"] == "error":
         assert submit.status_code == 400 and submit.json()["error"]["param"] == "training_file"
         return
+    if submit.status_code == 400:  # valid lines, but longer than max_seq_len: refused at the door
+        assert submit.json()["error"]["param"] == "max_seq_len", submit.text
+        event("job refused: max_seq_len")
+        return
     assert submit.status_code == 200, submit.text
     job_id = submit.json()["id"]
     event(f"job {runner.run_claimed_job(job_id)}")

@@ -141,3 +141,28 @@ def test_idempotency_key_same_body_same_job_other_body_409(
     assert reused.status_code == 200 and reused.json()["id"] != first.json()["id"]
     with session_scope() as s:
         assert jobs.get_job(s, tenant_id=api.tenant_id, job_id=first.json()["id"]).idempotency_key is None
+
+
+def test_max_seq_len_shorter_than_examples_is_refused_with_counts(api: ApiClient) -> None:
+    long_answer = json.dumps(
+        {
+            "messages": [
+                {"role": "user", "content": "tell"},
+                {"role": "assistant", "content": "a long story " * 20},
+            ]
+        }
+    )
+    file_id = api.upload(DATASET + (long_answer + "\n").encode() * 2)
+    err = refused(api.post("/v1/fine_tuning/jobs", json=job_body(file_id, max_seq_len=64)), "max_seq_len")
+    assert err["code"] == "max_seq_len_too_short"
+    assert "2 of the 6 examples in training_file are longer than max_seq_len 64 (line 5: " in err["message"]
+    assert "and 4 would be left to train on" in err["message"]
+    longest = int(err["message"].rsplit("at least ", 1)[1].split()[0])
+    ok = api.post("/v1/fine_tuning/jobs", json=job_body(file_id, max_seq_len=longest))
+    assert ok.status_code == 200, ok.text
+    # the validation file is checked too
+    body = job_body(api.upload(DATASET), validation_file=file_id, max_seq_len=64)
+    assert (
+        "examples in validation_file"
+        in refused(api.post("/v1/fine_tuning/jobs", json=body), "max_seq_len")["message"]
+    )
