@@ -166,3 +166,26 @@ def test_max_seq_len_shorter_than_examples_is_refused_with_counts(api: ApiClient
         "examples in validation_file"
         in refused(api.post("/v1/fine_tuning/jobs", json=body), "max_seq_len")["message"]
     )
+
+
+def test_token_lengths_are_counted_once_per_file_and_model_in_bounded_memory(
+    api: ApiClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from service import files, token_lengths
+
+    file_ids = [api.upload(DATASET), api.upload(DATASET + DATASET)]
+    with session_scope() as s:
+        rows = [files.get_file(s, tenant_id=api.tenant_id, file_id=f) for f in file_ids]
+    first = token_lengths.lengths(rows[0], "tiny-llama")
+    assert first is not None and len(first.tokens) == 4 and min(first.tokens) > 5
+    assert token_lengths.lengths(rows[0], "tiny-llama") is first  # cached: not counted again
+    # a cache of 40 bytes holds one entry of 4 examples (32 bytes): the older one goes out
+    monkeypatch.setattr(token_lengths, "CACHE_BYTES", 40)
+    monkeypatch.setattr(token_lengths, "_cache", type(token_lengths._cache)())
+    monkeypatch.setattr(token_lengths, "_cached_bytes", 0)
+    a = token_lengths.lengths(rows[0], "tiny-llama")
+    assert token_lengths.lengths(rows[1], "tiny-llama") is not None  # 64 bytes: counted, not kept
+    assert (
+        list(token_lengths._cache) == [(rows[0].sha256, "tiny-llama")] and token_lengths._cached_bytes == 32
+    )
+    assert token_lengths.lengths(rows[0], "tiny-llama") is a
