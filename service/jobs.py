@@ -370,6 +370,8 @@ def check_job_inputs(session: Session, *, tenant_id: str, spec: JobCreate) -> tu
     try:
         base = get_model_info(spec.model, settings.model_store)
     except ModelError as e:
+        # 404 as OpenAI answers `model_not_found` (and as for files that do not exist): refused at
+        # submit, naming `model` and the known ones
         raise NotFoundError(str(e), param="model", code="model_not_found") from e
     if not base.pulled and not settings.auto_pull:
         raise InvalidRequestError(

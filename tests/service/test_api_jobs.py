@@ -118,12 +118,11 @@ def test_method_hyperparameters_and_auto(api: ApiClient) -> None:
 def test_bad_job_requests_are_400_naming_the_param(
     api: ApiClient, override: dict[str, Any], param: str
 ) -> None:
-    """Malformed values and unknown models: 400 (issue 17: a job that cannot run is refused with 400);
-    well-formed ids of files that do not exist: 404."""
+    """Malformed values: 400; well-formed names of things that do not exist (model, files): 404."""
     file_id = api.upload(DATASET)
     body = job_body(file_id)
     body.update(override)
-    status = 404 if param in ("training_file", "validation_file") else 400
+    status = 404 if param in ("model", "training_file", "validation_file") else 400
     assert_error(api.post("/v1/fine_tuning/jobs", json=body), status, param)
     assert api.get("/v1/fine_tuning/jobs").json()["data"] == []
 

@@ -83,11 +83,12 @@ def test_unknown_target_modules_list_the_models_layers(api: ApiClient) -> None:
     assert api.post("/v1/fine_tuning/jobs", json=ok).status_code == 200
 
 
-def test_unknown_model_is_400(api: ApiClient) -> None:
-    err = refused(
-        api.post("/v1/fine_tuning/jobs", json=job_body(api.upload(DATASET), model="gpt-9")), "model"
-    )
-    assert err["code"] == "model_not_found" and "known models: smollm2-135m-instruct" in err["message"]
+def test_unknown_model_is_refused_naming_the_known_ones(api: ApiClient) -> None:
+    r = api.post("/v1/fine_tuning/jobs", json=job_body(api.upload(DATASET), model="gpt-9"))
+    assert r.status_code == 404, r.text  # OpenAI's status for model_not_found
+    err = r.json()["error"]
+    assert err["param"] == "model" and err["code"] == "model_not_found"
+    assert "known models: smollm2-135m-instruct" in err["message"]
 
 
 def test_queue_and_n_gpus_no_worker_serves_are_refused(api: ApiClient, live_worker: str) -> None:
