@@ -607,6 +607,14 @@ def _mark_waiting(session: Session, *, job_id: str, running_limit: int) -> None:
         add_event(session, job_id=job_id, level="info", message=f"Waiting for {reason}")
 
 
+def oldest_waiting(session: Session, *, tenant_id: str) -> str | None:
+    """The tenant's oldest queued job that waits for something (`waiting_for` set), if any."""
+    query = select(Job.id).where(
+        Job.tenant_id == tenant_id, Job.status == "queued", Job.waiting_for.is_not(None)
+    )
+    return session.scalar(query.order_by(Job.seq).limit(1))
+
+
 def claim(session: Session, *, job_id: str, worker_id: str, running_limit: int = 0) -> Claim | None:
     """queued → running for this worker: a new attempt with a fresh token; None if not claimable
     (no longer queued, cancel requested, or its tenant already runs `running_limit` jobs)."""

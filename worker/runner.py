@@ -298,8 +298,11 @@ def run_claimed_job(job_id: str, *, worker_id: str = WORKER_ID) -> str:
     with session_scope() as session:
         claim = jobs.claim_next(session, job_id=job_id, worker_id=worker_id)
     if claim is None:
-        log.info("job %s: not claimable (duplicate delivery, cancelled or already done)", job_id)
+        log.info("job %s: nothing claimable for this delivery (taken, cancelled, done or waiting)", job_id)
         return "skipped"
+    if claim.job_id != job_id:  # fair share: the delivery of one job's message claimed another
+        log.info("delivery of job %s claimed job %s (fair share)", job_id, claim.job_id)
+        job_id = claim.job_id
 
     out_dir = attempt_dir(settings, claim)
     # Store keys carry the attempt: a fenced-out attempt that keeps running for a moment (a
@@ -342,10 +345,26 @@ def run_claimed_job(job_id: str, *, worker_id: str = WORKER_ID) -> str:
             )
         return _fail(claim, code="internal_error", message=GENERIC_FAILURE, param=None)
     finally:
+        # in the background: the task's outcome (and its metrics) must not wait on the broker
+        threading.Thread(target=_wake_waiting, args=(claim,), name="loraq-wake", daemon=True).start()
         # The adapter and checkpoints are in the store now; the attempt's scratch space can go.
         shutil.rmtree(out_dir, ignore_errors=True)
         with contextlib.suppress(OSError):  # the job's directory, once no attempt is left in it
             out_dir.parent.rmdir()
+
+
+def _wake_waiting(claim: jobs.Claim) -> None:
+    """This attempt freed a running-job slot of its tenant: send a wake-up for the tenant's oldest
+    job waiting for one, so it starts now rather than at the reconciler's next re-send."""
+    from service.queue import enqueue_job
+
+    try:
+        with session_scope() as session:
+            waiting = jobs.oldest_waiting(session, tenant_id=claim.tenant_id)
+        if waiting is not None:
+            enqueue_job(waiting)
+    except Exception:  # best effort: the reconciler re-sends queued jobs anyway
+        log.warning("could not wake the waiting jobs of %s", claim.tenant_id, exc_info=True)
 
 
 def _succeed(claim: jobs.Claim, result: TrainResult) -> str:

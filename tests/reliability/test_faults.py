@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.conftest import HEARTBEAT_TIMEOUT_S, Stack
+from tests.e2e.procs import stop_process
+from tests.reliability.conftest import HEARTBEAT_TIMEOUT_S, TERMINAL, Stack
 
 EPOCHS = 25  # 16 examples, batch 4: 100 steps (about 2.5 s on a 2-core CPU)
 
@@ -142,24 +143,13 @@ def test_frozen_redis_submits_answer_in_bounded_time_and_every_job_runs(stack: S
     """Issue 17.1: with the broker's redis-server stopped (SIGSTOP: a stalled disk or a paused VM),
     30 concurrent submits each answer within 5 s, /healthz and the job list keep answering, and
     after SIGCONT every job that exists is one whose caller was told about it, and it runs."""
-    import subprocess
-    import sys
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
 
-    from tests.e2e.datasets import chat_lines
-    from tests.e2e.procs import ROOT
-
     stack.only_workers(1)
-    out = subprocess.run(
-        [sys.executable, "-m", "service.cli", "keys", "create", "--tenant", f"frozen-{os.getpid()}"],
-        env=stack.env, cwd=ROOT, check=True, capture_output=True, text=True,
-    )  # fmt: skip
-    headers = {"Authorization": f"Bearer {out.stdout.strip().splitlines()[-1]}"}
-    api = httpx.Client(base_url=stack.url, headers=headers, timeout=30)
-    files = {"file": ("train.jsonl", chat_lines(4))}  # one step a job: 30 jobs run in seconds
-    file_id = api.post("/v1/files", data={"purpose": "fine-tune"}, files=files).json()["id"]
+    api, file_id = stack.new_tenant("frozen", examples=4)  # one step a job: 30 jobs run in seconds
+    headers = dict(api.headers)
     body = {
         "model": "tiny-llama",
         "training_file": file_id,
@@ -183,7 +173,7 @@ def test_frozen_redis_submits_answer_in_bounded_time_and_every_job_runs(stack: S
             answers = list(pool.map(submit, range(30)))
         t0 = time.monotonic()
         assert httpx.get(stack.url + "/healthz", timeout=5).status_code == 200
-        listed = api.get("/v1/fine_tuning/jobs", params={"limit": 100})
+        listed = api.get("/fine_tuning/jobs", params={"limit": 100})
         read_s = time.monotonic() - t0
     finally:
         os.kill(stack.redis.pid, signal.SIGCONT)
@@ -196,11 +186,11 @@ def test_frozen_redis_submits_answer_in_bounded_time_and_every_job_runs(stack: S
     assert {j["id"] for j in listed.json()["data"]} == told
     deadline = time.monotonic() + 300
     for job_id in told:  # sent by the reconciler once Redis answers again; each runs once
-        while (job := api.get(f"/v1/fine_tuning/jobs/{job_id}").json())["status"] != "succeeded":
+        while (job := api.get(f"/fine_tuning/jobs/{job_id}").json())["status"] != "succeeded":
             assert job["status"] in ("queued", "running") and time.monotonic() < deadline, (job, stack.logs())
             time.sleep(0.2)
         assert job["error"] is None
-    assert {j["id"] for j in api.get("/v1/fine_tuning/jobs", params={"limit": 100}).json()["data"]} == told
+    assert {j["id"] for j in api.get("/fine_tuning/jobs", params={"limit": 100}).json()["data"]} == told
     api.close()
 
 
@@ -279,3 +269,53 @@ def test_512_mib_upload_with_a_100_mib_line_stays_within_1_gib(stack: Stack) -> 
         + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in growth.items())
     )
     assert sum(growth.values()) <= 1 << 30, growth
+
+
+def test_running_limit_holds_when_jobs_start_on_two_workers(stack: Stack) -> None:
+    """Issue 13.5: with two idle workers and a running-job limit of 1, a tenant's second job does
+    not start beside its first: it waits, saying why in its status and events, and starts when
+    the first finishes."""
+    for proc in stack.alive_workers():
+        stop_process(proc, grace=20)
+    limited = [stack.start_worker(LORAQ_MAX_RUNNING_JOBS_PER_TENANT="1") for _ in range(2)]
+    api, file_id = stack.new_tenant("limited")
+    body = {
+        "model": "tiny-llama",
+        "training_file": file_id,
+        "hyperparameters": {"n_epochs": EPOCHS, "batch_size": 4},
+        "lora": {"r": 4, "alpha": 8},
+        "max_seq_len": 128,
+    }
+    try:
+        first, second = (api.post("/fine_tuning/jobs", json=body).json()["id"] for _ in range(2))
+        deadline = time.monotonic() + 120
+        seen_waiting = None
+        while time.monotonic() < deadline:
+            a, b = (api.get(f"/fine_tuning/jobs/{j}").json() for j in (first, second))
+            assert not (a["status"] == "running" and b["status"] == "running"), (a, b)
+            if a["status"] == "running" and b["status"] == "queued" and b["waiting_for"]:
+                seen_waiting = b["waiting_for"]
+            if seen_waiting and a["status"] in TERMINAL:
+                break
+            time.sleep(0.05)
+        assert seen_waiting and "running-job slot" in seen_waiting and "its limit is 1" in seen_waiting, (
+            stack.logs()
+        )
+        events = [
+            e["message"]
+            for e in api.get(f"/fine_tuning/jobs/{second}/events", params={"limit": 100}).json()["data"]
+        ]
+        assert any(m.startswith("Waiting for a running-job slot") for m in events), events
+        deadline = time.monotonic() + 120
+        while (b := api.get(f"/fine_tuning/jobs/{second}").json())["status"] != "succeeded":
+            assert b["status"] not in TERMINAL and time.monotonic() < deadline, (b, stack.logs())
+            time.sleep(0.1)
+        a = api.get(f"/fine_tuning/jobs/{first}").json()
+        assert a["status"] == "succeeded" and b["waiting_for"] is None
+        assert b["created_at"] <= a["finished_at"] <= b["finished_at"]
+        with_pids = {a["worker_id"].rsplit(":", 1)[1], b["worker_id"].rsplit(":", 1)[1]}
+        assert with_pids <= {str(p.pid) for p in limited}
+    finally:
+        api.close()
+        for proc in limited:
+            stop_process(proc, grace=20)
