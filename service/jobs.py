@@ -562,8 +562,12 @@ def _next_fair(session: Session, *, queue: str, n_gpus: int, running_limit: int)
         .group_by(other.tenant_id)
         .subquery()
     )
-    last = (
-        select(other.tenant_id, func.max(other.claimed_at).label("at")).group_by(other.tenant_id).subquery()
+    waiting_tenants = select(Job.tenant_id).where(Job.status == "queued").distinct()
+    last = (  # only tenants with queued jobs: no scan of every job the service ever ran
+        select(other.tenant_id, func.max(other.claimed_at).label("at"))
+        .where(other.tenant_id.in_(waiting_tenants))
+        .group_by(other.tenant_id)
+        .subquery()
     )
     head = (
         select(Job.tenant_id, func.min(Job.seq).label("seq"))
