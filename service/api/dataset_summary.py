@@ -140,6 +140,8 @@ def _check_messages(messages: Any) -> tuple[int, int]:
     assistants = sum(1 for m in messages if m["role"] == "assistant")
     if assistants == 0:
         raise _Bad("no assistant message (nothing to train on)")
+    if not any(m["role"] == "assistant" and m.get("weight", 1) != 0 for m in messages):
+        raise _Bad("no trainable tokens (every assistant turn has weight 0?)")  # the engine's words
     return len(messages), assistants
 
 

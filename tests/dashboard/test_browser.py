@@ -188,13 +188,18 @@ def test_dashboard_end_to_end(stack: Service, page: Any, artifacts_dir: Path, tm
     assert 0 < done["step"] < done["total_steps"]  # stopped mid-run, partial metrics kept
     page.screenshot(path=str(artifacts_dir / "dashboard-cancelled.png"), full_page=True)
 
-    # 8. A failed job's page shows its error, naming the bad lines.
-    bad = dict(body, hyperparameters={"n_epochs": 1}, max_seq_len=16)  # every example is too long
+    # 8. A job that fails in the worker: its page shows the error. (A file with bad lines or a
+    # too-short max_seq_len is refused at submit now; a run planned past the worker's step limit,
+    # 16 examples x 1000 epochs at batch 1, fails before training.)
+    refused = httpx.post(svc.url + "/v1/fine_tuning/jobs", json=dict(body, max_seq_len=16),
+                         headers={"Authorization": f"Bearer {svc.key}"}, timeout=30)  # fmt: skip
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_seq_len", refused.text
+    bad = dict(body, hyperparameters={"n_epochs": 1000, "batch_size": 1})
     failed = api(svc, "POST", "/v1/fine_tuning/jobs", json=bad)
     page.goto(f"{svc.url}/jobs/{failed['id']}")
     expect(page.locator("#status")).to_have_attribute("data-status", "failed", timeout=JOB_TIMEOUT_MS)
-    expect(page.locator("#joberror")).to_contain_text("invalid_training_file: training_file has 16 invalid")
-    expect(page.locator("#joberror")).to_contain_text("line 1:")
+    expect(page.locator("#joberror")).to_contain_text("limit_exceeded")
+    expect(page.locator("#joberror")).to_contain_text("over the step limit of 5000")
     expect(page.locator("#download-adapter")).to_be_hidden()
 
     # 9. The Workers page lists our worker (no GPU here, reference kernels) and renders the GPUs of

@@ -245,6 +245,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         LORAQ_WORKER_QUEUE=f"rel-{secrets.token_hex(4)}",
         LORAQ_SECRET_KEY=secrets.token_hex(32),
         LORAQ_CHECKPOINT_EVERY=str(CHECKPOINT_EVERY),
+        # one cadence the tests reason about (every 3 steps); epoch-end checkpoints (4 steps an
+        # epoch here) would double the checkpoint work on a loaded 2-core machine
+        LORAQ_CHECKPOINT_EACH_EPOCH="0",
         LORAQ_HEARTBEAT_SECONDS="0.5",
         LORAQ_HEARTBEAT_TIMEOUT_SECONDS=str(HEARTBEAT_TIMEOUT_S),
         LORAQ_REAPER_INTERVAL_SECONDS="0.5",
