@@ -300,8 +300,8 @@ def routing_wait(
     whose worker may be starting or restarting (`loraq up`). `served_queues` None: the registry
     could not be read, so nothing is known and nothing is refused.
     """
+    from service.broker import celery_queue
     from service.worker_registry import unserved_reason
-    from worker.launcher import celery_queue  # no torch
 
     if served_queues is None:
         return None
