@@ -15,7 +15,8 @@ import redis
 from service import jobs, worker_registry
 from service.db.session import session_scope
 from service.settings import get_settings
-from tests.conftest import DATASET, REDIS_URL, ApiClient, job_body
+from tests.conftest import DATASET, ApiClient, job_body
+from tests.servers import shared_redis_url
 
 BAD_FILE = DATASET + b"{not json\n" + b'{"messages": [{"role": "user", "content": "no answer"}]}\n'
 
@@ -38,7 +39,7 @@ def live_worker() -> Iterator[str]:
     """A worker registry entry (the format `worker.metrics` writes) for a one-GPU queue of its own."""
     queue = f"gpu-{secrets.token_hex(3)}"
     node = f"test-node-{secrets.token_hex(3)}"
-    client = redis.Redis.from_url(REDIS_URL)
+    client = redis.Redis.from_url(shared_redis_url())
     entry = {"node": node, "queue": queue, "pid": 1, "gpus": [], "kernels": {}, "last_seen": time.time()}
     client.set(worker_registry.worker_key(node), json.dumps(entry), ex=60)
     worker_registry._served = (float("-inf"), None)  # forget the last read: the entry is new
