@@ -190,11 +190,11 @@ def test_dashboard_end_to_end(stack: Service, page: Any, artifacts_dir: Path, tm
 
     # 8. A job that fails in the worker: its page shows the error. (A file with bad lines or a
     # too-short max_seq_len is refused at submit now; a run planned past the worker's step limit,
-    # 16 examples x 1000 epochs at batch 1, fails before training.)
+    # 16 unpacked examples x 1000 epochs at batch 1, fails before training.)
     refused = httpx.post(svc.url + "/v1/fine_tuning/jobs", json=dict(body, max_seq_len=16),
                          headers={"Authorization": f"Bearer {svc.key}"}, timeout=30)  # fmt: skip
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_seq_len", refused.text
-    bad = dict(body, hyperparameters={"n_epochs": 1000, "batch_size": 1})
+    bad = dict(body, hyperparameters={"n_epochs": 1000, "batch_size": 1}, packing=False)  # 16,000 steps
     failed = api(svc, "POST", "/v1/fine_tuning/jobs", json=bad)
     page.goto(f"{svc.url}/jobs/{failed['id']}")
     expect(page.locator("#status")).to_have_attribute("data-status", "failed", timeout=JOB_TIMEOUT_MS)
