@@ -100,8 +100,8 @@ def new_job_page() -> HTMLResponse:
 
 
 @pages.get("/compare", response_class=HTMLResponse)
-def compare_page() -> str:
-    return render_page("compare")  # the page reads the job ids from its query string
+def compare_page() -> HTMLResponse:
+    return page("compare")  # the page reads the job ids from its query string
 
 
 @pages.get("/workers", response_class=HTMLResponse)

@@ -35,7 +35,7 @@ def test_405_allow_lists_every_method_of_the_path(api: ApiClient, method: str, p
     assert err["code"] == "method_not_allowed" and f"allowed: {allow}" in err["message"]
 
 
-@pytest.mark.parametrize("path", ["/", "/new", "/jobs/ftjob-x", "/workers"])
+@pytest.mark.parametrize("path", ["/", "/new", "/jobs/ftjob-x", "/workers", "/compare?ids=ftjob-x"])
 def test_dashboard_pages_set_security_headers_and_hold_no_inline_script(api: ApiClient, path: str) -> None:
     r = api.client.get(path)
     assert r.status_code == 200
