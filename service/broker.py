@@ -69,8 +69,14 @@ def make_celery(settings: Settings) -> Celery:
         task_serializer="json",
         accept_content=["json"],
         broker_connection_retry_on_startup=True,
+        # Bounded broker calls (issue 17): every socket operation and connect has a timeout, and a
+        # publish retries at most `broker_publish_retries` times (service.queue adds a deadline).
+        broker_connection_timeout=settings.redis_connect_timeout_seconds,
         broker_transport_options={
-            "visibility_timeout": int(settings.job_max_wall_seconds) + VISIBILITY_MARGIN_SECONDS
+            "visibility_timeout": int(settings.job_max_wall_seconds) + VISIBILITY_MARGIN_SECONDS,
+            "socket_timeout": settings.redis_socket_timeout_seconds,
+            "socket_connect_timeout": settings.redis_connect_timeout_seconds,
+            "max_retries": settings.broker_publish_retries,
         },
         # A job's status is in the database; Celery's own events would only add Redis traffic.
         worker_send_task_events=False,

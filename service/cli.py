@@ -525,6 +525,22 @@ def jobs_events(
         console.print(f"({folded} per-step lines folded; --steps shows them)", style="dim")
 
 
+@jobs_app.command("internal-errors")
+def jobs_internal_errors(job_id: str) -> None:
+    """Operator only (reads the database, like `keys`): a job's worker tracebacks, which the API
+    never shows to tenants."""
+    from service import jobs
+    from service.db.session import session_scope
+
+    with session_scope() as session:
+        events = jobs.operator_events(session, job_id=job_id)
+        lines = [(e.created_at, e.message, (e.data or {}).get("traceback", "")) for e in events]
+    if not lines:
+        console.print(f"no internal errors recorded for {job_id}")
+    for created_at, message, trace in lines:
+        console.print(f"{created_at} {message}\n{trace}", markup=False, highlight=False)
+
+
 def _latest_metrics(c: LoraqClient, job_id: str) -> dict[str, Any] | None:
     """The newest `type: metrics` event's data, looking at the last few events only."""
     for ev in c.list_events(job_id, limit=10)["data"]:

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Mount
 
 log = logging.getLogger("loraq.api")
 
@@ -135,6 +136,23 @@ def validation_error(exc: RequestValidationError) -> LoraqError:
     return InvalidRequestError(message, param=param, code="invalid_value")
 
 
+HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+STATIC_METHODS = ["GET", "HEAD"]  # the one mount: the dashboard's static files
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at this path (Starlette's own 405 names only the methods of
+    the first route whose path matched, e.g. GET but not POST for /v1/files): each method is
+    tried against the app's routes, as routing would."""
+    routes = [r for r in request.app.router.routes if not isinstance(r, Mount)]
+    allowed = [
+        method
+        for method in HTTP_METHODS
+        if any(r.matches({**request.scope, "method": method})[0] == Match.FULL for r in routes)
+    ]
+    return allowed or STATIC_METHODS
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def on_loraq_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, LoraqError)
@@ -146,13 +164,19 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, RequestValidationError)
         return error_response(validation_error(exc))
 
-    async def on_http_error(_: Request, exc: Exception) -> JSONResponse:
+    async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         if exc.status_code == 404:
             err: LoraqError = NotFoundError("unknown URL; see /docs for the API", code="unknown_url")
         elif exc.status_code == 405:
-            err = InvalidRequestError("method not allowed for this URL", code="method_not_allowed")
+            allowed = allowed_methods(request)
+            err = InvalidRequestError(
+                f"method {request.method} not allowed for this URL; allowed: {', '.join(allowed)}",
+                code="method_not_allowed",
+            )
             err.status = 405
+            err.headers = {**(exc.headers or {}), "Allow": ", ".join(allowed)}
+            return error_response(err)
         else:
             err = LoraqError(str(exc.detail), code=None)
             err.status = exc.status_code

@@ -36,9 +36,17 @@ def check_upload_purpose(purpose: str | None) -> str:
 
 
 def create_file(
-    session: Session, *, tenant_id: str, file_id: str, filename: str, purpose: str, stored: StoredObject
+    session: Session,
+    *,
+    tenant_id: str,
+    file_id: str,
+    filename: str,
+    purpose: str,
+    stored: StoredObject,
+    status_details: str | None = None,
 ) -> File:
-    """Record an object already published in the store (so a visible row always has its bytes)."""
+    """Record an object already published in the store (so a visible row always has its bytes).
+    `status_details` set: the file failed validation (`status` "error", as OpenAI's Files API)."""
     row = File(
         id=file_id,
         tenant_id=tenant_id,
@@ -47,7 +55,8 @@ def create_file(
         bytes=stored.size,
         sha256=stored.sha256,
         storage_key=stored.key,
-        status="processed",
+        status="processed" if status_details is None else "error",
+        status_details=status_details,
     )
     session.add(row)
     session.flush()

@@ -14,24 +14,31 @@ writes, the attempt token its claim received:
 and its rowcount says whether it happened. A duplicate delivery finds the job no longer
 `queued` and gets no claim; a worker whose attempt was superseded (re-queued after it went
 silent) finds its token gone and every write is refused (`StaleAttemptError` or `False`).
+
+A worker's delivery is a wake-up for its queue, not an order to run that one job (`claim_next`):
+it claims the next job of that queue round-robin across the tenants with queued jobs (a tenant's
+own jobs stay FIFO), skipping tenants at their running-job limit; a job that must wait says why
+in `waiting_for` and in an event.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import hashlib
+import json
 import math
 import secrets
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from sqlalchemy import Update, bindparam, delete, func, insert, select, update
+from sqlalchemy import Update, bindparam, func, insert, select, update
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
-from service.db.models import Artifact, Checkpoint, File, Job, JobEvent, JobMetric, is_id, now_s
+from service.db.models import Artifact, Checkpoint, File, Job, JobEvent, JobMetric, Tenant, is_id, now_s
 from service.db.session import read_first
 from service.errors import ConflictError, InvalidRequestError, NotFoundError, RateLimitError
 from service.schemas import Hyperparameters, JobCreate
@@ -50,6 +57,10 @@ AUTO_HYPERPARAMETERS: dict[str, int | float] = {
 }
 DEFAULT_LORA: dict[str, Any] = asdict(LoraConfig())  # the engine's defaults, one source
 MAX_SEED = 2**31 - 1
+# Events of this type hold what only the operator may read (a worker's traceback): the API never
+# lists them; `loraq jobs internal-errors JOB` (database access) prints them.
+OPERATOR_EVENT = "internal"
+MAX_CLAIM_TRIES = 5  # candidates a delivery tries when other workers win the race for them
 
 
 class StaleAttemptError(ConflictError):
@@ -79,6 +90,7 @@ class Claim:
     n_gpus: int = 1  # > 1: the worker runs the engine under torchrun (issue 7)
     packing: bool = True  # padding-free packed rows (issue 12)
     eval_prompts: list[str] = field(default_factory=list)  # sampled at every checkpoint
+    resume_step: int = 0  # the step of `resume_checkpoint` (0: none, the run starts from step 0)
 
 
 # ---------------------------------------------------------------- reads
@@ -130,7 +142,7 @@ def list_events(
 ) -> tuple[list[JobEvent], bool]:
     """Newest first, as OpenAI lists them; `after` is an event id of the previous page."""
     get_job(session, tenant_id=tenant_id, job_id=job_id)
-    query = select(JobEvent).where(JobEvent.job_id == job_id)
+    query = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.type != OPERATOR_EVENT)
     if after is not None:
         cursor = (
             session.scalar(select(JobEvent.seq).where(JobEvent.id == after, JobEvent.job_id == job_id))
@@ -142,6 +154,12 @@ def list_events(
         query = query.where(JobEvent.seq < cursor)
     rows = list(session.scalars(query.order_by(JobEvent.seq.desc()).limit(limit + 1)))
     return rows[:limit], len(rows) > limit
+
+
+def operator_events(session: Session, *, job_id: str) -> list[JobEvent]:
+    """A job's operator-only events (tracebacks), oldest first: for `loraq jobs internal-errors`."""
+    query = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.type == OPERATOR_EVENT)
+    return list(session.scalars(query.order_by(JobEvent.seq)))
 
 
 def list_checkpoints(
@@ -253,6 +271,12 @@ def _training_file(session: Session, *, tenant_id: str, file_id: str, param: str
             param=param,
             code="invalid_file_purpose",
         )
+    if file.status == "error":
+        raise InvalidRequestError(
+            f"invalid {param}: file {file_id} failed validation at upload: {file.status_details}",
+            param=param,
+            code="invalid_file",
+        )
     return file
 
 
@@ -265,6 +289,63 @@ def validation_split(spec: JobCreate) -> float:
     if spec.validation_file is not None:
         return 0.0
     return spec.validation_split if spec.validation_split is not None else get_settings().validation_split
+
+
+def check_target_modules(spec_targets: list[str] | str, model: str) -> None:
+    """400 naming `lora.target_modules` when a name matches no linear layer the model has."""
+    from worker.engine.catalog import LINEAR_MODULES  # pure Python
+
+    if isinstance(spec_targets, str):
+        return  # "all-linear" (the schema allows no other string)
+    for target in spec_targets:
+        *parents, leaf = target.split(".")
+        if leaf not in LINEAR_MODULES or (parents and parents[-1] != LINEAR_MODULES[leaf]):
+            names = ", ".join(f"{parent}.{name}" for name, parent in LINEAR_MODULES.items())
+            raise InvalidRequestError(
+                f"invalid lora.target_modules: {target!r} is not a linear layer of model {model!r}; "
+                f"its linear layers are {names} (or 'all-linear')",
+                param="lora.target_modules",
+                code="invalid_target_modules",
+            )
+
+
+def check_max_seq_len(file: File, model: str, max_seq_len: int, param: str) -> None:
+    """400 naming `max_seq_len` when examples of the file are longer (the engine truncates nothing,
+    so such a job would fail); counted with the model's tokenizer once per (file, model)."""
+    from service.token_lengths import lengths, too_long_message
+
+    found = lengths(file, model)
+    message = too_long_message(param, found, max_seq_len) if found is not None else None
+    if message is not None:
+        raise InvalidRequestError(message, param="max_seq_len", code="max_seq_len_too_short")
+
+
+def routing_wait(
+    *, queue: str, n_gpus: int, served_queues: set[str] | None, default_queue: str
+) -> str | None:
+    """What a job waits for when no live worker would take it now, or None.
+
+    Refused (400) instead unless `accept_unserved_jobs`, except on the deployment's own queue,
+    whose worker may be starting or restarting (`loraq up`). `served_queues` None: the registry
+    could not be read, so nothing is known and nothing is refused.
+    """
+    from service.broker import celery_queue
+    from service.worker_registry import unserved_reason
+
+    if served_queues is None:
+        return None
+    reason = unserved_reason(queue, n_gpus, celery_queue(queue, n_gpus), served_queues)
+    if reason is None:
+        return None
+    if celery_queue(queue, n_gpus) != default_queue and not get_settings().accept_unserved_jobs:
+        param = "n_gpus" if reason.startswith("n_gpus") else "queue"
+        raise InvalidRequestError(
+            f"invalid {param}: {reason}; start such a worker, or set LORAQ_ACCEPT_UNSERVED_JOBS=1 "
+            "for queues whose workers start on demand",
+            param=param,
+            code="no_worker_for_job",
+        )
+    return f"a worker: {reason}"
 
 
 def requested_hyperparameters(spec: JobCreate) -> dict[str, Any]:
@@ -280,16 +361,48 @@ def requested_hyperparameters(spec: JobCreate) -> dict[str, Any]:
     return hp.model_dump()
 
 
+def request_digest(spec: JobCreate) -> str:
+    """sha256 of the request as validated (defaults filled in, keys sorted): equal bodies, equal digests."""
+    canonical = json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def replay(session: Session, *, tenant_id: str, key: str, request_sha256: str) -> Job | None:
+    """The job an Idempotency-Key already made (Stripe's rules): the same body returns it; another
+    body is a 409; after `idempotency_key_ttl_seconds` the key is released and may be used again."""
+    job = _by_idempotency_key(session, tenant_id, key)
+    if job is None:
+        return None
+    if job.created_at < now_s() - get_settings().idempotency_key_ttl_seconds:
+        session.execute(
+            update(Job).where(Job.id == job.id).values(idempotency_key=None),
+            execution_options={"synchronize_session": False},
+        )
+        session.flush()
+        return None
+    if job.request_sha256 is not None and job.request_sha256 != request_sha256:
+        raise ConflictError(
+            f"Idempotency-Key {key!r} was already used with a different request body (it created job "
+            f"{job.id}); send the same body to get that job again, or use a new key",
+            param="Idempotency-Key",
+            code="idempotency_key_reused",
+        )
+    return job
+
+
 def check_job_inputs(session: Session, *, tenant_id: str, spec: JobCreate) -> tuple[File, File | None]:
     """The model exists and the files are the tenant's fine-tune files (404/400 otherwise);
     returns (training file, validation file or None)."""
+    settings = get_settings()
     from worker.engine.catalog import get_model_info  # pure Python; imported here to keep startup light
 
     try:
-        base = get_model_info(spec.model, get_settings().model_store)
+        base = get_model_info(spec.model, settings.model_store)
     except ModelError as e:
+        # 404 as OpenAI answers `model_not_found` (and as for files that do not exist): refused at
+        # submit, naming `model` and the known ones
         raise NotFoundError(str(e), param="model", code="model_not_found") from e
-    if not base.pulled and not get_settings().auto_pull:
+    if not base.pulled and not settings.auto_pull:
         raise InvalidRequestError(
             f"base model {spec.model!r} is not local and LORAQ_AUTO_PULL=0: "
             f"run `loraq models pull {spec.model}` first",
@@ -306,21 +419,44 @@ def check_job_inputs(session: Session, *, tenant_id: str, spec: JobCreate) -> tu
 
 
 def create_job(
-    session: Session, *, tenant_id: str, spec: JobCreate, idempotency_key: str | None = None
+    session: Session,
+    *,
+    tenant_id: str,
+    spec: JobCreate,
+    idempotency_key: str | None = None,
+    served_queues: set[str] | None = None,
 ) -> Job:
-    """Validate the request, insert the job and move it to `queued`. The caller commits, then enqueues."""
+    """Validate the request, insert the job and move it to `queued`. The caller commits, then enqueues.
+
+    Everything that would make the job fail later is refused here with a 400 naming the field:
+    an unknown model, a file that failed validation, target modules the model lacks, a queue or
+    GPU count no live worker serves (`served_queues`, see `routing_wait`).
+    """
+    digest = request_digest(spec)
     if idempotency_key is not None:
-        existing = _by_idempotency_key(session, tenant_id, idempotency_key)
+        existing = replay(session, tenant_id=tenant_id, key=idempotency_key, request_sha256=digest)
         if existing is not None:
             return existing
 
-    check_job_limits(session, tenant_id=tenant_id)
-    training, _ = check_job_inputs(session, tenant_id=tenant_id, spec=spec)
+    settings = get_settings()
+    waiting_for = check_job_limits(session, tenant_id=tenant_id)
+    training, validation = check_job_inputs(session, tenant_id=tenant_id, spec=spec)
+    if spec.lora is not None:
+        check_target_modules(spec.lora.target_modules, spec.model)
+    check_max_seq_len(training, spec.model, spec.max_seq_len, "training_file")
+    if validation is not None:
+        check_max_seq_len(validation, spec.model, spec.max_seq_len, "validation_file")
+    queue = spec.queue or settings.worker_queue
+    waiting_for = waiting_for or routing_wait(
+        queue=queue, n_gpus=spec.n_gpus, served_queues=served_queues, default_queue=settings.worker_queue
+    )
 
     lora = {**DEFAULT_LORA, **(spec.lora.model_dump() if spec.lora else {})}
     job = Job(
         tenant_id=tenant_id,
         idempotency_key=idempotency_key,
+        request_sha256=digest,
+        waiting_for=waiting_for,
         model=spec.model,
         training_file=spec.training_file,
         validation_file=spec.validation_file,
@@ -329,7 +465,7 @@ def create_job(
         lora=lora,
         max_seq_len=spec.max_seq_len,
         packing=spec.packing,
-        queue=spec.queue or get_settings().worker_queue,  # routing (issue 7)
+        queue=queue,  # routing (issue 7)
         n_gpus=spec.n_gpus,
         suffix=spec.suffix or None,
         seed=spec.seed if spec.seed is not None else secrets.randbelow(MAX_SEED),
@@ -354,14 +490,19 @@ def create_job(
     add_event(session, job_id=job.id, level="info", message=f"Validating training file: {training.id}")
     _transition(session, job.id, "validating_files", "queued")
     add_event(session, job_id=job.id, level="info", message="Files validated, moving job to queued state")
+    if waiting_for is not None:
+        add_event(session, job_id=job.id, level="info", message=f"Waiting for {waiting_for}")
     session.refresh(job)
     return job
 
 
-def check_job_limits(session: Session, *, tenant_id: str) -> None:
+def check_job_limits(session: Session, *, tenant_id: str) -> str | None:
     """429 when the tenant already has `max_queued_jobs_per_tenant` jobs waiting (queued or
-    validating) or `max_running_jobs_per_tenant` running; a limit of 0 is no limit. Checked when a
-    job is submitted, so concurrent submissions can overshoot by the few that race."""
+    validating); a limit of 0 is no limit. Checked when a job is submitted, so concurrent
+    submissions can overshoot by the few that race.
+
+    The running-job limit is enforced when a job starts (`claim_next`): a job submitted while the
+    tenant is at it is accepted and waits; the returned words say for what (None: nothing)."""
     settings = get_settings()
     counts = active_counts(session, tenant_id=tenant_id)
     waiting = counts["queued"] + counts["validating_files"]
@@ -372,15 +513,15 @@ def check_job_limits(session: Session, *, tenant_id: str) -> None:
             code="too_many_queued_jobs",
         )
     if 0 < settings.max_running_jobs_per_tenant <= counts["running"]:
-        raise RateLimitError(
-            f"too many running jobs: this organization has {counts['running']} jobs running and the "
-            f"limit is {settings.max_running_jobs_per_tenant}; wait for one to finish or cancel one",
-            code="too_many_running_jobs",
-        )
+        return running_slot_wait(counts["running"], settings.max_running_jobs_per_tenant)
+    return None
 
 
-def find_by_idempotency_key(session: Session, *, tenant_id: str, key: str) -> Job | None:
-    return _by_idempotency_key(session, tenant_id, key)
+def running_slot_wait(running: int, limit: int) -> str:
+    return (
+        f"a running-job slot: this organization has {running} job(s) running and its limit is {limit}; "
+        "the job starts when one finishes"
+    )
 
 
 def _by_idempotency_key(session: Session, tenant_id: str, key: str) -> Job | None:
@@ -415,8 +556,103 @@ def resolve_hyperparameters(requested: dict[str, Any]) -> dict[str, Any]:
     return resolved
 
 
-def claim(session: Session, *, job_id: str, worker_id: str) -> Claim | None:
-    """queued → running for this worker: a new attempt with a fresh token; None if not claimable."""
+def claim_next(session: Session, *, job_id: str, worker_id: str) -> Claim | None:
+    """What a worker's delivery of `job_id`'s message claims: the next job of the same routing
+    (queue, n_gpus), round-robin across tenants, within each tenant's running-job limit.
+
+    Tenants are ordered by (jobs running now, time of their last claim, oldest queued job): a
+    tenant with ten queued jobs gets one slot in turn, not ten. A message whose job another
+    delivery already took still claims the next one, so the number of wake-ups matches the number
+    of queued jobs; extra ones (the reconciler re-sends) claim nothing and are dropped.
+    """
+    hint = session.execute(select(Job.queue, Job.n_gpus).where(Job.id == job_id)).first()
+    if hint is None:
+        return None
+    limit = get_settings().max_running_jobs_per_tenant
+    for _ in range(MAX_CLAIM_TRIES):
+        candidate = _next_fair(session, queue=hint.queue, n_gpus=hint.n_gpus, running_limit=limit)
+        if candidate is None:
+            _mark_waiting(session, job_id=job_id, running_limit=limit)
+            return None
+        if limit > 0:
+            # PostgreSQL: one claim per tenant at a time, so the count in the UPDATE is current.
+            session.execute(select(Tenant.id).where(Tenant.id == candidate[1]).with_for_update())
+        got = claim(session, job_id=candidate[0], worker_id=worker_id, running_limit=limit)
+        if got is not None:
+            return got
+        session.commit()  # lost the race (or the limit): release the tenant lock, look again
+    return None
+
+
+def _next_fair(session: Session, *, queue: str, n_gpus: int, running_limit: int) -> tuple[str, str] | None:
+    """(job id, tenant id) of the job the round-robin picks next, or None."""
+    other = aliased(Job)
+    running = (
+        select(other.tenant_id, func.count().label("n"))
+        .where(other.status == "running")
+        .group_by(other.tenant_id)
+        .subquery()
+    )
+    waiting_tenants = select(Job.tenant_id).where(Job.status == "queued").distinct()
+    last = (  # only tenants with queued jobs: no scan of every job the service ever ran
+        select(other.tenant_id, func.max(other.claimed_at).label("at"))
+        .where(other.tenant_id.in_(waiting_tenants))
+        .group_by(other.tenant_id)
+        .subquery()
+    )
+    head = (
+        select(Job.tenant_id, func.min(Job.seq).label("seq"))
+        .where(
+            Job.status == "queued",
+            Job.queue == queue,
+            Job.n_gpus == n_gpus,
+            Job.cancel_requested.is_(False),
+        )
+        .group_by(Job.tenant_id)
+        .subquery()
+    )
+    n_running = func.coalesce(running.c.n, 0)
+    query = (
+        select(head.c.seq, head.c.tenant_id)
+        .outerjoin(running, running.c.tenant_id == head.c.tenant_id)
+        .outerjoin(last, last.c.tenant_id == head.c.tenant_id)
+        .order_by(n_running, last.c.at.is_not(None), last.c.at, head.c.seq)
+        .limit(1)
+    )
+    if running_limit > 0:
+        query = query.where(n_running < running_limit)
+    row = session.execute(query).first()
+    if row is None:
+        return None
+    job_id = session.scalar(select(Job.id).where(Job.seq == row.seq))
+    return (str(job_id), str(row.tenant_id)) if job_id is not None else None
+
+
+def _mark_waiting(session: Session, *, job_id: str, running_limit: int) -> None:
+    """A delivery found nothing to claim: if `job_id` waits on its tenant's running-job limit,
+    say so on the job and, when the reason is new, in its events."""
+    job = session.execute(select(Job.tenant_id, Job.status, Job.waiting_for).where(Job.id == job_id)).first()
+    if job is None or job.status != "queued" or running_limit <= 0:
+        return
+    running = active_counts(session, tenant_id=job.tenant_id)["running"]
+    if running < running_limit:
+        return
+    reason = running_slot_wait(running, running_limit)
+    if job.waiting_for != reason and _transition(session, job_id, "queued", "queued", waiting_for=reason):
+        add_event(session, job_id=job_id, level="info", message=f"Waiting for {reason}")
+
+
+def oldest_waiting(session: Session, *, tenant_id: str) -> str | None:
+    """The tenant's oldest queued job that waits for something (`waiting_for` set), if any."""
+    query = select(Job.id).where(
+        Job.tenant_id == tenant_id, Job.status == "queued", Job.waiting_for.is_not(None)
+    )
+    return session.scalar(query.order_by(Job.seq).limit(1))
+
+
+def claim(session: Session, *, job_id: str, worker_id: str, running_limit: int = 0) -> Claim | None:
+    """queued → running for this worker: a new attempt with a fresh token; None if not claimable
+    (no longer queued, cancel requested, or its tenant already runs `running_limit` jobs)."""
     token = secrets.token_hex(16)
     now = time.time()
     stmt = (
@@ -428,9 +664,23 @@ def claim(session: Session, *, job_id: str, worker_id: str) -> Claim | None:
             attempt_token=token,
             worker_id=worker_id,
             heartbeat_at=now,
+            claimed_at=now,
+            waiting_for=None,
             started_at=func.coalesce(Job.started_at, int(now)),
         )
     )
+    if running_limit > 0:
+        # Evaluated inside the UPDATE (SQLite holds its write lock; PostgreSQL the tenant row lock
+        # `claim_next` took), so two workers cannot both take a tenant's last slot.
+        other = aliased(Job)
+        tenant = select(Job.tenant_id).where(Job.id == job_id).scalar_subquery()
+        n_running = (
+            select(func.count())
+            .select_from(other)
+            .where(other.tenant_id == tenant, other.status == "running")
+            .scalar_subquery()
+        )
+        stmt = stmt.where(n_running < running_limit)
     if _run(session, stmt) != 1:
         return None
     job = session.scalars(select(Job).where(Job.id == job_id).execution_options(populate_existing=True)).one()
@@ -453,12 +703,12 @@ def claim(session: Session, *, job_id: str, worker_id: str) -> Claim | None:
         if _run(session, fenced.values(status="failed", error=error, finished_at=now_s())) == 1:
             add_event(session, job_id=job_id, level="error", message=message)
         return None
-    resume = session.scalar(
-        select(Checkpoint.storage_key)
+    resume = session.execute(
+        select(Checkpoint.storage_key, Checkpoint.step)
         .where(Checkpoint.job_id == job_id)
         .order_by(Checkpoint.step.desc())
         .limit(1)
-    )
+    ).first()
     session.flush()
     return Claim(
         job_id=job.id,
@@ -474,7 +724,8 @@ def claim(session: Session, *, job_id: str, worker_id: str) -> Claim | None:
         seed=job.seed,
         max_seq_len=job.max_seq_len,
         suffix=job.suffix,
-        resume_checkpoint=resume,
+        resume_checkpoint=resume.storage_key if resume is not None else None,
+        resume_step=int(resume.step) if resume is not None else 0,
         n_gpus=job.n_gpus,
         packing=job.packing,
         eval_prompts=list(job.eval_prompts or []),
@@ -595,12 +846,20 @@ def record_metrics(session: Session, *, claim: Claim, rows: list[StepMetrics]) -
 def register_checkpoint(
     session: Session, *, claim: Claim, step: int, storage_key: str, sha256: str, metrics: dict[str, Any]
 ) -> Checkpoint:
-    """Record a checkpoint zip already in the store; a re-registered step replaces the old row."""
+    """Record a checkpoint zip already in the store. A step registered again (a resumed attempt
+    repeating it) updates the row in place: checkpoint ids stay valid across resumes."""
     if _run(session, _fenced(claim).values(heartbeat_at=time.time())) != 1:
         raise StaleAttemptError(f"attempt {claim.attempt} of job {claim.job_id} no longer holds it")
-    session.execute(delete(Checkpoint).where(Checkpoint.job_id == claim.job_id, Checkpoint.step == step))
-    ckpt = Checkpoint(job_id=claim.job_id, step=step, storage_key=storage_key, sha256=sha256, metrics=metrics)
-    session.add(ckpt)
+    ckpt = session.scalar(
+        select(Checkpoint).where(Checkpoint.job_id == claim.job_id, Checkpoint.step == step)
+    )
+    if ckpt is None:
+        ckpt = Checkpoint(
+            job_id=claim.job_id, step=step, storage_key=storage_key, sha256=sha256, metrics=metrics
+        )
+        session.add(ckpt)
+    else:
+        ckpt.storage_key, ckpt.sha256, ckpt.metrics = storage_key, sha256, metrics
     session.flush()
     add_event(session, job_id=claim.job_id, level="info", message=f"Checkpoint created at step {step}")
     return ckpt

@@ -2,12 +2,22 @@
 
 The database is the source of truth: a job is `queued` in the database before its message is
 sent, and a failed send leaves it `queued` for the reconciler to re-send, so a broker outage
-never loses a job (and never fails the API request that created it).
+never loses a job (and never fails the API request that created it). The `queued` row is the
+transactional outbox: it is written in the same transaction as the job, and the reconciler relays it.
+
+Bounded (issue 17): a publish runs on a small thread pool and the caller waits at most
+`broker_publish_timeout_seconds` for it (Kombu's own timeouts bound each socket call, but its
+connection pool can make a caller queue behind other stuck publishes). After a miss, publishes are
+skipped for `broker_backoff_seconds`, so a frozen Redis costs one wait, not one per request.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
@@ -22,8 +32,62 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("loraq.api")
 
-# Publishing retries: a few quick tries, then give up (the reconciler re-sends later).
-RETRY_POLICY = {"max_retries": 2, "interval_start": 0.0, "interval_step": 0.2, "interval_max": 0.5}
+PUBLISH_THREADS = 4
+
+
+def retry_policy(settings: Settings) -> dict[str, float]:
+    """Kombu's publish retries: `broker_publish_retries` quick tries, then give up (the reconciler
+    re-sends later)."""
+    return {
+        "max_retries": settings.broker_publish_retries,
+        "interval_start": 0.0,
+        "interval_step": 0.2,
+        "interval_max": 0.5,
+    }
+
+
+class _Publisher:
+    """A deadline on each publish, and a pause on publishing after one missed it."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="loraq-publish")
+        self._lock = threading.Lock()
+        self._paused_until = 0.0
+
+    def paused(self) -> bool:
+        return time.monotonic() < self._paused_until
+
+    def pause(self, seconds: float) -> None:
+        with self._lock:
+            self._paused_until = max(self._paused_until, time.monotonic() + seconds)
+
+    def send(self, settings: Settings, job_id: str, queue: str) -> None:
+        from service.broker import RUN_JOB_TASK
+
+        app = celery_for(settings)
+        future = self._pool.submit(
+            app.send_task,
+            RUN_JOB_TASK,
+            args=[job_id],
+            queue=queue,
+            retry=True,
+            retry_policy=retry_policy(settings),
+        )
+        try:
+            future.result(timeout=settings.broker_publish_timeout_seconds)
+        except FutureTimeout as e:
+            future.cancel()  # not started yet: it never sends (the reconciler will)
+            raise TimeoutError(
+                f"publish missed its {settings.broker_publish_timeout_seconds:g}s deadline"
+            ) from e
+
+
+_publisher = _Publisher()
+
+
+def broker_paused() -> bool:
+    """True while publishes are skipped after a failed one (the broker looked unreachable)."""
+    return _publisher.paused()
 
 
 @lru_cache(maxsize=4)
@@ -62,15 +126,15 @@ def enqueue_job(job_id: str, *, queue: str | None = None) -> bool:
     `queue` None (re-queues, the reconciler): the job's stored routing is read from the database,
     so a re-sent job goes back to its own worker class.
     """
-    from service.broker import RUN_JOB_TASK
-
     settings = get_settings()
+    if _publisher.paused():
+        log.info("broker paused after a failed publish; job %s stays queued for the reconciler", job_id)
+        return False
     try:
         target = queue or _stored_queue(job_id) or settings.worker_queue
-        celery_for(settings).send_task(
-            RUN_JOB_TASK, args=[job_id], queue=target, retry=True, retry_policy=RETRY_POLICY
-        )
+        _publisher.send(settings, job_id, target)
     except Exception:
+        _publisher.pause(settings.broker_backoff_seconds)
         log.warning("could not enqueue job %s; it stays queued for the reconciler", job_id, exc_info=True)
         return False
     return True

@@ -40,7 +40,6 @@ from service.settings import get_settings
 log = logging.getLogger("loraq.reaper")
 
 LOCK_KEY = "loraq:reaper:lock:{}"  # + a digest of the database URL: one lock per deployment
-REDIS_TIMEOUT_S = 2.0
 
 
 @dataclass
@@ -56,8 +55,8 @@ def _redis_client() -> Any:
 
     from service.broker import broker_url
 
-    url = broker_url(get_settings())
-    return redis.Redis.from_url(url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
+    settings = get_settings()
+    return redis.Redis.from_url(broker_url(settings), **settings.redis_timeouts)
 
 
 def message_job_id(raw: bytes | str) -> str | None:
@@ -169,7 +168,10 @@ def release_attempt(job_id: str, token: str, attempt: int, why: str, result: Tic
                 result.failed.append(job_id)
             return False
         requeued = jobs.requeue(
-            session, job_id=job_id, attempt_token=token, reason=f"{why}; it resumes from its last checkpoint"
+            session,
+            job_id=job_id,
+            attempt_token=token,
+            reason=f"{why}; the next attempt resumes from its last checkpoint, if it saved one",
         )
     if not requeued:
         return False

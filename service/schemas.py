@@ -255,6 +255,8 @@ class JobPublic(BaseModel):
     started_at: int | None = None
     cancel_requested: bool = False
     validation_split: float = 0.0  # the held-out share (see JobCreate); 0 with a validation_file
+    # Loraq extension: why a queued job has not started, in words (tenant limit, no worker yet)
+    waiting_for: str | None = None
 
 
 class JobsPublic(BaseModel):
@@ -479,3 +481,4 @@ class DryRunPublic(BaseModel):
     trained_tokens: int  # tokens the run trains on: every epoch sees every training token
     estimates: list[EstimatePublic]
     errors: list[DryRunError]
+    latency_ms: dict[str, float] = Field(default_factory=dict)  # /readyz: how long each check took

@@ -37,6 +37,8 @@ class Settings(BaseSettings):
     migrate_on_start: bool = False  # the API runs `alembic upgrade head` when it starts
 
     max_upload_bytes: int = 512 * 1024 * 1024
+    # Uploads are validated line by line (issue 17): a longer line is a bad line, never read whole.
+    max_line_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     max_queued_jobs_per_tenant: int = 20
     max_running_jobs_per_tenant: int = 4
     rate_limit_per_minute: int = 6000
@@ -63,10 +65,45 @@ class Settings(BaseSettings):
     # it: `worker_metrics_advertise`, else this host's address.
     prometheus_targets_dir: Path | None = None
     worker_metrics_advertise: str | None = None
+
+    # Every Redis and broker call is bounded (issue 17): connect and socket timeouts for each client
+    # (rate limiter, reaper, health, dashboard, metrics, worker registry, Celery's broker), a bounded
+    # number of publish retries, and a deadline on the whole publish. A publish that misses it
+    # leaves the job `queued` in the database (the outbox) and the reconciler sends it later; for
+    # `broker_backoff_seconds` after a miss, publishes are not tried at all.
+    redis_connect_timeout_seconds: float = Field(1.0, gt=0)
+    redis_socket_timeout_seconds: float = Field(1.0, gt=0)
+    broker_publish_retries: int = Field(1, ge=0, le=10)
+    broker_publish_timeout_seconds: float = Field(2.0, gt=0)
+    broker_backoff_seconds: float = Field(5.0, ge=0)
+
+    # Refuse at submit a job whose queue (worker class) no live worker serves, or whose n_gpus no
+    # worker offers (issue 17). True accepts them (autoscaled queues): the job waits, and its
+    # status and events say what for.
+    accept_unserved_jobs: bool = False
+    # An Idempotency-Key is remembered this long (Stripe: 24 h); after that it may be used again.
+    idempotency_key_ttl_seconds: int = Field(24 * 3600, ge=1)
+    # `/metrics` answers only with `Authorization: Bearer <token>` when this is set.
+    metrics_bearer_token: str | None = None
+
+    # Checkpoints (issue 17): every `checkpoint_every` steps (0: off), at every epoch end, and at
+    # least every `checkpoint_interval_seconds` of training (0: off), so a lost worker loses at most that.
     checkpoint_every: int = 0
     # A job without a validation_file holds out this share of its examples for a validation curve
     # (at most 200, and only from 100 examples on); a job's `validation_split` overrides it; 0: off.
     validation_split: float = Field(0.05, ge=0, le=0.5)
+
+
+    checkpoint_each_epoch: bool = True
+    checkpoint_interval_seconds: float = Field(600.0, ge=0)
+
+    @property
+    def redis_timeouts(self) -> dict[str, float]:
+        """Keyword arguments for every `redis.Redis(...)` client the service and workers make."""
+        return {
+            "socket_timeout": self.redis_socket_timeout_seconds,
+            "socket_connect_timeout": self.redis_connect_timeout_seconds,
+        }
 
     # Chat completions (service/inference.py, worker/inference.py): the Redis request list that
     # `loraq inference` workers serve, and what one such worker holds.

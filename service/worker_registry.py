@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
+from functools import lru_cache
 from typing import Any
+
+from service.settings import get_settings
 
 log = logging.getLogger("loraq.registry")
 
 PREFIX = "loraq:workers:"
 JOB_SUFFIX = ":job"
+SERVED_CACHE_SECONDS = 2.0  # submits read the registry at most this often per API process
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 def worker_key(node: str) -> str:
@@ -55,3 +62,61 @@ def list_workers(client: Any) -> list[dict[str, Any]]:
             continue
         workers.append(entry)
     return workers
+
+
+def served_queues(client: Any) -> set[str]:
+    """The Celery queues live workers consume (`h100`, `h100-x2`, ...)."""
+    return {str(w["queue"]) for w in list_workers(client) if w.get("queue")}
+
+
+def unserved_reason(queue: str, n_gpus: int, celery_queue: str, served: set[str]) -> str | None:
+    """Why no live worker would take a job routed to `celery_queue`, in words; None if one would."""
+    if celery_queue in served:
+        return None
+    if n_gpus > 1 and queue in served:
+        sizes = sorted(
+            int(q.rsplit("-x", 1)[1])
+            for q in served
+            if q.startswith(f"{queue}-x") and q.rsplit("-x", 1)[1].isdigit()
+        )
+        most = max(sizes, default=1)
+        return f"n_gpus {n_gpus}: the workers of queue {queue!r} run jobs of at most {most} GPU(s)"
+    live = ", ".join(sorted(served)) or "none"
+    return f"queue {queue!r}: no registered worker serves it (queues served now: {live})"
+
+
+@lru_cache(maxsize=4)
+def _client(url: str, timeouts: tuple[tuple[str, float], ...]) -> Any:
+    import redis
+
+    return redis.Redis.from_url(url, **dict(timeouts))
+
+
+def default_client() -> Any:
+    """A client for the registry's Redis with the settings' timeouts (one per URL, reused)."""
+    settings = get_settings()
+    return _client(settings.redis_url or DEFAULT_REDIS_URL, tuple(sorted(settings.redis_timeouts.items())))
+
+
+_served: tuple[float, set[str] | None] = (float("-inf"), None)
+_served_lock = threading.Lock()
+
+
+def served_queues_now() -> set[str] | None:
+    """`served_queues` of the default client, cached for `SERVED_CACHE_SECONDS`; None when Redis
+    cannot be read (then nothing is known, and the caller must not refuse on it)."""
+    global _served
+    from service.queue import broker_paused
+
+    with _served_lock:
+        at, value = _served
+        if time.monotonic() - at < SERVED_CACHE_SECONDS:
+            return value
+        value = None
+        if not broker_paused():  # a publish just failed: do not wait on Redis again
+            try:
+                value = served_queues(default_client())
+            except Exception:
+                log.warning("worker registry unreadable; submits are not checked against it", exc_info=True)
+        _served = (time.monotonic(), value)
+        return value

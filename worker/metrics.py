@@ -403,6 +403,12 @@ def observe_step(job_id: str, metrics: StepMetrics) -> None:
         log.warning("metrics: observe_step failed", exc_info=True)
 
 
+def active_job(default: str) -> str:
+    """The job this process is training (one at a time), else `default`: a delivery of one job's
+    message may claim another (fair share, `service.jobs.claim_next`)."""
+    return next(iter(_active), default)
+
+
 def job_finished(job_id: str, outcome: str) -> None:
     """Count the attempt's outcome; its duration when training had started in this process."""
     s = _active.pop(job_id, None)
@@ -448,8 +454,8 @@ def _redis(settings: Settings | None = None) -> redis.Redis:
     if _redis_client is None:
         from service.broker import broker_url
 
-        url = broker_url(settings or get_settings())
-        _redis_client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        settings = settings or get_settings()
+        _redis_client = redis.Redis.from_url(broker_url(settings), **settings.redis_timeouts)
     return _redis_client
 
 

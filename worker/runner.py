@@ -8,7 +8,8 @@
    heartbeat, register checkpoints and turn a cancel request into `should_stop() == True`,
 4. ends the job: succeeded (adapter zip + metrics CSV stored, `fine_tuned_model` set), cancelled
    (partial metrics kept), or failed (an `EngineError`'s code and message; anything unexpected
-   gets a generic message and the traceback goes to the event log).
+   gets a generic one-line message, and its traceback goes to the worker's log and to an
+   operator-only event that tenants never see: `jobs.OPERATOR_EVENT`, `loraq jobs internal-errors`).
 
 Every database write after the claim carries the claim's attempt token; once fenced out
 (`StaleAttemptError`, or a heartbeat that no longer matches) this worker stops the run and
@@ -48,7 +49,8 @@ BASE_LEARNING_RATE = 2e-4  # learning_rate_multiplier scales this
 FLUSH_EVERY_SECONDS = 1.0
 FLUSH_EVERY_STEPS = 50
 CANCEL_CACHE_SECONDS = 1.0
-GENERIC_FAILURE = "The job failed because of an internal error in the worker; the event log has details."
+GENERIC_FAILURE = "The job failed because of an internal error in the worker; the operator has the details."
+MAX_MESSAGE_CHARS = 500
 
 # Set when the Celery worker starts a warm shutdown (SIGTERM, `loraq up` stopping): the running
 # job stops at its next step, keeps a checkpoint and goes back to the queue to resume elsewhere.
@@ -238,6 +240,8 @@ def build_train_config(claim: jobs.Claim, settings: Settings, out_dir: Path) -> 
         seed=claim.seed,
         validation_split=float(hp.get("validation_split", 0.0)),
         checkpoint_every=settings.checkpoint_every,
+        checkpoint_each_epoch=settings.checkpoint_each_epoch,
+        checkpoint_interval_seconds=settings.checkpoint_interval_seconds,
         resume_from=resume,
         max_wall_seconds=settings.job_max_wall_seconds,
         max_tokens=settings.job_max_tokens,
@@ -280,10 +284,13 @@ def run_claimed_job(job_id: str, *, worker_id: str = WORKER_ID) -> str:
     """Run one job if this delivery can claim it. Returns the outcome, for the task's log line."""
     settings = get_settings()
     with session_scope() as session:
-        claim = jobs.claim(session, job_id=job_id, worker_id=worker_id)
+        claim = jobs.claim_next(session, job_id=job_id, worker_id=worker_id)
     if claim is None:
-        log.info("job %s: not claimable (duplicate delivery, cancelled or already done)", job_id)
+        log.info("job %s: nothing claimable for this delivery (taken, cancelled, done or waiting)", job_id)
         return "skipped"
+    if claim.job_id != job_id:  # fair share: the delivery of one job's message claimed another
+        log.info("delivery of job %s claimed job %s (fair share)", job_id, claim.job_id)
+        job_id = claim.job_id
 
     out_dir = attempt_dir(settings, claim)
     # Store keys carry the attempt: a fenced-out attempt that keeps running for a moment (a
@@ -292,6 +299,7 @@ def run_claimed_job(job_id: str, *, worker_id: str = WORKER_ID) -> str:
     try:
         with Heartbeat(claim, callbacks, settings.heartbeat_seconds):
             callbacks.on_event("info", f"Fine-tuning job started (attempt {claim.attempt})")
+            callbacks.on_event("info", resume_message(claim))
             config = build_train_config(claim, settings, out_dir)
             ensure_base_model(config.model, settings, callbacks)
             result = run_engine(config, callbacks, settings)
@@ -319,15 +327,32 @@ def run_claimed_job(job_id: str, *, worker_id: str = WORKER_ID) -> str:
                 session,
                 job_id=job_id,
                 level="error",
-                message="worker exception",
+                message=f"worker exception on {WORKER_ID}",
                 data={"traceback": traceback.format_exc(limit=20)},
+                type=jobs.OPERATOR_EVENT,
             )
         return _fail(claim, code="internal_error", message=GENERIC_FAILURE, param=None)
     finally:
+        # in the background: the task's outcome (and its metrics) must not wait on the broker
+        threading.Thread(target=_wake_waiting, args=(claim,), name="loraq-wake", daemon=True).start()
         # The adapter and checkpoints are in the store now; the attempt's scratch space can go.
         shutil.rmtree(out_dir, ignore_errors=True)
         with contextlib.suppress(OSError):  # the job's directory, once no attempt is left in it
             out_dir.parent.rmdir()
+
+
+def _wake_waiting(claim: jobs.Claim) -> None:
+    """This attempt freed a running-job slot of its tenant: send a wake-up for the tenant's oldest
+    job waiting for one, so it starts now rather than at the reconciler's next re-send."""
+    from service.queue import enqueue_job
+
+    try:
+        with session_scope() as session:
+            waiting = jobs.oldest_waiting(session, tenant_id=claim.tenant_id)
+        if waiting is not None:
+            enqueue_job(waiting)
+    except Exception:  # best effort: the reconciler re-sends queued jobs anyway
+        log.warning("could not wake the waiting jobs of %s", claim.tenant_id, exc_info=True)
 
 
 def _succeed(claim: jobs.Claim, result: TrainResult) -> str:
@@ -371,7 +396,24 @@ def _cancelled(claim: jobs.Claim, result: TrainResult) -> str:
     return "cancelled" if ok else "fenced"
 
 
+def resume_message(claim: jobs.Claim) -> str:
+    """The event that says where this attempt starts: the step of the checkpoint it resumes from,
+    or step 0 (a first attempt, or a later one whose earlier attempts saved no checkpoint)."""
+    if claim.resume_checkpoint is not None:
+        return f"Resuming from the checkpoint at step {claim.resume_step}"
+    if claim.attempt > 1:
+        return "Restarting from step 0: no checkpoint was saved by the earlier attempt"
+    return "Starting from step 0"
+
+
+def one_line(message: str) -> str:
+    """What a tenant reads in a job's `error` and events: one line, bounded."""
+    text = "; ".join(part.strip() for part in message.splitlines() if part.strip())
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 1] + "…"
+
+
 def _fail(claim: jobs.Claim, *, code: str, message: str, param: str | None) -> str:
+    message = one_line(message)
     error = {"code": code, "message": message, "param": param}
     with session_scope() as session:
         ok = jobs.finish(session, claim=claim, status="failed", error=error)

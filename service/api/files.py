@@ -8,7 +8,8 @@ from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
 
-from service import files
+from service import files, storage
+from service.api.dataset_summary import check_file, status_details
 from service.auth import CurrentTenant
 from service.db.models import File
 from service.db.session import SessionDep
@@ -49,6 +50,7 @@ def file_public(row: File) -> FilePublic:
         filename=row.filename,
         purpose=row.purpose,
         status=row.status,
+        status_details=row.status_details,
     )
 
 
@@ -66,6 +68,10 @@ async def upload_file(request: Request, tenant: CurrentTenant, session: SessionD
         purpose = files.check_upload_purpose(upload.fields.get("purpose"))
 
         def record() -> File:
+            # Validated now, streaming line by line with bounded memory (issue 17): a job on a
+            # file with bad lines is refused at submit, naming them, instead of failing later.
+            path = storage.local_path(upload.stored.key)
+            summary = check_file(path, get_settings().max_line_bytes)
             row = files.create_file(
                 session,
                 tenant_id=tenant.id,
@@ -73,6 +79,7 @@ async def upload_file(request: Request, tenant: CurrentTenant, session: SessionD
                 filename=upload.filename,
                 purpose=purpose,
                 stored=upload.stored,
+                status_details=status_details(summary),
             )
             session.commit()
             return row
@@ -113,7 +120,8 @@ def retrieve_file(file_id: str, tenant: CurrentTenant, session: SessionDep) -> F
 @router.get(
     "/{file_id}/content",
     response_class=FileResponse,
-    responses={200: {"content": {"application/octet-stream": {}}}},
+    # uploads come back as bytes; a job's results file (purpose fine-tune-results) as text/csv
+    responses={200: {"content": {"application/octet-stream": {}, "text/csv": {}}}},
 )
 def file_content(file_id: str, tenant: CurrentTenant, session: SessionDep) -> FileResponse:
     row = files.get_file(session, tenant_id=tenant.id, file_id=file_id)

@@ -33,6 +33,7 @@ from service.schemas import (
 )
 from service.settings import get_settings
 from service.storage import default_store
+from service.worker_registry import served_queues_now
 
 router = APIRouter(
     prefix="/v1/fine_tuning/jobs",
@@ -78,6 +79,7 @@ def job_public(job: Job | Row[Any]) -> JobPublic:
         started_at=job.started_at,
         cancel_requested=bool(job.cancel_requested),
         validation_split=float(job.hyperparameters.get(jobs.VALIDATION_SPLIT, 0.0)),
+        waiting_for=job.waiting_for if job.status == "queued" else None,
         progress=ProgressPublic(
             step=job.step,
             total_steps=job.total_steps,
@@ -124,10 +126,18 @@ def create_job(
         done = anyio.from_thread.run(inference.call, get_settings(), request)
         return dry_run.plan(body, done, get_settings())
     if idempotency_key is not None and (
-        seen := jobs.find_by_idempotency_key(session, tenant_id=tenant.id, key=idempotency_key)
+        seen := jobs.replay(
+            session, tenant_id=tenant.id, key=idempotency_key, request_sha256=jobs.request_digest(body)
+        )
     ):
         return job_public(seen)  # a retried request: the same job, not enqueued again
-    job = jobs.create_job(session, tenant_id=tenant.id, spec=body, idempotency_key=idempotency_key)
+    job = jobs.create_job(
+        session,
+        tenant_id=tenant.id,
+        spec=body,
+        idempotency_key=idempotency_key,
+        served_queues=served_queues_now(),
+    )
     session.commit()
     # after commit: a worker must find the job queued in the database; routed by job.queue/n_gpus
     enqueue_job(job.id, queue=job_queue(job))

@@ -14,6 +14,7 @@ Every app gets its own `CollectorRegistry` (tests build many apps in one process
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import time
@@ -30,7 +31,8 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.broker import broker_url
-from service.settings import Settings
+from service.errors import AuthenticationError
+from service.settings import Settings, get_settings
 from service.supervisor import RESTARTS_FILE
 
 log = logging.getLogger("loraq.api.metrics")
@@ -184,8 +186,20 @@ def kombu_queue_depth(client: Any, queue: str) -> int:
     return int(sum(pipe.execute()))
 
 
+def check_metrics_token(request: Request) -> None:
+    """With `LORAQ_METRICS_BEARER_TOKEN` set, /metrics answers only `Authorization: Bearer <it>`
+    (Prometheus: `authorization: {credentials: ...}` in the scrape config); 401 otherwise."""
+    token = get_settings().metrics_bearer_token
+    if not token:
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise AuthenticationError("/metrics needs 'Authorization: Bearer <LORAQ_METRICS_BEARER_TOKEN>'")
+
+
 def metrics_endpoint(registry: CollectorRegistry) -> Callable[[Request], Response]:
     def metrics(request: Request) -> Response:
+        check_metrics_token(request)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return metrics
@@ -216,7 +230,7 @@ def service_sources(settings: Settings) -> StateSources:
     from service.db.models import Artifact, Checkpoint, File, Job
     from service.db.session import session_scope
 
-    client = redis.Redis.from_url(broker_url(settings), socket_timeout=2.0, socket_connect_timeout=2.0)
+    client = redis.Redis.from_url(broker_url(settings), **settings.redis_timeouts)
 
     def jobs_by_status() -> dict[str, int]:
         with session_scope() as session:

@@ -88,7 +88,8 @@ class File(Base):
     bytes: Mapped[int] = mapped_column(BigInteger)
     sha256: Mapped[str] = mapped_column(String(64))
     storage_key: Mapped[str] = mapped_column(String(512))
-    status: Mapped[str] = mapped_column(String(16), default="processed")
+    status: Mapped[str] = mapped_column(String(16), default="processed")  # processed | error
+    status_details: Mapped[str | None] = mapped_column(Text, default=None)  # the first bad lines
     created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
 
 
@@ -104,6 +105,8 @@ class Job(Base):
     id: Mapped[str] = mapped_column(String(64), unique=True, default=lambda: new_id("ftjob"))
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
     idempotency_key: Mapped[str | None] = mapped_column(String(255), default=None)
+    # sha256 of the request body the key was first used with: another body under the key is a 409
+    request_sha256: Mapped[str | None] = mapped_column(String(64), default=None)
 
     # what the client asked for (OpenAI fields + our `lora` block and `max_seq_len`)
     model: Mapped[str] = mapped_column(String(128))
@@ -129,6 +132,8 @@ class Job(Base):
     status: Mapped[str] = mapped_column(String(24))
     error: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    # a queued job's reason for not starting yet, in words (tenant limit, no worker for its queue)
+    waiting_for: Mapped[str | None] = mapped_column(Text, default=None)
     created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
     started_at: Mapped[int | None] = mapped_column(BigInteger, default=None)
     finished_at: Mapped[int | None] = mapped_column(BigInteger, default=None)
@@ -139,6 +144,7 @@ class Job(Base):
     attempt_token: Mapped[str | None] = mapped_column(String(64), default=None)
     worker_id: Mapped[str | None] = mapped_column(String(255), default=None)
     heartbeat_at: Mapped[float | None] = mapped_column(Float, default=None)
+    claimed_at: Mapped[float | None] = mapped_column(Float, default=None)  # last claim: fair share order
 
     # progress (latest step) and results
     step: Mapped[int] = mapped_column(Integer, default=0)

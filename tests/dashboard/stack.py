@@ -43,6 +43,9 @@ def stack(tmp_path: Path, stack_redis_url: str, request: pytest.FixtureRequest) 
         LORAQ_INFERENCE_METRICS_PORT="0",
         LORAQ_CHECKPOINT_EVERY="4",
         LORAQ_HEARTBEAT_SECONDS="1",
+        # a job planned past it fails in the worker (the browser test's failed job: bad files and
+        # short max_seq_len are refused at submit, issue 17)
+        LORAQ_JOB_MAX_STEPS="5000",
     )
     migrate = "import sys; from service.db.migrate import upgrade_head; upgrade_head(sys.argv[1])"
     subprocess.run([sys.executable, "-c", migrate, db_url], env=env, cwd=ROOT, check=True)

@@ -29,6 +29,9 @@ LINES = [
         {"messages": [{"role": "user", "content": "q", "weight": 1}, {"role": "assistant", "content": "a"}]}
     ),
     json.dumps({"nothing": "useful"}),
+    json.dumps(
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 0}]}
+    ),
 ]
 
 
@@ -36,7 +39,7 @@ def test_bad_lines_named_with_numbers_and_reasons() -> None:
     s = summarize(line.encode() + b"\n" for line in LINES)
     bad = {b.line: b.reason for b in s.bad_lines}
     assert s.format == "chat" and s.examples == 1 and not s.valid
-    assert sorted(bad) == [2, 3, 5, 6, 7, 8, 9, 10, 11, 12]
+    assert sorted(bad) == [2, 3, 5, 6, 7, 8, 9, 10, 11, 12, 13]
     assert bad[2].startswith("not valid JSON")
     assert bad[3] == "expected a JSON object, got list"
     assert bad[5] == "field 'messages' must be a non-empty list"
@@ -47,6 +50,7 @@ def test_bad_lines_named_with_numbers_and_reasons() -> None:
     assert bad[10] == "messages[0] has unknown field(s): extra"
     assert bad[11] == "messages[0]: 'weight' is only allowed on assistant messages"
     assert "missing field" in bad[12] and "got keys: nothing" in bad[12]
+    assert bad[13] == "no trainable tokens (every assistant turn has weight 0?)"
 
 
 def test_empty_file_is_not_valid() -> None:

@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,17 @@ from worker.engine.models import LoadedModel, load_base_model
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # A data dir whose model store (`<data dir>/models`, as Settings.model_store) caches the pulled model.
 TEST_DATA_DIR = REPO_ROOT / "var" / "test-models"
+
+
+def loaded_after(code: str, modules: tuple[str, ...]) -> list[str]:
+    """Which of `modules` a fresh interpreter has imported after running `code`."""
+    probe = f"{code}\nimport sys\nprint(','.join(m for m in {modules!r} if m in sys.modules))"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    )
+    return [m for m in out.stdout.strip().split(",") if m]
+
+
 TEST_MODEL_STORE = TEST_DATA_DIR / "models"
 
 WriteJsonl = Callable[..., Path]

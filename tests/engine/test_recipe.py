@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.engine.recipe_helpers import Recorder, tiny_config
+from tests.engine.recipe_helpers import Recorder, tiny_config, write_animal_chats
 from worker.engine.data import BatchSampler, load_dataset
 from worker.engine.lora import lora_modules
 from worker.engine.models import LoadedModel
@@ -207,3 +207,29 @@ def test_bad_validation_file_is_reported_as_such(tmp_path: Path) -> None:
         train(tiny_config(tmp_path, validation_file=bad), Recorder())
     assert err.value.param == "validation_file"
     assert [e.line for e in err.value.errors] == [1, 2]
+
+
+def test_checkpoints_at_epoch_ends_and_by_training_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 17.6: a checkpoint at every epoch end, and once `checkpoint_interval_seconds` of
+    training passed since the last one (whichever comes first), so a lost worker loses at most that."""
+    import worker.engine.recipe as recipe
+
+    # 8 examples, batch 4: 2 steps an epoch, 3 epochs
+    config = tiny_config(tmp_path / "epochs", max_steps=None, n_epochs=3, checkpoint_each_epoch=True)
+    write_animal_chats(config.train_file, n=8)
+    rec = Recorder()
+    train(config, rec)
+    assert [c.step for c in rec.checkpoints] == [2, 4, 6]  # epoch ends; 6 is also the last step
+
+    # A clock that advances 4 "seconds" per reading: with an interval of 10 s a checkpoint is due
+    # every few steps although no epoch ended (32 examples: 8 steps an epoch, max_steps 6).
+    clock = iter(range(0, 100_000, 4))
+    monkeypatch.setattr(recipe.time, "monotonic", lambda: float(next(clock)))
+    timed = tiny_config(tmp_path / "timed", checkpoint_interval_seconds=10.0)
+    rec = Recorder()
+    train(timed, rec)
+    steps = [c.step for c in rec.checkpoints]
+    assert steps[-1] == 6 and len(steps) >= 3, steps
+    assert all(b - a <= 3 for a, b in zip([0, *steps], steps, strict=False)), steps

@@ -58,9 +58,9 @@ class Stack:
         stop_process(self.redis, signal.SIGKILL)
         self.redis = None
 
-    def start_worker(self) -> subprocess.Popen[bytes]:
+    def start_worker(self, **extra_env: str) -> subprocess.Popen[bytes]:
         log = self.tmp / f"worker-{len(self.workers)}.log"
-        proc = start_worker(self.env, log)
+        proc = start_worker({**self.env, **extra_env}, log)
         self.workers.append((proc, log))
         return proc
 
@@ -104,6 +104,22 @@ class Stack:
         return "\n".join(parts)
 
     # ------------------------------------------------------------------ API
+    def new_tenant(self, name: str, examples: int = 16) -> tuple[httpx.Client, str]:
+        """A client (base URL `/v1`) with a key of a new tenant, and a training file it uploaded."""
+        tenant = f"{name}-{secrets.token_hex(3)}"
+        out = subprocess.run(
+            [sys.executable, "-m", "service.cli", "keys", "create", "--tenant", tenant],
+            env=self.env, cwd=ROOT, check=True, capture_output=True, text=True,
+        )  # fmt: skip
+        key = out.stdout.strip().splitlines()[-1]
+        client = httpx.Client(
+            base_url=self.url + "/v1", headers={"Authorization": f"Bearer {key}"}, timeout=30
+        )
+        files = {"file": ("train.jsonl", chat_lines(examples))}
+        r = client.post("/files", data={"purpose": "fine-tune"}, files=files)
+        assert r.status_code == 200, r.text
+        return client, str(r.json()["id"])
+
     def client(self) -> httpx.Client:
         return httpx.Client(
             base_url=self.url + "/v1", headers={"Authorization": f"Bearer {self.key}"}, timeout=30
@@ -229,6 +245,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         LORAQ_WORKER_QUEUE=f"rel-{secrets.token_hex(4)}",
         LORAQ_SECRET_KEY=secrets.token_hex(32),
         LORAQ_CHECKPOINT_EVERY=str(CHECKPOINT_EVERY),
+        # one cadence the tests reason about (every 3 steps); epoch-end checkpoints (4 steps an
+        # epoch here) would double the checkpoint work on a loaded 2-core machine
+        LORAQ_CHECKPOINT_EACH_EPOCH="0",
         LORAQ_HEARTBEAT_SECONDS="0.5",
         LORAQ_HEARTBEAT_TIMEOUT_SECONDS=str(HEARTBEAT_TIMEOUT_S),
         LORAQ_REAPER_INTERVAL_SECONDS="0.5",

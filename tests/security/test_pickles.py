@@ -13,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ApiClient, job_body
+from service import jobs
+from service.db.session import session_scope
+from service.schemas import JobCreate
+from tests.conftest import ApiClient, job_body, store_file
 
 
 class WritesMarker:
@@ -50,9 +53,15 @@ def test_uploaded_pickle_training_file_is_rejected_and_never_unpickled(
     payload = evil_pickle(tmp_path / "train.pt", marker)
     assert_live(payload, marker)
     file_id = api.upload(payload.read_bytes(), filename="train.jsonl")
+    # validated as JSONL at upload (issue 17): the file is `error` and a job on it is refused
+    assert api.get(f"/v1/files/{file_id}").json()["status"] == "error"
     r = api.post("/v1/fine_tuning/jobs", json=job_body(file_id))
-    assert r.status_code == 200, r.text  # queued; the worker validates the file as JSONL
-    job_id = r.json()["id"]
+    assert r.status_code == 400 and r.json()["error"]["param"] == "training_file", r.text
+    assert not marker.exists()
+    # The worker, too, reads it as JSONL only: a row stored without the upload's check
+    stored = store_file(api.tenant_id, payload.read_bytes())
+    with session_scope() as s:
+        job_id = jobs.create_job(s, tenant_id=api.tenant_id, spec=JobCreate(**job_body(stored))).id
     assert run_claimed_job(job_id, worker_id="test") == "failed"
     job = api.get(f"/v1/fine_tuning/jobs/{job_id}").json()
     assert job["status"] == "failed" and job["error"]["param"] == "training_file", job

@@ -113,9 +113,11 @@ def test_revoked_key_is_401_and_others_keep_working(api: ApiClient) -> None:
 
 
 def test_health_needs_no_key(api: ApiClient) -> None:
-    assert api.client.get("/healthz").json() == {"status": "ok", "checks": {}}
+    assert api.client.get("/healthz").json() == {"status": "ok", "checks": {}, "latency_ms": {}}
     ready = api.client.get("/readyz")
     assert ready.status_code == 200 and ready.json()["checks"] == {"database": "ok", "redis": "ok"}
+    latency = ready.json()["latency_ms"]  # each dependency's check, timed
+    assert set(latency) == {"database", "redis"} and all(0 <= v < 2000 for v in latency.values())
     assert api.client.get("/openapi.json").status_code == 200
     assert api.client.get("/docs").status_code == 200
 

@@ -1,5 +1,5 @@
-"""429s: per-tenant limits on queued and running jobs, and the per-key request rate limit
-(a fixed window counted in the real local Redis)."""
+"""Per-tenant limits: 429 on queued jobs, the running-job limit at start (with fair share), and
+the per-key request rate limit (a fixed window counted in the real local Redis)."""
 
 from __future__ import annotations
 
@@ -45,17 +45,63 @@ def test_queued_jobs_per_tenant_limit(api: ApiClient, monkeypatch: pytest.Monkey
     api.create_job(file_id)
 
 
-def test_running_jobs_per_tenant_limit(api: ApiClient, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_running_limit_holds_at_start(api: ApiClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 13.5: a job over the running-job limit is accepted, waits with the reason in its
+    status and events, and starts when a slot frees; another tenant is not held up by it."""
     set_env(monkeypatch, max_running_jobs_per_tenant="1")
     file_id = api.upload(DATASET)
-    job = api.create_job(file_id)
+    first, second = api.create_job(file_id), api.create_job(file_id)
     with session_scope() as s:
-        assert jobs.claim(s, job_id=job["id"], worker_id="w1") is not None  # now running
-    r = api.post("/v1/fine_tuning/jobs", json=job_body(file_id))
-    assert r.status_code == 429, r.text
-    err = r.json()["error"]
-    assert err["code"] == "too_many_running_jobs"
-    assert "1 jobs running" in err["message"] and "limit is 1" in err["message"]
+        running = jobs.claim_next(s, job_id=first["id"], worker_id="w1")
+    assert running is not None and running.job_id == first["id"]
+    with session_scope() as s:  # the second worker's delivery finds the tenant at its limit
+        assert jobs.claim_next(s, job_id=second["id"], worker_id="w2") is None
+    waiting = api.get(f"/v1/fine_tuning/jobs/{second['id']}").json()
+    assert waiting["status"] == "queued"
+    assert "running-job slot" in waiting["waiting_for"] and "its limit is 1" in waiting["waiting_for"]
+    events = [e["message"] for e in api.get(f"/v1/fine_tuning/jobs/{second['id']}/events").json()["data"]]
+    assert any(m.startswith("Waiting for a running-job slot") for m in events)
+    # a submit while at the limit is accepted too, and says what it waits for
+    third = api.post("/v1/fine_tuning/jobs", json=job_body(file_id))
+    assert third.status_code == 200 and "running-job slot" in third.json()["waiting_for"]
+    # another tenant's job starts although this tenant is at its limit
+    assert api.other is not None
+    other_job = api.other.create_job(api.other.upload(DATASET))
+    with session_scope() as s:
+        other = jobs.claim_next(s, job_id=second["id"], worker_id="w2")
+    assert other is not None and other.job_id == other_job["id"]
+    # the slot frees: the waiting job starts, and no longer says it waits
+    with session_scope() as s:
+        assert jobs.finish(s, claim=running, status="cancelled")
+    with session_scope() as s:
+        started = jobs.claim_next(s, job_id=second["id"], worker_id="w2")
+    assert started is not None and started.job_id == second["id"]
+    after = api.get(f"/v1/fine_tuning/jobs/{second['id']}").json()
+    assert after["status"] == "running" and after["waiting_for"] is None
+
+
+def test_fair_share_round_robin_across_tenants(api: ApiClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 17.7: one tenant's 10 queued jobs do not delay another tenant's single job."""
+    set_env(monkeypatch, max_running_jobs_per_tenant="0", max_queued_jobs_per_tenant="0")
+    assert api.other is not None
+    file_id = api.upload(DATASET)
+    busy = [api.create_job(file_id)["id"] for _ in range(10)]
+    single = api.other.create_job(api.other.upload(DATASET))["id"]
+    order = []
+    for _ in range(4):  # one worker: claim, finish, claim the next
+        with session_scope() as s:
+            c = jobs.claim_next(s, job_id=busy[-1], worker_id="w1")
+            assert c is not None
+            order.append(c.job_id)
+            assert jobs.finish(s, claim=c, status="cancelled")
+    assert order == [busy[0], single, busy[1], busy[2]]  # FIFO within the busy tenant
+    # the other tenant's next job takes its turn (its last claim is older), and while it runs
+    # the busy tenant, with none running, goes next
+    late = api.other.create_job(api.other.upload(DATASET))["id"]
+    with session_scope() as s:
+        assert jobs.claim_next(s, job_id=busy[-1], worker_id="w1").job_id == late  # type: ignore[union-attr]
+    with session_scope() as s:
+        assert jobs.claim_next(s, job_id=late, worker_id="w2").job_id == busy[3]  # type: ignore[union-attr]
 
 
 def test_limit_zero_means_no_limit(api: ApiClient, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import csv
 import hashlib
 import io
+import os
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -161,8 +164,24 @@ def test_unexpected_error_fails_generically_and_logs_details(worker_env: WorkerE
     assert runner.run_claimed_job(job_id) == "failed"
     job = job_row(job_id)
     assert job.error == {"code": "internal_error", "message": runner.GENERIC_FAILURE, "param": None}
-    details = [e for e in events(job_id) if e.data and "traceback" in e.data]
-    assert len(details) == 1 and "Error" in details[0].data["traceback"]  # type: ignore[index]
+    # Issue 17.5: the tenant reads a code and one-line messages; the traceback (with server paths)
+    # is in an operator-only event, which the API's event list never returns.
+    with session_scope() as s:
+        tenant_view, _ = jobs.list_events(
+            s, tenant_id=worker_env.tenant_id, job_id=job_id, after=None, limit=100
+        )
+        operator_view = jobs.operator_events(s, job_id=job_id)
+    assert tenant_view and all(
+        "\n" not in e.message and not e.data for e in tenant_view if e.type == "message"
+    )
+    assert not any(str(worker_env.data_dir) in f"{e.message} {e.data}" for e in tenant_view)
+    assert [e.level for e in tenant_view if e.level == "error"] == ["error"]  # the one-line failure
+    assert len(operator_view) == 1 and "Error" in operator_view[0].data["traceback"]  # type: ignore[index]
+    cli = subprocess.run(
+        [sys.executable, "-m", "service.cli", "jobs", "internal-errors", job_id],
+        capture_output=True, text=True, check=True, env={**os.environ, "COLUMNS": "1000"},
+    )  # fmt: skip
+    assert "Traceback (most recent call last)" in cli.stdout
 
 
 def step(i: int) -> StepMetrics:
@@ -284,3 +303,17 @@ def test_diverged_job_fails_with_code_hint_and_no_adapter(worker_env: WorkerEnv,
     assert job.fine_tuned_model is None and job.result_files == []
     errors = [e.message for e in events(job_id) if e.level == "error"]
     assert errors == [job.error["message"]]  # said once
+
+
+@pytest.mark.parametrize("worker_env", ["sqlite"], indirect=True)
+def test_a_restart_without_checkpoint_says_it_starts_from_step_0(worker_env: WorkerEnv) -> None:
+    """Issue 17.6: the event says where an attempt starts; with nothing saved, step 0, not "resumes"."""
+    job_id = worker_env.create_job(worker_env.upload(chat_lines(8)))
+    with session_scope() as s:
+        lost = jobs.claim(s, job_id=job_id, worker_id="lost-worker")
+        assert lost is not None
+        assert jobs.requeue(s, job_id=job_id, attempt_token=lost.attempt_token, reason="test")
+    assert runner.run_claimed_job(job_id) == "succeeded", explain(job_id)
+    messages = [e.message for e in events(job_id)]
+    assert "Restarting from step 0: no checkpoint was saved by the earlier attempt" in messages
+    assert not any(m.startswith("Resum") for m in messages), messages

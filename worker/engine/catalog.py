@@ -28,6 +28,17 @@ REGISTRY_FILE = "registry.json"
 # Hugging Face `architectures` entries we can load and wrap with LoRA (same module names:
 # q_proj/k_proj/v_proj/o_proj/gate_proj/up_proj/down_proj).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+# The linear layers LoRA can wrap in every supported architecture: leaf name -> parent module.
+# The API checks `lora.target_modules` against these at submit (the engine checks the loaded model).
+LINEAR_MODULES = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 

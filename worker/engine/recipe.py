@@ -99,6 +99,7 @@ class LoRAFinetuneRecipe:
         self.loaded: LoadedModel | None = None
         self.checkpoints: list[CheckpointInfo] = []
         self._last_checkpoint_step = -1
+        self._last_checkpoint_time = time.monotonic()
         self.dist = distributed.SINGLE
 
     # ------------------------------------------------------------------ setup
@@ -513,7 +514,7 @@ class LoRAFinetuneRecipe:
             metrics.padding_fraction = 1.0 - tokens / slots if slots else 0.0
             self.callbacks.on_step(metrics)
             self._report(findings)
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and not last:
+            if not last and self._checkpoint_due(step, epoch_before):
                 self.save_checkpoint()
             self._check_limits(last)
 
@@ -533,6 +534,18 @@ class LoRAFinetuneRecipe:
         """Token slots one captured step computes on (real or padding), all ranks."""
         assert self.step_fn is not None and self.step_fn.shape is not None
         return self.step_fn.shape.slots * self.dist.world_size
+
+    def _checkpoint_due(self, step: int, epoch_before: int) -> bool:
+        """Every `checkpoint_every` steps, at an epoch end, or once `checkpoint_interval_seconds`
+        of training passed since the last checkpoint: a lost worker loses at most that much."""
+        cfg = self.config
+        epoch_ended = self.state.micro_batches // self.batches_per_epoch > epoch_before
+        interval = cfg.checkpoint_interval_seconds
+        return bool(
+            (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+            or (cfg.checkpoint_each_epoch and epoch_ended)
+            or (interval > 0 and time.monotonic() - self._last_checkpoint_time >= interval)
+        )
 
     def _check_limits(self, last: bool) -> None:
         cfg, state = self.config, self.state
@@ -580,6 +593,7 @@ class LoRAFinetuneRecipe:
             batches_per_epoch=self.batches_per_epoch,
         )
         self._last_checkpoint_step = self.state.step
+        self._last_checkpoint_time = time.monotonic()
         info = CheckpointInfo(step=self.state.step, path=path, samples=self.sample_eval_prompts())
         self.checkpoints.append(info)
         self.callbacks.on_checkpoint(info)

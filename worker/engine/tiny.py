@@ -7,54 +7,28 @@ machine gets bit-identical weights and token ids.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from worker.engine.catalog import TINY_LLAMA_SHAPE
+from worker.engine.token_count import TINY_CHAT_TEMPLATE, TINY_EOS, train_tiny_tokenizer
 
-CORPUS = Path(__file__).with_name("tiny_corpus.txt")
 TINY_SEED = 1234
-
-# Ids 0..3, in this order (the trainer assigns special tokens first).
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
-
-# ChatML; `add_generation_prompt` opens an assistant turn. Each turn ends with "<|im_end|>\n";
-# the assistant's "<|im_end|>" is what it must learn to emit to stop.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 
 
 def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     """Byte-level BPE with TINY_LLAMA_SHAPE.vocab_size tokens (256 bytes + 4 specials + merges)."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=TINY_LLAMA_SHAPE.vocab_size,
-        min_frequency=2,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS.read_text().splitlines(), trainer=trainer)
+    tok = train_tiny_tokenizer()  # shared with the API's torch-free token counter (token_count.py)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token="<|im_end|>",
+        eos_token=TINY_EOS,
         pad_token="<|pad|>",
         unk_token=None,
         bos_token=None,
         model_max_length=TINY_LLAMA_SHAPE.max_position_embeddings,
     )
     fast.add_special_tokens({"additional_special_tokens": ["<|endoftext|>", "<|im_start|>"]})
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = TINY_CHAT_TEMPLATE
     return fast
 
 

@@ -51,6 +51,8 @@ class TrainConfig:
     validation_split: float = 0.0
     eval_every: int = 0  # steps between validation losses; they also come at every epoch end and the end
     checkpoint_every: int = 0  # 0 = only at the end
+    checkpoint_each_epoch: bool = False  # also at every epoch end
+    checkpoint_interval_seconds: float = 0.0  # also once this much training time passed (0 = off)
     resume_from: Path | None = None
     device: DeviceName = "auto"
     # limits (reliability issue): exceeding one fails the run with the reason, checkpoints kept

@@ -43,6 +43,7 @@ async function refresh() {
   if (status) params.set("status", status);
   const body = await loraq.json(`/dashboard/api/jobs?${params}`);
   document.querySelector("#jobs tbody").innerHTML = body.data.map(row).join("");
+  for (const bar of document.querySelectorAll(".progress div[data-pct]")) bar.style.width = `${bar.dataset.pct}%`;
   document.getElementById("empty").hidden = body.data.length > 0;
   document.getElementById("loaderror").hidden = true;
   document.getElementById("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;

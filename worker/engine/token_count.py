@@ -1,0 +1,150 @@
+"""Token counts without torch or transformers, for the API's submit-time `max_seq_len` check.
+
+The engine (`worker/engine/data.py`) tokenizes with transformers' tokenizer; this module builds the
+same tokenizer from the `tokenizers` library alone and renders chat templates with jinja2 the way
+transformers does, so `TokenCounter.count` equals the engine's `len(input_ids)` for a line
+(tests/engine/test_token_count.py checks it on every format):
+
+- chat: the rendered conversation, tokenized without special-token additions;
+- prompt/completion: prompt tokens + completion tokens + EOS;
+- text: text tokens + EOS.
+
+A model whose tokenizer cannot be had this way (a GGUF file not converted yet) gets no counter
+(`load_counter` returns None): the API then skips the check and the worker's validation decides.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from worker.engine.catalog import PRESET_SHAPES, PRETRAINED, TINY_LLAMA_SHAPE, get_model_info
+from worker.engine.types import ModelError
+
+TINY_CORPUS = Path(__file__).with_name("tiny_corpus.txt")
+# Ids 0..3, in this order (the trainer assigns special tokens first).
+TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+TINY_EOS = "<|im_end|>"
+# ChatML; `add_generation_prompt` opens an assistant turn. Each turn ends with "<|im_end|>\n";
+# the assistant's "<|im_end|>" is what it must learn to emit to stop.
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def train_tiny_tokenizer() -> Tokenizer:
+    """tiny-llama's byte-level BPE (256 bytes + 4 specials + merges), trained on the shipped corpus."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_LLAMA_SHAPE.vocab_size,
+        min_frequency=2,
+        special_tokens=TINY_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(TINY_CORPUS.read_text().splitlines(), trainer=trainer)
+    return tok
+
+
+@dataclass(frozen=True)
+class TokenCounter:
+    tokenizer: Tokenizer
+    chat_template: str | None
+    eos_token: str | None
+    bos_token: str | None = None
+
+    def tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def count(self, fmt: str, record: dict[str, Any]) -> int | None:
+        """Tokens of one valid line as the engine builds it; None if this counter cannot tell
+        (a chat line and no chat template, or a template that fails to render it)."""
+        if fmt == "chat":
+            text = self.render(record["messages"])
+            return None if text is None else self.tokens(text)
+        body = record["completion"] if fmt == "prompt_completion" else record["text"]
+        prompt = record.get("prompt", "") if fmt == "prompt_completion" else ""
+        return self.tokens(prompt) + self.tokens(body) + 1  # + EOS
+
+    def render(self, messages: list[dict[str, Any]]) -> str | None:
+        if self.chat_template is None:
+            return None
+        plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+        try:
+            return _template(self.chat_template).render(
+                messages=plain,
+                add_generation_prompt=False,
+                eos_token=self.eos_token,
+                bos_token=self.bos_token,
+                raise_exception=_raise,
+                strftime_now=lambda fmt: datetime.now().strftime(fmt),
+            )
+        except Exception:  # a template error: the worker's validation reports it
+            return None
+
+
+def _raise(message: str) -> None:
+    raise ValueError(message)
+
+
+@lru_cache(maxsize=8)
+def _template(source: str) -> Any:
+    # As transformers compiles chat templates: sandboxed, trim_blocks and lstrip_blocks.
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, indent=indent, ensure_ascii=False)
+    return env.from_string(source)
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _from_directory(directory: Path) -> TokenCounter | None:
+    file = directory / "tokenizer.json"
+    if not file.is_file():
+        return None
+    config_file = directory / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    template = config.get("chat_template")
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        template = jinja.read_text()
+    if not isinstance(template, str):
+        template = None
+    return TokenCounter(
+        Tokenizer.from_file(str(file)),
+        template,
+        _token_text(config.get("eos_token")),
+        _token_text(config.get("bos_token")),
+    )
+
+
+@lru_cache(maxsize=4)
+def load_counter(model: str, store: Path) -> TokenCounter | None:
+    """The counter for a catalog model, or None where its tokenizer is not available torch-free."""
+    if model in PRESET_SHAPES:  # tiny-llama and the benchmark presets share tiny-llama's tokenizer
+        return TokenCounter(train_tiny_tokenizer(), TINY_CHAT_TEMPLATE, TINY_EOS)
+    if model in PRETRAINED:  # a GGUF file: counted only once its tokenizer.json was written beside it
+        return _from_directory(store / model)
+    try:
+        info = get_model_info(model, store)
+    except ModelError:
+        return None
+    return _from_directory(Path(info.path)) if info.path else None
