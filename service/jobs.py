@@ -24,8 +24,8 @@ in `waiting_for` and in an event.
 from __future__ import annotations
 
 import csv
-import io
 import hashlib
+import io
 import json
 import math
 import secrets

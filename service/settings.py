@@ -93,7 +93,6 @@ class Settings(BaseSettings):
     # (at most 200, and only from 100 examples on); a job's `validation_split` overrides it; 0: off.
     validation_split: float = Field(0.05, ge=0, le=0.5)
 
-
     checkpoint_each_epoch: bool = True
     checkpoint_interval_seconds: float = Field(600.0, ge=0)
 
