@@ -165,6 +165,11 @@ def worker(
             fail(str(e), 2)
         raise typer.Exit(launcher.run_workers(specs))
 
+    if queue is not None:
+        # The worker's registry entry and metrics read the queue from settings: they must name the
+        # queue it consumes, or the API refuses jobs for it as unserved (as the launcher does).
+        os.environ["LORAQ_WORKER_QUEUE"] = queue
+        get_settings.cache_clear()
     from worker.celery_app import celery_app
 
     argv = [
