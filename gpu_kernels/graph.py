@@ -13,6 +13,9 @@ one step:
 
 If capture raises (an op that syncs, a CPU tensor, dynamic shapes...), the graph is dropped and
 every later call runs eagerly; `fallback_reason` says why and `on_fallback` is told once.
+With several processes running one step together (multi-GPU, a collective inside the step),
+`agree(flag)` returns whether any process raised `flag`: a capture that failed anywhere, or a
+graph measured slower anywhere, sends every process to the eager step at the same call.
 With `keep_faster` (default), the last eager warm-up step and the first replays are timed with
 CUDA events (a few host syncs at start-up only); if the replay is not faster, the graph is
 dropped the same way. A graph is not always faster: measured on an H100, cuDNN's fused
@@ -44,12 +47,14 @@ class GraphedStep:
         enabled: bool = True,
         keep_faster: bool = True,
         on_fallback: Callable[[str], None] | None = None,
+        agree: Callable[[bool], bool] | None = None,
     ) -> None:
         if warmup < 1:
             raise ValueError("warmup must be at least 1 (capture needs one eager step first)")
         self.step_fn = step_fn
         self.warmup = warmup
         self.on_fallback = on_fallback
+        self.agree = agree or (lambda flag: flag)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static_outputs: StepOutputs | None = None
         self.fallback_reason: str | None = None if enabled else "graph capture disabled"
@@ -100,7 +105,7 @@ class GraphedStep:
         outputs = self.static_outputs
         if len(self.replay_ms) == 2 and self.eager_ms is not None:
             replay = min(self.replay_ms)
-            if replay >= self.eager_ms:
+            if self.agree(replay >= self.eager_ms):
                 # this call's step already ran (replayed); later calls run eagerly
                 self._fall_back(
                     f"eager step measured faster than its graph ({self.eager_ms:.2f} ms vs {replay:.2f} ms)"
@@ -128,11 +133,14 @@ class GraphedStep:
 
     def _capture_and_replay(self) -> StepOutputs:
         graph = torch.cuda.CUDAGraph()
+        failure: str | None = None
         try:
             with torch.cuda.graph(graph):
                 outputs = self.step_fn()
         except Exception as exc:  # capture refuses many things; each one means: run eagerly
-            self._fall_back(f"CUDA graph capture failed: {type(exc).__name__}: {exc}"[:2000])
+            failure = f"CUDA graph capture failed: {type(exc).__name__}: {exc}"[:2000]
+        if self.agree(failure is not None):
+            self._fall_back(failure or "CUDA graph capture failed on another process")
             # capture executed nothing: this call's step still has to run
             return self.step_fn()
         self.graph = graph

@@ -8,6 +8,8 @@ float tolerance, and rank 0 alone reports one step per optimizer step (one loss 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
@@ -16,7 +18,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import gpu_kernels
+from gpu_kernels.dispatch import KernelStatus
+from tests.deploy import packed_rank
 from worker.engine import distributed, recipe
+from worker.engine.checkpoint import TRAINING_STATE, checkpoint_dir
 from worker.engine.types import CheckpointInfo, LoraConfig, StepMetrics, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,3 +137,109 @@ def test_stop_request_reaches_every_rank_and_engine_errors_keep_their_code(tmp_p
         distributed.run_torchrun(bad, Recorder(), n_gpus=2, workdir=tmp_path / "bad-run")
     assert err.value.code == "invalid_training_file"
     assert "line 1" in str(err.value)
+
+
+# --------------------------------------------------------------------------- the packed job step
+
+
+def packed_config(tmp_path: Path, out: str, **overrides: object) -> TrainConfig:
+    """Packing on (the job default): 9 examples in 5 rows; 3 rows per micro-batch, 2 micro-batches
+    per step (ranks get rows 0, 2 and row 1 of each); 4 steps with a checkpoint at step 2."""
+    return make_config(
+        tmp_path, out, pack=True, validation_file=None, max_steps=4, checkpoint_every=2, **overrides
+    )
+
+
+def run_ranks(config: TrainConfig, out: Path, n: int = 2) -> list[dict[str, Any]]:
+    """`config` on n gloo ranks under torchrun, each rank running tests/deploy/packed_rank.py."""
+    out.mkdir(parents=True)
+    config_path = out / "config.json"
+    config_path.write_text(distributed.config_to_json(config))
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+            "-m", "tests.deploy.packed_rank", str(config_path), str(out)]  # fmt: skip
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [torch.load(out / f"rank{r}.pt") for r in range(n)]
+
+
+def run_single(config: TrainConfig, out: Path) -> dict[str, Any]:
+    out.mkdir(parents=True)
+    loaded: dict[str, Any] = torch.load(packed_rank.record_run(config, out))
+    return loaded
+
+
+def assert_same_grads(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    """fp32 equality up to summation order: every tensor within 1e-5 of its own largest entry."""
+    assert len(got) == len(want) and want
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * float(w.abs().max()) + 1e-12)
+
+
+def rel_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    num = sum(float((a[k] - b[k]).pow(2).sum()) for k in a)
+    den = sum(float(a[k].pow(2).sum()) for k in a)
+    return (num / den) ** 0.5
+
+
+def assert_resumed_from(run: dict[str, Any], checkpoint: Path) -> None:
+    """The adapter and optimizer state right after setup are the checkpoint's, bit for bit."""
+    adapter = load_file(str(checkpoint / "adapter_model.safetensors"))
+    assert run["resumed"]["adapter"].keys() == adapter.keys()
+    for k, v in adapter.items():
+        assert torch.equal(run["resumed"]["adapter"][k], v), k
+    saved = torch.load(checkpoint / TRAINING_STATE, weights_only=True)["optimizer"]["state"]
+    state = run["resumed"]["optimizer"]["state"]
+    assert state.keys() == saved.keys() and saved
+    for i, entry in saved.items():
+        for key, value in entry.items():
+            assert torch.equal(torch.as_tensor(state[i][key]).cpu(), torch.as_tensor(value)), (i, key)
+
+
+@pytest.mark.timeout(400)
+def test_packed_step_two_gloo_ranks_equal_one_process_and_checkpoints_cross(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job path's packed step with packing on: 2 gloo ranks vs one process, in fp32.
+
+    Gradients and loss are compared from the same adapter state: step 1 (same init), and step 3
+    of each run resumed from the *other* world size's step-2 checkpoint (which also checks that
+    checkpoints cross world sizes: same adapter, same optimizer state, same next step)."""
+    monkeypatch.setattr(gpu_kernels, "available", lambda: KernelStatus(True, "forced for a test"))
+    one = run_single(packed_config(tmp_path, "one"), tmp_path / "one-rec")
+    two, two_r1 = run_ranks(packed_config(tmp_path, "two"), tmp_path / "two-rec")
+
+    for run in (one, two, two_r1):
+        assert run["final"]["packed_step"]
+    assert (one["final"]["world_size"], two["final"]["world_size"]) == (1, 2)
+    assert [s["step"] for s in two["steps"]] == [1, 2, 3, 4]  # rank 0 alone reports
+    assert two_r1["steps"] == []
+    assert [s["tokens"] for s in two["steps"]] == [s["tokens"] for s in one["steps"]]
+    # the same global batch, the same normaliser: equal gradients and loss from the same state
+    assert_same_grads(two["steps"][0]["grads"], one["steps"][0]["grads"])
+    for a, b in zip(two["steps"], one["steps"], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    # one all_reduce leaves every rank the same gradients and adapters, bit for bit
+    for g0, g1 in zip(two["final"]["grads"], two_r1["final"]["grads"], strict=True):
+        assert torch.equal(g0, g1)
+    assert all(torch.equal(two["final"]["adapter"][k], v) for k, v in two_r1["final"]["adapter"].items())
+    # over 4 steps AdamW amplifies the rounding where a gradient is below its eps (distributed.py)
+    assert rel_l2(one["final"]["adapter"], two["final"]["adapter"]) < 1e-4
+
+    # a two-rank checkpoint resumes in one process, and a one-process checkpoint on two ranks
+    two_ckpt, one_ckpt = checkpoint_dir(tmp_path / "two", 2), checkpoint_dir(tmp_path / "one", 2)
+    one_from_two = run_single(packed_config(tmp_path, "one-from-two", resume_from=two_ckpt), tmp_path / "r1")
+    two_from_one, two_from_one_r1 = run_ranks(
+        packed_config(tmp_path, "two-from-one", resume_from=one_ckpt), tmp_path / "r2"
+    )
+    assert_resumed_from(one_from_two, two_ckpt)
+    assert_resumed_from(two_from_one, one_ckpt)
+    assert_resumed_from(two_from_one_r1, one_ckpt)
+    assert [s["step"] for s in one_from_two["steps"]] == [s["step"] for s in two_from_one["steps"]] == [3, 4]
+    # step 3 from one state on either world size: the same gradients and loss
+    assert_same_grads(one_from_two["steps"][0]["grads"], two["steps"][2]["grads"])
+    assert_same_grads(two_from_one["steps"][0]["grads"], one["steps"][2]["grads"])
+    assert one_from_two["steps"][0]["loss"] == pytest.approx(two["steps"][2]["loss"], rel=1e-6)
+    assert two_from_one["steps"][0]["loss"] == pytest.approx(one["steps"][2]["loss"], rel=1e-6)
+    assert rel_l2(two["final"]["adapter"], one_from_two["final"]["adapter"]) < 1e-4
+    assert rel_l2(one["final"]["adapter"], two_from_one["final"]["adapter"]) < 1e-4

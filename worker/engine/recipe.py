@@ -111,7 +111,7 @@ class LoRAFinetuneRecipe:
         # Under torchrun (WORLD_SIZE > 1): join the group, train on cuda:LOCAL_RANK, and let only
         # rank 0 report. A no-op in one process. See worker/engine/distributed.py.
         self.dist, self.device = distributed.init_from_env(self.device)
-        self.callbacks = distributed.wrap_callbacks(self.callbacks, self.dist, self.device)
+        self.callbacks = distributed.wrap_callbacks(self.callbacks, self.dist)
         self.on_cuda = self.device.type == "cuda"
         if self.on_cuda:
             try:
@@ -165,7 +165,10 @@ class LoRAFinetuneRecipe:
         # A no-op unless gpu_kernels' compiled path is active, so CPU runs are unchanged.
         report = fuse_llama(model)
         self.params = trainable_parameters(model)
-        # The captured step (issue 12) on the GPU; the eager step on the CPU and as the fallback.
+        # Multi-GPU: the gradients live in one flat buffer that a step all-reduces once.
+        self.grads = distributed.FlatGrads(self.params, self.dist) if self.dist.active else None
+        # The packed step (issue 12) wherever the stack is fused, captured on the GPU; the eager
+        # Hugging Face step on the CPU and as the fallback.
         self.eager_reason = self._eager_reason(report)
         captured = self.eager_reason is None
         self.optimizer = torch.optim.AdamW(
@@ -173,7 +176,7 @@ class LoRAFinetuneRecipe:
             lr=cfg.learning_rate,
             weight_decay=cfg.weight_decay,
             fused=self.on_cuda,
-            capturable=captured,
+            capturable=captured and self.on_cuda,
         )
         # built while lr is a float, so its base_lrs stay floats (checkpoints load anywhere)
         self.scheduler = build_scheduler(
@@ -236,10 +239,11 @@ class LoRAFinetuneRecipe:
         )
 
     def _eager_reason(self, report: FuseReport) -> str | None:
-        """Why this run cannot take the captured fused step (None: it can)."""
-        if not self.on_cuda:
-            return "CPU run"
+        """Why this run cannot take the packed fused step (None: it can). On the CPU the stack is
+        fused only where a test forces the fused modules (with the reference ops)."""
         if not fused_stack(cast(nn.Module, self.model.base_model)):
+            if not self.on_cuda:
+                return "CPU run"
             skipped = "; ".join(report.skipped[:3]) or "not a Llama decoder stack"
             return f"the fused path does not cover model {self.config.model!r} ({skipped})"
         return None
@@ -268,16 +272,11 @@ class LoRAFinetuneRecipe:
 
     def _captured_step(self) -> CapturedTrainStep:
         shape = self._step_shape()
-        group = self.optimizer.param_groups[0]
-        # the graph reads the learning rate from this tensor; _set_lr refills it every step
-        group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=self.device)
-        reduce = None
-        if self.dist.active:
-
-            def reduce(loss: torch.Tensor) -> None:
-                distributed.all_reduce_grads(self.params, self.dist)
-                distributed.all_reduce_sum(loss, self.dist)
-
+        if self.on_cuda:
+            group = self.optimizer.param_groups[0]
+            # the graph reads the learning rate from this tensor; _set_lr refills it every step
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=self.device)
+        dist_ctx = self.dist
         return CapturedTrainStep(
             self.model,
             self.params,
@@ -285,12 +284,13 @@ class LoRAFinetuneRecipe:
             seq=shape.seq,
             lr=self.config.learning_rate,
             max_grad_norm=self.config.max_grad_norm,
-            # NCCL collectives are not captured (yet): multi-GPU runs the same step eagerly
-            capture=not self.dist.active,
+            # multi-GPU too: the gradient all_reduce is one NCCL call inside the graph
+            capture=self.on_cuda,
             on_fallback=lambda why: self.callbacks.on_event("warn", f"Training step runs eagerly: {why}"),
             shape=shape,
             optimizer=self.optimizer,
-            reduce=reduce,
+            grads=self.grads,
+            agree=lambda flag: distributed.any_rank(flag, dist_ctx),
         )
 
     def _base_model(self, dtype: torch.dtype) -> LoadedModel:
@@ -339,6 +339,8 @@ class LoRAFinetuneRecipe:
         0-d tensors without a host sync; the optimizer has not stepped yet."""
         n = sum(b.num_trainable_tokens for b in micro_batches)
         total = torch.zeros((), device=self.device)
+        if self.grads is not None:
+            self.grads.zero_()
         for batch in micro_batches:
             shard = distributed.shard_rows(batch, self.dist)  # the whole batch in one process
             if shard is None:
@@ -346,16 +348,17 @@ class LoRAFinetuneRecipe:
             loss = self._loss_sum(shard.to(self.device)) / n
             loss.backward()
             total += loss.detach()
-        # Multi-GPU: sum the ranks' partial gradients and losses (each was divided by the global n).
-        distributed.all_reduce_grads(self.params, self.dist)
-        distributed.all_reduce_sum(total, self.dist)
+        if self.grads is not None:
+            # Multi-GPU: sum the ranks' partial gradients and losses (each divided by the global n).
+            total = self.grads.all_reduce_(total)
         grad_norm = gpu_kernels.clip_grad_norm_(self.params, self.config.max_grad_norm)
         return total, grad_norm
 
     def _optimizer_step(self) -> None:
         self.optimizer.step()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.grads is None:  # (the flat buffer is zeroed at the next step's start)
+            self.optimizer.zero_grad(set_to_none=True)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -556,7 +559,7 @@ class LoRAFinetuneRecipe:
         if cfg.max_wall_seconds is not None and elapsed > cfg.max_wall_seconds:
             reason = f"max_wall_seconds {cfg.max_wall_seconds:g} exceeded: ran {elapsed:.1f} s"
         # Every rank must leave the loop together (wall time differs slightly between ranks).
-        exceeded = distributed.any_rank(reason is not None, self.dist, self.device)
+        exceeded = distributed.any_rank(reason is not None, self.dist)
         if not exceeded or last:
             return
         reason = reason or "a limit was exceeded on another rank"
@@ -612,7 +615,16 @@ class LoRAFinetuneRecipe:
         if self.loaded is not None and lora_modules(self.loaded.model):
             remove_lora(self.loaded.model)
             self.loaded.model.eval()
-        for name in ("step_fn", "optimizer", "scheduler", "params", "train_data", "valid_data", "sampler"):
+        for name in (
+            "step_fn",
+            "grads",
+            "optimizer",
+            "scheduler",
+            "params",
+            "train_data",
+            "valid_data",
+            "sampler",
+        ):
             self.__dict__.pop(name, None)
         if self._given is None:
             self.loaded = None

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -33,6 +34,13 @@ from torch import nn
 import gpu_kernels
 from worker.engine.data import IGNORE_INDEX, Batch
 from worker.engine.fused_llama import PackedInputs, causal_lm_loss, packed_lm_loss
+
+
+class GradSync(Protocol):
+    """Multi-GPU: the gradients' flat buffer (worker.engine.distributed.FlatGrads)."""
+
+    def zero_(self) -> None: ...
+    def all_reduce_(self, loss: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -137,12 +145,15 @@ class CapturedTrainStep:
         on_fallback: Callable[[str], None] | None = None,
         shape: StepShape | None = None,
         optimizer: torch.optim.Optimizer | None = None,
-        reduce: Callable[[torch.Tensor], None] | None = None,
+        grads: GradSync | None = None,
+        agree: Callable[[bool], bool] | None = None,
     ) -> None:
         """`shape` set: the packed job step (`load_step`); unset: one fixed (batch, seq) batch
         (`load_batch`). `optimizer`, if given, must be a capturable AdamW whose lr is a device
-        tensor (see `capturable_adamw`). `reduce(loss)` runs after the backward: multi-GPU
-        sums gradients and the loss there."""
+        tensor on CUDA (see `capturable_adamw`). Multi-GPU: `grads` zeroes the flat gradient
+        buffer before the backward and sums it (and the loss) over the ranks after it, inside
+        the step (so inside the graph); `agree` makes the ranks take the same capture decisions
+        (see GraphedStep)."""
         device = params[0].device
         self.device = device
         self.model = model
@@ -151,7 +162,7 @@ class CapturedTrainStep:
         self.seq = seq
         self.shape = shape
         self.max_grad_norm = max_grad_norm
-        self.reduce = reduce
+        self.grads = grads
         self.input_ids = torch.zeros(batch, seq, dtype=torch.int64, device=device)
         self.labels = torch.full((batch, seq), IGNORE_INDEX, dtype=torch.int64, device=device)
         self.packed: PackedInputs | None = None
@@ -174,7 +185,7 @@ class CapturedTrainStep:
         self.lr = optimizer.param_groups[0]["lr"]
         self.monitor = gpu_kernels.NonFiniteMonitor(device, every=check_every)
         self.graphed = gpu_kernels.GraphedStep(
-            self._step, warmup=warmup, enabled=capture and fused_ok, on_fallback=on_fallback
+            self._step, warmup=warmup, enabled=capture and fused_ok, on_fallback=on_fallback, agree=agree
         )
 
     def _loss(self) -> torch.Tensor:
@@ -191,11 +202,14 @@ class CapturedTrainStep:
         return total
 
     def _step(self) -> dict[str, torch.Tensor]:
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.grads is None:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:  # the backward adds into the flat buffer's views
+            self.grads.zero_()
         gpu_kernels.dropout_seed_step_(self.device)
         loss = self._loss()
-        if self.reduce is not None:
-            self.reduce(loss)
+        if self.grads is not None:  # one all_reduce: every rank's gradients and loss summed
+            loss = self.grads.all_reduce_(loss)
         norm = gpu_kernels.clip_grad_norm_(self.params, self.max_grad_norm, self.monitor.state)
         self.optimizer.step()
         return {"loss": loss, "grad_norm": norm}
