@@ -13,6 +13,11 @@ bench/chat_dataset.py), per model, in one invocation, each cell in its own subpr
                       mask from them)
 
 plus a long-context case: the job path and the fixed step with rows of 8,192 tokens.
+
+`--job --n-gpus N` (multi-GPU scaling): per model, the same job on one GPU (in process, as a
+worker runs an n_gpus=1 job) and on N GPUs (`distributed.run_torchrun`, as a worker runs an
+n_gpus=N job: one process per GPU, the same global batch split by rows), each in its own
+subprocess; the JSON's `ratios` maps each model to its N-GPU / one-GPU tokens/s.
 Tokens/s count real (non-padding) tokens; the timed steps start after the job's warm-up and
 capture. Settings as train_bench: LoRA r=16/alpha=32 on all seven projections, fp32 adapters,
 bf16 base, fused AdamW, clip 1.0, no gradient checkpointing.
@@ -59,7 +64,7 @@ class _Collector:
     def on_step(self, metrics: Any) -> None:
         self.steps.append(metrics)
 
-    def on_event(self, level: str, message: str) -> None:
+    def on_event(self, level: str, message: str, data: Any = None) -> None:
         self.events.append((level, message))
 
     def on_checkpoint(self, checkpoint: Any) -> None:
@@ -69,9 +74,12 @@ class _Collector:
         return False
 
 
-def job_cell(preset: str, batch: int, seq: int, steps: int, pack: bool = True) -> dict[str, Any]:
+def job_cell(
+    preset: str, batch: int, seq: int, steps: int, pack: bool = True, n_gpus: int = 1
+) -> dict[str, Any]:
     import torch
 
+    from worker.engine.distributed import run_torchrun
     from worker.engine.recipe import train
     from worker.engine.types import LoraConfig, TrainConfig
 
@@ -95,15 +103,20 @@ def job_cell(preset: str, batch: int, seq: int, steps: int, pack: bool = True) -
     rec = _Collector()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
-    result = train(config, rec)
+    if n_gpus == 1:
+        result = train(config, rec)
+    else:  # the ranks are torchrun's processes: this one measures no GPU memory
+        result = run_torchrun(config, rec, n_gpus=n_gpus, workdir=tmp / "torchrun")
     wall = time.time() - t0
     timed = rec.steps[JOB_WARMUP:]
     seconds = sum(m.step_seconds for m in timed)
     tokens = sum(m.tokens for m in timed)
     data, _ = _rows(preset, seq)
+    mem = torch.cuda.max_memory_allocated() if n_gpus == 1 else None
     return {
         "model": preset,
-        "variant": "job" if pack else "job_unpacked",
+        "variant": ("job" if pack else "job_unpacked") + (f"_x{n_gpus}" if n_gpus > 1 else ""),
+        "n_gpus": n_gpus,
         "batch": batch,
         "seq": seq,
         "steps_timed": len(timed),
@@ -111,9 +124,10 @@ def job_cell(preset: str, batch: int, seq: int, steps: int, pack: bool = True) -
         "trainable_tok_s": round(tokens / seconds * data.trainable_tokens / data.tokens),
         "step_ms": round(1e3 * seconds / len(timed), 2),
         "padding_fraction": round(sum(m.padding_fraction for m in timed) / len(timed), 4),
-        "mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-        "mem_bytes": torch.cuda.max_memory_allocated(),
+        "mem_gib": round(mem / 2**30, 2) if mem is not None else None,
+        "mem_bytes": mem,
         "loss_first_last": [round(rec.steps[0].train_loss, 4), round(result.final_train_loss, 4)],
+        "loss_curve": [m.train_loss for m in rec.steps],
         "checkpoints": len(result.checkpoints),
         "events": [m for level, m in rec.events if "Training step" in m or level != "info"],
         "run_wall_s": round(wall, 1),
@@ -309,9 +323,67 @@ def cells(presets: list[str]) -> list[list[str]]:
     return out
 
 
+# N-GPU / one-GPU tokens/s the issue asks for (issue 20), per GPU count and model
+MULTI_GPU_GOALS: dict[int, dict[str, float]] = {
+    2: {"llama-1b": 1.85, "smollm2-135m": 1.7},
+    4: {"llama-1b": 3.6},
+    8: {"llama-1b": 7.0},
+}
+MULTI_GPU_PRESETS = ("smollm2-135m", "llama-1b")
+
+
+def multi_gpu_batch(preset: str, n_gpus: int) -> int:
+    """The job's global batch (rows) on one and on N GPUs: the preset's B, raised to a multiple of
+    N so that every rank gets the same number of rows."""
+    rows = JOB_SHAPES[preset][0]
+    return -(-rows // n_gpus) * n_gpus
+
+
+def multi_gpu_cells(presets: list[str], n_gpus: int) -> list[list[str]]:
+    """Per model: the job on one GPU, then the same job on n_gpus GPUs (same batch, same data)."""
+    out: list[list[str]] = []
+    for preset in presets:
+        _, seq, examples, steps = JOB_SHAPES[preset]
+        batch = str(multi_gpu_batch(preset, n_gpus))
+        for variant in ("job", f"job_x{n_gpus}"):
+            out.append(["--job-cell", preset, variant, batch, str(seq), str(examples), str(steps)])
+    return out
+
+
+def summarize_multi_gpu(result: dict[str, Any], n_gpus: int) -> None:
+    """`models`: per model the one- and N-GPU tokens/s, step times and how far the two loss curves
+    are apart (bf16: the ranks sum in another order); `ratios`: N-GPU / one-GPU tokens/s;
+    `goals`: each ratio against the issue's target where it names one."""
+    by = {(r["model"], r.get("n_gpus", 1)): r for r in result["rows"] if "error" not in r}
+    models: dict[str, Any] = {}
+    ratios: dict[str, float] = {}
+    goals: dict[str, Any] = {}
+    for model in dict.fromkeys(r["model"] for r in result["rows"]):
+        one, many = by.get((model, 1)), by.get((model, n_gpus))
+        if one is None or many is None:
+            continue
+        curves = list(zip(one.get("loss_curve", []), many.get("loss_curve", []), strict=False))
+        models[model] = {
+            "tok_s_1_gpu": one["tok_s"],
+            f"tok_s_{n_gpus}_gpus": many["tok_s"],
+            "step_ms_1_gpu": one["step_ms"],
+            f"step_ms_{n_gpus}_gpus": many["step_ms"],
+            "loss_max_rel_diff": max((abs(a - b) / abs(a) for a, b in curves), default=None),
+        }
+        ratios[model] = round(many["tok_s"] / one["tok_s"], 3)
+        goal = MULTI_GPU_GOALS.get(n_gpus, {}).get(model)
+        if goal is not None:
+            goals[model] = {"goal": goal, "ratio": ratios[model], "met": ratios[model] >= goal}
+    result["models"] = models
+    result["ratios"] = ratios
+    result["goals"] = goals
+
+
 def run_job_cell(args: list[str]) -> dict[str, Any]:
     preset, variant = args[0], args[1]
     batch, seq, examples, steps = (int(x) for x in args[2:6])
+    if variant.startswith("job_x"):
+        return job_cell(preset, batch, seq, steps, n_gpus=int(variant.removeprefix("job_x")))
     if variant in ("job", "job_unpacked"):
         return job_cell(preset, batch, seq, steps, pack=variant == "job")
     if variant == "fixed":

@@ -329,6 +329,14 @@ def main() -> int:
         "step and HF+PEFT padded / padding-free (bench/job_bench.py); --out defaults to "
         "bench/results/job-<gpu>-<date>.json",
     )
+    parser.add_argument(
+        "--n-gpus",
+        type=int,
+        default=1,
+        help="with --job: per model, the same job on 1 GPU and on N GPUs (torchrun, as an n_gpus=N "
+        "job runs); --presets defaults to smollm2-135m,llama-1b; --out defaults to "
+        "bench/results/multi-gpu-<gpu>-<date>.json (multi-gpu-x<N>-... for N > 2)",
+    )
     parser.add_argument("--job-cell", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -345,6 +353,8 @@ def main() -> int:
                    "error": repr(exc)[:800]}  # fmt: skip
         print("ROW " + json.dumps(row), flush=True)
         return 0
+    if args.job and args.n_gpus > 1:
+        return run_multi_gpu_mode(args)
     if args.job:
         return run_job_mode(args)
     if args.peak:
@@ -364,15 +374,9 @@ def main() -> int:
 
     import torch
 
-    from worker.engine.versions import package_versions
-
     result: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+        **run_header(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"),
         "torch": torch.__version__,
-        "versions": package_versions(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "commit": git_commit(),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "settings": "LoRA r=16 alpha=32 on q,k,v,o,gate,up,down; bf16 base, fp32 adapters; fused AdamW; "
         "clip 1.0; no gradient checkpointing; random tokens; "
         f"{args.warmup} warm-up + {args.steps} timed steps per cell",
@@ -413,11 +417,23 @@ def main() -> int:
     return 0
 
 
+def run_header(device: str) -> dict[str, Any]:
+    """What every result file starts with: device, versions, date, commit and this command."""
+    from worker.engine.versions import package_versions
+
+    return {
+        "device": device,
+        "versions": package_versions(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": git_commit(),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+    }
+
+
 def run_job_mode(args: argparse.Namespace) -> int:
     import torch
 
     from bench import job_bench
-    from worker.engine.versions import package_versions
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     gpu = device.split()[-1].lower().replace("/", "-") if device != "none" else "cpu"
@@ -425,11 +441,7 @@ def run_job_mode(args: argparse.Namespace) -> int:
     out = args.out or ROOT / "bench" / "results" / f"job-{gpu}-{date}.json"
     presets = [p for p in args.presets.split(",") if p in job_bench.JOB_SHAPES]
     result: dict[str, Any] = {
-        "device": device,
-        "versions": package_versions(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "commit": git_commit(),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        **run_header(device),
         "settings": "LoRA r=16 alpha=32 on q,k,v,o,gate,up,down; bf16 base, fp32 adapters; fused AdamW; "
         "clip 1.0; no gradient checkpointing; job = recipe.train (packing on, checkpoint every "
         f"{job_bench.CHECKPOINT_EVERY} steps, metric callbacks), {job_bench.JOB_WARMUP} warm-up steps "
@@ -453,6 +465,59 @@ def run_job_mode(args: argparse.Namespace) -> int:
         out.write_text(job_bench.dumps(result))
     print(json.dumps(result["models"], indent=1))
     print(json.dumps(result["goals"], indent=1))
+    return 0
+
+
+def multi_gpu_out(gpu: str, date: str, n_gpus: int) -> Path:
+    size = "" if n_gpus == 2 else f"x{n_gpus}-"
+    return ROOT / "bench" / "results" / f"multi-gpu-{size}{gpu}-{date}.json"
+
+
+def run_multi_gpu_mode(args: argparse.Namespace) -> int:
+    """`--job --n-gpus N`: the job path on one GPU and on N, per model, in one invocation."""
+    import torch
+
+    from bench import job_bench
+
+    n = args.n_gpus
+    have = torch.cuda.device_count()
+    if have < n:
+        print(f"--n-gpus {n}: this host has {have} CUDA GPU(s)", file=sys.stderr)
+        return 2
+    device = torch.cuda.get_device_name(0)
+    gpu = device.split()[-1].lower().replace("/", "-")
+    out = args.out or multi_gpu_out(gpu, time.strftime("%Y-%m-%d", time.gmtime()), n)
+    given = "--presets" in sys.argv
+    presets = args.presets.split(",") if given else list(job_bench.MULTI_GPU_PRESETS)
+    presets = [p for p in presets if p in job_bench.JOB_SHAPES]
+    result: dict[str, Any] = {
+        **run_header(device),
+        "devices": [torch.cuda.get_device_name(i) for i in range(n)],
+        "n_gpus": n,
+        "settings": "job path (recipe.train; packing on; checkpoint every "
+        f"{job_bench.CHECKPOINT_EVERY} steps; metric callbacks) on bench/data/chat-longtail.jsonl; "
+        f"1 GPU in process vs {n} GPUs under torchrun (one process per GPU, the same global batch "
+        f"split by rows); {job_bench.JOB_WARMUP} warm-up steps not timed; tok_s counts real tokens "
+        "of the whole global batch per second of rank 0's step time",
+        "shapes": {p: [job_bench.multi_gpu_batch(p, n), job_bench.JOB_SHAPES[p][1]] for p in presets},
+        "rows": [],
+    }
+    for cell in job_bench.multi_gpu_cells(presets, n):
+        row = spawn(cell, args.cell_timeout)
+        row.setdefault("model", cell[1])
+        row.setdefault("variant", cell[2])
+        row.setdefault("n_gpus", 1 if cell[2] == "job" else n)
+        result["rows"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "loss_curve"}), flush=True)
+        job_bench.summarize_multi_gpu(result, n)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(job_bench.dumps(result))
+    print(
+        json.dumps(
+            {"models": result["models"], "ratios": result["ratios"], "goals": result["goals"]}, indent=1
+        )
+    )
+    print("wrote", out)
     return 0
 
 

@@ -1,8 +1,11 @@
 """The multi-GPU code path on CPU: 2 gloo ranks under torchrun train the same adapter as one process.
 
-One process trains on whole batches; two ranks each train on half of every batch's rows and sum
-their adapter gradients. Same data order, same init, same optimizer: the adapters must agree to
-float tolerance, and rank 0 alone reports one step per optimizer step (one loss curve).
+One process trains on whole batches; two ranks each train on their rows of every batch and sum
+their adapter gradients (one flat all_reduce). Same data order, same init, same optimizer, the
+loss divided by the trainable tokens of the whole step: gradients and losses agree to fp32
+rounding, and rank 0 alone reports one step per optimizer step (one loss curve). The first test
+runs the worker's launcher (`run_torchrun`, the CPU's Hugging Face step); the packed-step test
+runs the job path's packed step with the fused modules forced on (reference ops).
 """
 
 from __future__ import annotations
@@ -72,8 +75,8 @@ def make_config(tmp_path: Path, out: str, **overrides: object) -> TrainConfig:
         lora=LoraConfig(r=4, alpha=8.0, dropout=0.0),
         max_seq_len=128,
         # 3 rows per micro-batch (ranks get 2 and 1 rows), 2 micro-batches per step, 3 steps;
-        # one example per row, so that the rows are this file's lines
-        pack=False,
+        # packing on (the job default): the 9 lines make 5 rows
+        pack=True,
         batch_size=3,
         grad_accum=2,
         max_steps=3,
@@ -116,11 +119,10 @@ def test_two_gloo_ranks_match_one_process(tmp_path: Path) -> None:
 
     want, got = adapter_tensors(single.adapter_dir), adapter_tensors(ddp.adapter_dir)
     assert want.keys() == got.keys() and want
-    moved = 0
-    for name, w in want.items():
-        torch.testing.assert_close(got[name], w, rtol=1e-4, atol=1e-6, msg=name)
-        moved += int(bool(w.abs().sum() > 0))
-    assert moved == len(want)  # every factor trained (lora_B starts at zero), so the check bites
+    assert all(bool(w.abs().sum() > 0) for w in want.values())  # every factor trained (B starts at 0)
+    # per step the gradients agree to fp32 rounding (the packed-step test below compares them);
+    # over 3 steps AdamW amplifies that rounding where a gradient is below its eps: measured 5.6e-6
+    assert rel_l2(want, got) < 1e-4
 
 
 @pytest.mark.timeout(300)
@@ -243,3 +245,25 @@ def test_packed_step_two_gloo_ranks_equal_one_process_and_checkpoints_cross(
     assert two_from_one["steps"][0]["loss"] == pytest.approx(one["steps"][2]["loss"], rel=1e-6)
     assert rel_l2(two["final"]["adapter"], one_from_two["final"]["adapter"]) < 1e-4
     assert rel_l2(one["final"]["adapter"], two_from_one["final"]["adapter"]) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.timeout(600)
+def test_two_gpus_run_the_captured_packed_step_and_match_one_gpu(tmp_path: Path) -> None:
+    """On a 2-GPU host (scripts/multi_gpu_check.sh runs it): the job path on 2 GPUs under torchrun
+    takes the packed step, captured with its NCCL all_reduce inside the graph, and its loss curve
+    matches one GPU's within bf16 tolerance."""
+    config = make_config(tmp_path, "one", pack=True, device="cuda", max_steps=12, validation_file=None)
+    one_cb, two_cb = Recorder(), Recorder()
+    recipe.train(config, one_cb)
+    distributed.run_torchrun(
+        replace(config, output_dir=tmp_path / "two"), two_cb, n_gpus=2, workdir=tmp_path / "w"
+    )
+    for cb in (one_cb, two_cb):
+        assert any(e.startswith("Training step: fused kernels, CUDA graph") for e in cb.events), cb.events
+        assert not [e for e in cb.events if "runs eagerly" in e]
+    assert [m.step for m in two_cb.steps] == list(range(1, 13))
+    for a, b in zip(two_cb.steps, one_cb.steps, strict=True):
+        assert a.tokens == b.tokens
+        assert a.train_loss == pytest.approx(b.train_loss, rel=2e-2)

@@ -1,0 +1,79 @@
+"""The multi-GPU benchmark's plumbing on the CPU: which cells one invocation runs, how the JSON's
+per-model figures and `ratios` are assembled from the cells' rows, where the file goes, and the
+refusal on a host with too few GPUs. (The rows here are inputs to the assembly, not results.)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import job_bench, train_bench
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_cells_run_the_same_job_on_one_gpu_then_n() -> None:
+    cells = job_bench.multi_gpu_cells(["smollm2-135m", "llama-1b"], 2)
+    assert [c[1:3] for c in cells] == [
+        ["smollm2-135m", "job"], ["smollm2-135m", "job_x2"], ["llama-1b", "job"], ["llama-1b", "job_x2"]
+    ]  # fmt: skip
+    # one cell pair shares batch, row length and steps: the same job
+    assert cells[2][3:] == cells[3][3:] == ["4", "2048", "8", "40"]
+    # every rank gets whole rows: 4 rows stay 4 on 2 and 4 GPUs, become 8 on 8
+    assert [job_bench.multi_gpu_batch("llama-1b", n) for n in (1, 2, 4, 8)] == [4, 4, 4, 8]
+
+
+def row(model: str, n_gpus: int, tok_s: int, losses: list[float]) -> dict[str, object]:
+    variant = "job" if n_gpus == 1 else f"job_x{n_gpus}"
+    return {"model": model, "variant": variant, "n_gpus": n_gpus, "tok_s": tok_s, "step_ms": 1e3 / tok_s,
+            "loss_curve": losses}  # fmt: skip
+
+
+def test_summary_gives_each_model_both_rates_and_the_ratio() -> None:
+    result: dict[str, object] = {
+        "rows": [
+            row("smollm2-135m", 1, 1000, [2.0, 1.5]),
+            row("smollm2-135m", 2, 1600, [2.0, 1.53]),
+            row("llama-1b", 1, 500, [3.0, 2.0]),
+            row("llama-1b", 2, 950, [3.03, 2.0]),
+            {"model": "llama-8b", "variant": "job", "n_gpus": 1, "error": "exit 1"},
+        ]
+    }
+    job_bench.summarize_multi_gpu(result, 2)
+    assert result["ratios"] == {"smollm2-135m": 1.6, "llama-1b": 1.9}
+    models = result["models"]
+    assert isinstance(models, dict) and models.keys() == {"smollm2-135m", "llama-1b"}
+    assert models["llama-1b"]["tok_s_1_gpu"] == 500 and models["llama-1b"]["tok_s_2_gpus"] == 950
+    assert models["smollm2-135m"]["loss_max_rel_diff"] == pytest.approx(0.02)
+    assert models["llama-1b"]["loss_max_rel_diff"] == pytest.approx(0.01)
+    assert result["goals"] == {
+        "smollm2-135m": {"goal": 1.7, "ratio": 1.6, "met": False},
+        "llama-1b": {"goal": 1.85, "ratio": 1.9, "met": True},
+    }
+
+
+def test_a_model_missing_either_run_has_no_ratio() -> None:
+    result: dict[str, object] = {"rows": [row("llama-1b", 1, 500, [3.0]), {"model": "llama-1b", "n_gpus": 4,
+                                                                          "error": "timed out"}]}  # fmt: skip
+    job_bench.summarize_multi_gpu(result, 4)
+    assert result["ratios"] == {} and result["models"] == {} and result["goals"] == {}
+
+
+def test_result_file_names() -> None:
+    results = ROOT / "bench" / "results"
+    assert train_bench.multi_gpu_out("h200", "2026-11-25", 2) == results / "multi-gpu-h200-2026-11-25.json"
+    assert train_bench.multi_gpu_out("h200", "2026-11-25", 8) == results / "multi-gpu-x8-h200-2026-11-25.json"
+
+
+def test_refused_on_a_host_with_too_few_gpus(tmp_path: Path) -> None:
+    out = tmp_path / "x.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "train_bench.py"), "--job", "--n-gpus", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "--n-gpus 2: this host has 0 CUDA GPU(s)" in proc.stderr
+    assert not out.exists()
