@@ -267,3 +267,27 @@ def test_two_gpus_run_the_captured_packed_step_and_match_one_gpu(tmp_path: Path)
     for a, b in zip(two_cb.steps, one_cb.steps, strict=True):
         assert a.tokens == b.tokens
         assert a.train_loss == pytest.approx(b.train_loss, rel=2e-2)
+
+
+def test_flat_grads_accumulate_in_place_at_fixed_addresses() -> None:
+    """What capture needs: the backward adds into the buffer's views (no new .grad tensors), so
+    the all_reduce reads every gradient at an address that never changes; zero_ re-points a .grad
+    that something replaced (zero_grad(set_to_none=True), a checkpoint load)."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
+    grads = distributed.FlatGrads(params, distributed.SINGLE)
+    address = grads.flat.data_ptr()
+    x = torch.randn(4)
+    for _ in range(2):  # two micro-batches accumulate
+        ((params[0] @ x).sum() + params[1].pow(2).sum()).backward()
+    assert all(p.grad is v for p, v in zip(params, grads.views, strict=True))
+    torch.testing.assert_close(grads.flat[:12].view(3, 4), 2 * x.expand(3, 4))
+    torch.testing.assert_close(grads.flat[12:17], 4 * params[1].detach())
+    loss = grads.all_reduce_(torch.tensor(1.5, dtype=torch.float64))
+    assert float(loss) == 1.5 and loss.data_ptr() == address + 17 * 4
+    params[0].grad = None
+    grads.zero_()
+    assert params[0].grad is grads.views[0] and grads.flat.abs().sum() == 0
+    assert grads.flat.data_ptr() == address
+    with pytest.raises(ValueError, match="fp32"):
+        distributed.FlatGrads([torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))], distributed.SINGLE)
