@@ -746,35 +746,95 @@ def train_tiny(steps: int, dtype: torch.dtype) -> dict[str, Any]:
     return {"dtype": str(dtype), "steps": steps, "curves": curves, "max_rel_diff": max(diffs), "info": info}
 
 
+def pirate_config(steps: int, **overrides: Any) -> Any:
+    """tiny-llama on the pirate chats, on the GPU, in a fresh temporary directory (a TrainConfig)."""
+    import tempfile
+    from dataclasses import replace
+
+    from worker.engine.types import LoraConfig, TrainConfig
+
+    tmp = Path(tempfile.mkdtemp())
+    cfg = TrainConfig(
+        model="tiny-llama",
+        train_file=Path(__file__).resolve().parents[1] / "tests/data/pirate/train.jsonl",
+        output_dir=tmp / "out",
+        model_store=tmp / "store",
+        lora=LoraConfig(r=8, alpha=16),
+        max_steps=steps,
+        learning_rate=2e-3,
+        device="cuda",
+    )
+    return replace(cfg, **overrides)
+
+
 def recipe_smoke(steps: int) -> dict[str, Any]:
     """The engine's recipe end to end on the GPU (fused modules + fused loss under its bf16
     autocast), against the same recipe on the reference path: final losses must agree."""
-    import tempfile
-
     from worker.engine.recipe import train
-    from worker.engine.types import LoraConfig, NullCallbacks, TrainConfig
+    from worker.engine.types import NullCallbacks
 
-    root = Path(__file__).resolve().parents[1]
     out: dict[str, Any] = {}
     for path in ("compiled", "reference"):
         gpu_kernels.set_backend("auto" if path == "compiled" else "reference")
-        tmp = Path(tempfile.mkdtemp())
-        cfg = TrainConfig(
-            model="tiny-llama",
-            train_file=root / "tests/data/pirate/train.jsonl",
-            output_dir=tmp / "out",
-            model_store=tmp / "store",
-            lora=LoraConfig(r=8, alpha=16),
-            max_steps=steps,
-            batch_size=4,
-            learning_rate=2e-3,
-            device="cuda",
-        )
-        result = train(cfg, NullCallbacks())
+        result = train(pirate_config(steps, batch_size=4), NullCallbacks())
         out[path] = {"steps": result.steps, "final_train_loss": result.final_train_loss}
     gpu_kernels.set_backend("auto")
     a, b = out["compiled"]["final_train_loss"], out["reference"]["final_train_loss"]
     out["rel_diff"] = abs(a - b) / abs(b)
+    return out
+
+
+def multi_gpu_check(steps: int, n_gpus: int) -> dict[str, Any]:
+    """The job path on n_gpus GPUs (torchrun, as a worker runs an n_gpus job) against one GPU:
+    the same packed rows and global batch, so the same loss curve within bf16 tolerance; every
+    rank takes the packed step captured as a CUDA graph with its NCCL all_reduce inside (no
+    'runs eagerly' warning: a capture that fails anywhere sends every rank to eager and says so)."""
+    from dataclasses import replace
+
+    from worker.engine.distributed import run_torchrun
+    from worker.engine.recipe import train
+    from worker.engine.types import NullCallbacks, StepMetrics
+
+    class Curve(NullCallbacks):
+        def __init__(self) -> None:
+            self.steps: list[StepMetrics] = []
+            self.events: list[str] = []
+
+        def on_step(self, metrics: StepMetrics) -> None:
+            self.steps.append(metrics)
+
+        def on_event(self, level: str, message: str, data: Any = None) -> None:
+            self.events.append(message)
+
+    cfg = pirate_config(steps, batch_size=4 * n_gpus, lr_scheduler="constant", pack=True)
+    one, many = Curve(), Curve()
+    train(cfg, one)
+    many_dir = cfg.output_dir.parent / "many"
+    run_torchrun(replace(cfg, output_dir=many_dir), many, n_gpus=n_gpus, workdir=many_dir / "torchrun")
+    pairs = list(zip(one.steps, many.steps, strict=False))
+    out: dict[str, Any] = {
+        "n_gpus": n_gpus,
+        "steps": [len(one.steps), len(many.steps)],
+        "loss_1_gpu": [m.train_loss for m in one.steps],
+        f"loss_{n_gpus}_gpus": [m.train_loss for m in many.steps],
+        "loss_max_rel_diff": max(
+            (abs(a.train_loss - b.train_loss) / abs(a.train_loss) for a, b in pairs), default=math.inf
+        ),
+        "same_tokens": all(a.tokens == b.tokens for a, b in pairs),
+        "events": {"1_gpu": one.events, f"{n_gpus}_gpus": many.events},
+    }
+    captured = [
+        any(e.startswith("Training step: fused kernels, CUDA graph") for e in c.events)
+        and not any("runs eagerly" in e for e in c.events)
+        for c in (one, many)
+    ]
+    out["captured"] = captured
+    out["ok"] = bool(
+        len(many.steps) == len(one.steps) == steps
+        and out["same_tokens"]
+        and out["loss_max_rel_diff"] <= 2e-2
+        and all(captured)
+    )
     return out
 
 
@@ -880,7 +940,8 @@ def header() -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["ops", "bench", "train", "recipe", "packed"])
+    parser.add_argument("what", choices=["ops", "bench", "train", "recipe", "packed", "multi"])
+    parser.add_argument("--n-gpus", type=int, default=2)
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--steps", type=int, default=50)
@@ -928,6 +989,19 @@ def main() -> int:
             f"{'ok  ' if res['ok'] else 'FAIL'} packed bf16 per-example vs alone: {json.dumps(res['worst'])}"
         )
         out["packed"] = res
+        out["failed"] = FAILED
+    elif args.what == "multi":
+        if torch.cuda.device_count() < args.n_gpus:
+            print(f"multi: needs {args.n_gpus} CUDA GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
+            return 2
+        res = multi_gpu_check(args.steps, args.n_gpus)
+        brief = {k: res[k] for k in ("steps", "loss_max_rel_diff", "same_tokens", "captured")}
+        if not res["ok"]:
+            FAILED.append(f"{args.n_gpus} GPUs vs 1: {json.dumps(brief)}")
+        print(
+            f"{'ok  ' if res['ok'] else 'FAIL'} job path {args.n_gpus} GPUs vs 1, {args.steps} steps: {brief}"
+        )
+        out["multi"] = res
         out["failed"] = FAILED
     elif args.what == "recipe":
         res = recipe_smoke(args.steps)

@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # Multi-GPU check on a host with >= 2 CUDA GPUs (issue 20):
-#   1. correctness: the job path on 2 GPUs under torchrun (one process per GPU, the packed step
+#   1. correctness: the job path on N GPUs under torchrun (one process per GPU, the packed step
 #      captured with its gradient all_reduce inside the graph) against 1 GPU, loss within bf16
-#      tolerance (tests/deploy/test_distributed.py, the `gpu` test);
+#      tolerance, no eager fallback (`scripts/gpu_check.py multi`, JSON in $OUT, default
+#      bench/results);
 #   2. throughput: `bench/train_bench.py --job --n-gpus N` — per model the same job on 1 GPU and on
 #      N, writing bench/results/multi-gpu-<gpu>-<date>.json (multi-gpu-x<N>-... for N > 2) with
 #      device, date, command, both tokens/s per model and `ratios`.
 #
 # Usage: scripts/multi_gpu_check.sh [N_GPUS]      (default 2)
-# Env:   PYTHON=python3  PRESETS=smollm2-135m,llama-1b  (passed to --presets)
+# Env:   PYTHON=python3  OUT=bench/results  PRESETS=smollm2-135m,llama-1b  (passed to --presets)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 n="${1:-2}"
 py="${PYTHON:-python3}"
+out="${OUT:-bench/results}"
+mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export LORAQ_COMMIT="${LORAQ_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 status=0
@@ -25,9 +28,8 @@ fi
 echo "== build kernels"
 $py -m gpu_kernels.build || exit 1
 
-echo "== 2 GPUs vs 1: captured packed step, loss curve"
-$py -c "import pytest, pytest_timeout" || { echo "needs pytest and pytest-timeout: $py -m pip install pytest pytest-timeout" >&2; exit 1; }
-$py -m pytest -q -p no:cacheprovider tests/deploy/test_distributed.py -k two_gpus || status=1
+echo "== $n GPUs vs 1: the job path's captured packed step, loss curve"
+$py scripts/gpu_check.py multi --n-gpus "$n" --steps 20 --json "$out/gpu-check-multi-x$n.json" || status=1
 
 echo "== job-path throughput: 1 GPU vs $n"
 $py bench/train_bench.py --job --n-gpus "$n" ${PRESETS:+--presets "$PRESETS"} || status=1
