@@ -132,6 +132,9 @@ class GraphedStep:
         return out
 
     def _capture_and_replay(self) -> StepOutputs:
+        # once, before capture: the eager warm-up's work (its collectives too, which a watchdog
+        # thread may still be polling) has finished, so nothing outside the capture is in flight
+        torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         failure: str | None = None
         try:
