@@ -55,3 +55,44 @@ def test_counter_imports_no_torch() -> None:
 
 def test_a_gguf_model_without_tokenizer_json_has_no_counter(tmp_path: Path) -> None:
     assert load_counter("smollm2-135m-instruct", tmp_path) is None
+
+
+# ------------------------------------------------------------------------- the real SmolLM2 (slow)
+
+SMOL = "smollm2-135m-instruct"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("records", [LINES, PLAIN, TEXT], ids=["chat", "prompt_completion", "text"])
+def test_pulled_gguf_counts_equal_the_engines_input_ids(
+    pulled_store: Path, tmp_path: Path, records: list[dict[str, object]]
+) -> None:
+    from worker.engine.data import read_examples
+    from worker.engine.models import load_tokenizer
+
+    assert (pulled_store / SMOL / "tokenizer" / "tokenizer.json").is_file()  # written by the pull
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    engine, report = read_examples(path, load_tokenizer(SMOL, store=pulled_store), max_seq_len=100_000)
+    assert not report.errors, report.errors
+    counter = load_counter(SMOL, pulled_store)
+    assert counter is not None
+    fmt = "chat" if "messages" in records[0] else "prompt_completion" if "prompt" in records[0] else "text"
+    assert [counter.count(fmt, r) for r in records] == [len(e.input_ids) for e in engine]
+
+
+@pytest.mark.slow
+def test_loading_a_gguf_pulled_without_tokenizer_files_writes_them(
+    pulled_store: Path, model_store: Path
+) -> None:
+    from worker.engine.catalog import PRETRAINED
+    from worker.engine.models import load_tokenizer
+
+    gguf = PRETRAINED[SMOL].filename
+    (model_store / SMOL).mkdir()
+    (model_store / SMOL / gguf).symlink_to(pulled_store / SMOL / gguf)  # a store pulled before the fix
+    assert load_counter(SMOL, model_store) is None
+    load_tokenizer(SMOL, store=model_store)
+    counter = load_counter(SMOL, model_store)
+    assert counter is not None and counter.chat_template is not None
+    assert counter.count("text", {"text": "hello"}) == 2  # "hello" + EOS

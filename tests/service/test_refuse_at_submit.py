@@ -191,3 +191,31 @@ def test_token_lengths_are_counted_once_per_file_and_model_in_bounded_memory(
         list(token_lengths._cache) == [(rows[0].sha256, "tiny-llama")] and token_lengths._cached_bytes == 32
     )
     assert token_lengths.lengths(rows[0], "tiny-llama") is a
+
+
+@pytest.mark.slow
+def test_max_seq_len_is_checked_on_the_pulled_gguf_model(api: ApiClient) -> None:
+    """smollm2-135m-instruct is a GGUF: counted with the tokenizer files its pull writes."""
+    from tests.engine.conftest import TEST_MODEL_STORE
+    from worker.engine.pull import pull_model
+
+    pull_model("smollm2-135m-instruct", TEST_MODEL_STORE)  # cached across sessions; adds the tokenizer
+    store = get_settings().model_store
+    store.mkdir(parents=True, exist_ok=True)
+    (store / "smollm2-135m-instruct").symlink_to(TEST_MODEL_STORE / "smollm2-135m-instruct")
+    long_answer = json.dumps(
+        {
+            "messages": [
+                {"role": "user", "content": "tell"},
+                {"role": "assistant", "content": "a long story " * 20},
+            ]
+        }
+    )
+    file_id = api.upload(DATASET + (long_answer + "\n").encode() * 2)
+    body = job_body(file_id, model="smollm2-135m-instruct", max_seq_len=64)
+    err = refused(api.post("/v1/fine_tuning/jobs", json=body), "max_seq_len")
+    assert err["code"] == "max_seq_len_too_short"
+    assert "2 of the 6 examples in training_file are longer than max_seq_len 64 (line 5: " in err["message"]
+    longest = int(err["message"].rsplit("at least ", 1)[1].split()[0])
+    ok = api.post("/v1/fine_tuning/jobs", json={**body, "max_seq_len": longest})
+    assert ok.status_code == 200, ok.text

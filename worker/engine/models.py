@@ -25,6 +25,7 @@ from transformers import (
 )
 
 from worker.engine.catalog import PRESET_SHAPES, PRETRAINED, get_model_info, validate_model_dir
+from worker.engine.gguf_tokenizer import write_tokenizer_files
 from worker.engine.tiny import build_tiny_llama, build_tiny_tokenizer
 from worker.engine.types import ModelError
 
@@ -75,6 +76,7 @@ def load_tokenizer(name: str, *, store: Path) -> PreTrainedTokenizerBase:
         if not (store / name / source.filename).is_file():
             raise ModelError(f"model {name!r} is not pulled yet; run `loraq models pull {name}`")
         tokenizer = AutoTokenizer.from_pretrained(store / name, gguf_file=source.filename)
+        write_tokenizer_files(tokenizer, store / name)  # a store pulled before the API counted tokens
     else:
         assert info.path is not None
         validate_model_dir(Path(info.path))
@@ -115,6 +117,7 @@ def _load_pretrained(name: str, store: Path, device: torch.device, dtype: torch.
     if not (directory / source.filename).is_file():
         raise ModelError(f"model {name!r} is not pulled yet; run `loraq models pull {name}`")
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=source.filename)
+    write_tokenizer_files(tokenizer, directory)  # a store pulled before the API counted tokens
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=source.filename, dtype=dtype)
     _drop_gguf_marks(model)
     return LoadedModel(_move(model, device), tokenizer, name, is_random=False)

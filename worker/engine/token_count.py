@@ -9,8 +9,10 @@ transformers does, so `TokenCounter.count` equals the engine's `len(input_ids)` 
 - prompt/completion: prompt tokens + completion tokens + EOS;
 - text: text tokens + EOS.
 
-A model whose tokenizer cannot be had this way (a GGUF file not converted yet) gets no counter
-(`load_counter` returns None): the API then skips the check and the worker's validation decides.
+A pulled GGUF model is counted with the `tokenizer.json` (and chat template) that transformers
+converted from the GGUF and the worker wrote in its directory (`worker/engine/gguf_tokenizer.py`). A model
+without one yet (not pulled) gets no counter (`load_counter` returns None): the API then skips the
+check and the worker's validation decides.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from worker.engine.catalog import PRESET_SHAPES, PRETRAINED, TINY_LLAMA_SHAPE, get_model_info
+from worker.engine.gguf_tokenizer import tokenizer_dir
 from worker.engine.types import ModelError
 
 TINY_CORPUS = Path(__file__).with_name("tiny_corpus.txt")
@@ -118,8 +121,18 @@ def _token_text(value: Any) -> str | None:
 
 def _from_directory(directory: Path) -> TokenCounter | None:
     file = directory / "tokenizer.json"
-    if not file.is_file():
+    try:
+        written = file.stat().st_mtime_ns
+    except FileNotFoundError:  # not cached: the worker may write it later (a pull, a first load)
         return None
+    return _read_directory(directory, written)
+
+
+@lru_cache(maxsize=4)
+def _read_directory(directory: Path, written: int) -> TokenCounter:
+    """The counter from a directory's tokenizer files; `written` (tokenizer.json's mtime) keys the
+    cache, so files written again are read again."""
+    file = directory / "tokenizer.json"
     config_file = directory / "tokenizer_config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     template = config.get("chat_template")
@@ -136,13 +149,17 @@ def _from_directory(directory: Path) -> TokenCounter | None:
     )
 
 
-@lru_cache(maxsize=4)
+@lru_cache(maxsize=1)
+def _tiny_counter() -> TokenCounter:
+    return TokenCounter(train_tiny_tokenizer(), TINY_CHAT_TEMPLATE, TINY_EOS)
+
+
 def load_counter(model: str, store: Path) -> TokenCounter | None:
     """The counter for a catalog model, or None where its tokenizer is not available torch-free."""
     if model in PRESET_SHAPES:  # tiny-llama and the benchmark presets share tiny-llama's tokenizer
-        return TokenCounter(train_tiny_tokenizer(), TINY_CHAT_TEMPLATE, TINY_EOS)
-    if model in PRETRAINED:  # a GGUF file: counted only once its tokenizer.json was written beside it
-        return _from_directory(store / model)
+        return _tiny_counter()
+    if model in PRETRAINED:  # a GGUF: its tokenizer files are written at pull (pull.py) or load
+        return _from_directory(tokenizer_dir(store / model))
     try:
         info = get_model_info(model, store)
     except ModelError:
