@@ -34,8 +34,11 @@ from service.settings import Settings
 
 
 def worker_request(session: Session, *, tenant_id: str, spec: JobCreate) -> dict[str, Any]:
-    """Validate like a submit does (404/400 raised here) and build the worker's request."""
-    training, validation = jobs.check_job_inputs(session, tenant_id=tenant_id, spec=spec)
+    """Validate like a submit does (404/400 raised here), except that a file which failed
+    validation goes on to the worker, whose report lists its bad lines in the plan."""
+    training, validation = jobs.check_job_inputs(
+        session, tenant_id=tenant_id, spec=spec, refuse_invalid=False
+    )
     jobs.requested_hyperparameters(spec)  # refuses hyperparameters given twice
     return {
         "kind": "dry_run",

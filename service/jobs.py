@@ -255,7 +255,9 @@ def _seq_of(session: Session, model: type[Job], tenant_id: str, row_id: str, par
 # ---------------------------------------------------------------- create
 
 
-def _training_file(session: Session, *, tenant_id: str, file_id: str, param: str) -> File:
+def _training_file(
+    session: Session, *, tenant_id: str, file_id: str, param: str, refuse_invalid: bool = True
+) -> File:
     file = (
         session.scalar(select(File).where(File.id == file_id, File.tenant_id == tenant_id))
         if is_id(file_id)
@@ -271,7 +273,7 @@ def _training_file(session: Session, *, tenant_id: str, file_id: str, param: str
             param=param,
             code="invalid_file_purpose",
         )
-    if file.status == "error":
+    if refuse_invalid and file.status == "error":
         raise InvalidRequestError(
             f"invalid {param}: file {file_id} failed validation at upload: {file.status_details}",
             param=param,
@@ -390,9 +392,12 @@ def replay(session: Session, *, tenant_id: str, key: str, request_sha256: str) -
     return job
 
 
-def check_job_inputs(session: Session, *, tenant_id: str, spec: JobCreate) -> tuple[File, File | None]:
+def check_job_inputs(
+    session: Session, *, tenant_id: str, spec: JobCreate, refuse_invalid: bool = True
+) -> tuple[File, File | None]:
     """The model exists and the files are the tenant's fine-tune files (404/400 otherwise);
-    returns (training file, validation file or None)."""
+    returns (training file, validation file or None). `refuse_invalid=False` (a dry run) lets a
+    file that failed validation through, so the plan can list its bad lines."""
     settings = get_settings()
     from worker.engine.catalog import get_model_info  # pure Python; imported here to keep startup light
 
@@ -409,11 +414,21 @@ def check_job_inputs(session: Session, *, tenant_id: str, spec: JobCreate) -> tu
             param="model",
             code="model_not_local",
         )
-    training = _training_file(session, tenant_id=tenant_id, file_id=spec.training_file, param="training_file")
+    training = _training_file(
+        session,
+        tenant_id=tenant_id,
+        file_id=spec.training_file,
+        param="training_file",
+        refuse_invalid=refuse_invalid,
+    )
     validation = None
     if spec.validation_file is not None:
         validation = _training_file(
-            session, tenant_id=tenant_id, file_id=spec.validation_file, param="validation_file"
+            session,
+            tenant_id=tenant_id,
+            file_id=spec.validation_file,
+            param="validation_file",
+            refuse_invalid=refuse_invalid,
         )
     return training, validation
 
