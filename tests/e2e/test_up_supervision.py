@@ -315,7 +315,7 @@ def _answers(client: redis.Redis) -> bool:
 
 def test_kill_9_of_up_leaves_no_child_and_the_next_start_reuses_the_key(up: Up) -> None:
     children = {name: pid for name, pid in up.pids().items() if name != "supervisor"}
-    assert set(children) == {"redis", "api", "worker"}
+    assert set(children) == {"redis", "api", "worker", "inference"}
     os.kill(up.proc.pid, signal.SIGKILL)
     up.proc.wait()
     wait_for(lambda: not any(alive(pid) for pid in children.values()), "children gone", 5)
