@@ -341,6 +341,7 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 class HealthPublic(BaseModel):
     status: Literal["ok", "unavailable"]
     checks: dict[str, str] = Field(default_factory=dict)
+    latency_ms: dict[str, float] = Field(default_factory=dict)  # each readiness check, timed
 
 
 # ---------------------------------------------------------------- chat completions
