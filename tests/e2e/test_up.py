@@ -191,8 +191,11 @@ def test_ctrl_c_requeues_a_running_job_and_the_next_up_finishes_it(tmp_path: Pat
     from tests.e2e.datasets import chat_lines
 
     key = "sk-up-" + secrets.token_hex(16)
-    env = {"LORAQ_API_KEY": key, "LORAQ_CHECKPOINT_EVERY": "4"}
+    env = {"LORAQ_API_KEY": key, "LORAQ_CHECKPOINT_EVERY": "20"}
     auth = {"Authorization": f"Bearer {key}"}
+    # 16 examples, batch 4, 100 epochs: 400 steps, about 10 s on an idle 2-core CPU. Long enough
+    # that Ctrl-C lands mid-run even on a fast machine (24 steps once finished before it did).
+    total = 400
     with running_up(tmp_path, **env) as (proc, url, data_dir):
         api = httpx.Client(base_url=url + "/v1", headers=auth, timeout=30)
         file_id = api.post(
@@ -201,7 +204,7 @@ def test_ctrl_c_requeues_a_running_job_and_the_next_up_finishes_it(tmp_path: Pat
         body = {
             "model": "tiny-llama",
             "training_file": file_id,
-            "hyperparameters": {"n_epochs": 6, "batch_size": 4},  # 24 steps
+            "hyperparameters": {"n_epochs": 100, "batch_size": 4},
             "lora": {"r": 4},
             "max_seq_len": 128,
             "packing": False,  # one example per row: the test counts steps
@@ -209,10 +212,10 @@ def test_ctrl_c_requeues_a_running_job_and_the_next_up_finishes_it(tmp_path: Pat
         job_id = api.post("/fine_tuning/jobs", json=body).json()["id"]
 
         def steps_done() -> int:
-            events = api.get(f"/fine_tuning/jobs/{job_id}/events", params={"limit": 100}).json()["data"]
+            events = api.get(f"/fine_tuning/jobs/{job_id}/events", params={"limit": 10_000}).json()["data"]
             return sum(e["type"] == "metrics" for e in events)
 
-        wait_for(lambda: steps_done() >= 2, "first steps", 120, proc)
+        wait_for(lambda: steps_done() >= 25, "first checkpoint", 120, proc)
         stop_and_check_nothing_left(proc, data_dir, signal.SIGINT)
 
     with sqlite3.connect(data_dir / "loraq.db") as db:
@@ -228,8 +231,8 @@ def test_ctrl_c_requeues_a_running_job_and_the_next_up_finishes_it(tmp_path: Pat
         wait_for(lambda: status() in {"succeeded", "failed", "cancelled"}, "job finished", 180, proc)
         job = api.get(f"/fine_tuning/jobs/{job_id}").json()
         assert job["status"] == "succeeded", job["error"]
-        events = api.get(f"/fine_tuning/jobs/{job_id}/events", params={"limit": 200}).json()["data"]
+        events = api.get(f"/fine_tuning/jobs/{job_id}/events", params={"limit": 10_000}).json()["data"]
         steps = sorted(e["data"]["step"] for e in events if e["type"] == "metrics")
-        assert steps == list(range(1, 25))
+        assert steps == list(range(1, total + 1))
         assert any("re-queued" in e["message"] for e in events)
         stop_and_check_nothing_left(proc, data_dir, signal.SIGINT)
