@@ -134,36 +134,13 @@ def job_cell(
     }
 
 
-def _peft_model(preset: str) -> tuple[Any, Any, Any]:
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from worker.engine.catalog import PRESET_SHAPES
-
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    cfg = LlamaConfig(**PRESET_SHAPES[preset].config_kwargs(), attn_implementation="sdpa")
-    cfg.max_position_embeddings = 8192
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg)
-    torch.set_default_dtype(torch.float32)
-    peft_model = get_peft_model(
-        model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets)
-    )
-    params = [p for p in peft_model.parameters() if p.requires_grad]
-    for p in params:
-        p.data = p.data.float()
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
-    return peft_model, params, opt
-
-
 def peft_cell(preset: str, variant: str, batch: int, seq: int, examples: int, steps: int) -> dict[str, Any]:
     """HF+PEFT on the same data: padded batches of `examples`, or padding-free rows of B·T."""
     import torch
 
-    model, params, opt = _peft_model(preset)
+    from bench.peers import peft_peer_model
+
+    model, params, opt = peft_peer_model(preset, max_positions=8192)
     data, tok = _rows(preset, seq)
     rng = random.Random(0)
     order = list(range(len(data.rows)))

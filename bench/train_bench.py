@@ -29,9 +29,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.peers import TARGETS  # noqa: E402  (after the path insert: run as a script)
+
 PRESETS = {"smollm2-135m": (8, 1024), "llama-1b": (4, 2048), "llama-8b": (2, 2048)}
 VARIANTS = ("peft", "liger", "compile", "loraq")
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # ratio of tokens/s to HF+PEFT that the issue asks for, per preset
 GOALS = {"smollm2-135m": 5.0, "llama-1b": 2.0, "llama-8b": 1.5}
 
@@ -77,31 +78,16 @@ def matmul_peak_tflops() -> float:
 def _peer_step(preset: str, variant: str, batch: int, seq: int) -> tuple[Any, Any]:
     """HF + PEFT (optionally Liger / torch.compile): returns (step fn, params)."""
     import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from worker.engine.catalog import PRESET_SHAPES
+    from bench.peers import peft_peer_model
 
     if variant == "liger":
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
         apply_liger_kernel_to_llama()
-    cfg = LlamaConfig(**PRESET_SHAPES[preset].config_kwargs(), attn_implementation="sdpa")
-    cfg.max_position_embeddings = max(seq, 2048)
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg)
-    torch.set_default_dtype(torch.float32)
-    peft_model = get_peft_model(
-        model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS)
-    )
-    params = [p for p in peft_model.parameters() if p.requires_grad]
-    for p in params:
-        p.data = p.data.float()  # fp32 adapters over the bf16 base
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    peft_model, params, opt = peft_peer_model(preset, max_positions=max(seq, 2048))
     forward = torch.compile(peft_model) if variant == "compile" else peft_model
-    ids = torch.randint(0, cfg.vocab_size, (batch, seq), device="cuda")
+    ids = torch.randint(0, peft_model.config.vocab_size, (batch, seq), device="cuda")
 
     def step() -> Any:
         with torch.autocast("cuda", dtype=torch.bfloat16):
