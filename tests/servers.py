@@ -105,6 +105,16 @@ class RedisServer:
         stop(self.proc, sig)
 
 
+def api_ready(url: str) -> bool:
+    """Whether the Loraq API at `url` (no /v1) answers /readyz with 200."""
+    import httpx
+
+    try:
+        return httpx.get(url + "/readyz", timeout=1).status_code == 200
+    except httpx.HTTPError:  # not listening yet, or restarting
+        return False
+
+
 def redis_answers(url: str) -> bool:
     import redis
 

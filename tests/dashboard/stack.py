@@ -12,11 +12,10 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.e2e.procs import ROOT, Service, clean_env, free_port, stop_process, wait_for
-from tests.servers import start_redis
+from tests.servers import api_ready, start_redis
 
 
 @pytest.fixture(scope="session")
@@ -64,13 +63,7 @@ def stack(tmp_path: Path, stack_redis_url: str, request: pytest.FixtureRequest) 
             start_new_session=True,
         )  # fmt: skip
 
-        def api_ready() -> bool:
-            try:
-                return httpx.get(svc.url + "/readyz", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(api_ready, "API", 60, svc.procs["api"])
+        wait_for(lambda: api_ready(svc.url), "API", 60, svc.procs["api"])
         svc.start_worker()
         yield svc
     finally:

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 
 from tests.e2e.procs import ROOT, clean_env, free_port, stop_process, wait_for
+from tests.servers import api_ready
 
 
 def test_entrypoint_migrates_registers_key_and_serves(tmp_path: Path, pg_db_url: str, redis_url: str) -> None:
@@ -32,14 +33,8 @@ def test_entrypoint_migrates_registers_key_and_serves(tmp_path: Path, pg_db_url:
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
 
-    def ready() -> bool:
-        try:
-            return httpx.get(base + "/readyz", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
     try:
-        wait_for(ready, "API from the entrypoint", 90, proc)
+        wait_for(lambda: api_ready(base), "API from the entrypoint", 90, proc)
         assert "database migrated" in log.read_text()
         ok = httpx.get(base + "/v1/models", headers={"Authorization": "Bearer sk-deploy-test-key"})
         assert ok.status_code == 200, ok.text

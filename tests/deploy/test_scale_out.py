@@ -22,6 +22,7 @@ import pytest
 
 from tests.e2e.datasets import chat_lines
 from tests.e2e.procs import ROOT, TERMINAL, clean_env, free_port, stop_process, wait_for
+from tests.servers import api_ready
 
 
 def _ready(log: Path, count: int) -> bool:
@@ -72,13 +73,7 @@ def stack(tmp_path: Path, pg_db_url: str, redis_url: str) -> Iterator[Stack]:
             "worker-h100x2", [*cli, "worker", "--gpus", "0,1", "--gpus-per-job", "2", "--queue", "h100"]
         )
 
-        def api_up() -> bool:
-            try:
-                return httpx.get(s.url + "/readyz", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(api_up, "API", 60, api)
+        wait_for(lambda: api_ready(s.url), "API", 60, api)
         wait_for(lambda: _ready(s.logs["worker-h100"], 1), "h100 worker", 180, gpu)
         wait_for(lambda: _ready(s.logs["worker-cpu"], 1), "cpu worker", 180, cpu)
         wait_for(lambda: _ready(s.logs["worker-h100x2"], 1), "h100-x2 worker", 180, pair)

@@ -18,11 +18,10 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.e2e.procs import ROOT, Service, clean_env, free_port, stop_process, wait_for
-from tests.servers import create_pg_database, drop_pg_database, start_redis
+from tests.servers import api_ready, create_pg_database, drop_pg_database, start_redis
 
 
 @pytest.fixture(scope="session")
@@ -77,13 +76,7 @@ def service(tmp_path_factory: pytest.TempPathFactory, e2e_db_url: str, redis_url
         )  # fmt: skip
         svc.procs["api"] = api
 
-        def api_ready() -> bool:
-            try:
-                return httpx.get(svc.url + "/readyz", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(api_ready, "API", 60, api)
+        wait_for(lambda: api_ready(svc.url), "API", 60, api)
         svc.start_worker()
         yield svc
     finally:

@@ -20,7 +20,7 @@ import redis
 
 from service.up import Supervisor
 from tests.e2e.procs import ROOT, clean_env, free_port, wait_for
-from tests.servers import create_pg_database, drop_pg_database
+from tests.servers import api_ready, create_pg_database, drop_pg_database
 
 
 def alive(pid: int) -> bool:
@@ -77,14 +77,8 @@ def running_up(tmp_path: Path, **env_vars: str) -> Iterator[tuple[subprocess.Pop
     )
     url = f"http://127.0.0.1:{port}"
 
-    def ready() -> bool:
-        try:
-            return httpx.get(url + "/readyz", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
     try:
-        wait_for(ready, "loraq up", 120, proc)
+        wait_for(lambda: api_ready(url), "loraq up", 120, proc)
         # Printed after readiness, with the URL and the key.
         wait_for(lambda: "Press Ctrl-C" in (tmp_path / "up.out").read_text(), "banner", 10, proc)
         wait_for(

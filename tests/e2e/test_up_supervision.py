@@ -30,6 +30,7 @@ import redis
 from tests.e2e.datasets import chat_lines
 from tests.e2e.procs import ROOT, clean_env, free_port, wait_for
 from tests.e2e.test_up import alive, running_up
+from tests.servers import api_ready, redis_answers
 
 EPOCHS = 25  # 16 examples, batch 4: 100 steps (about 2.5 s on an idle 2-core CPU)
 CHECKPOINT_EVERY = 3
@@ -264,7 +265,7 @@ def test_sigkill_of_the_api_training_goes_on_and_the_api_comes_back(up: Up) -> N
     # The worker writes to the database, not through the API: steps keep coming while it is down.
     wait_for(lambda: len(up.stored_steps(job_id)) > before + 5, "training while the API is down", 30, up.proc)
     up.wait_restarted("api", old, timeout=10)
-    wait_for(lambda: _api_ready(up.url), "API back", 60, up.proc)
+    wait_for(lambda: api_ready(up.url), "API back", 60, up.proc)
     up.assert_succeeded_once(job_id)
     metrics = httpx.get(up.url + "/metrics").text
     assert 'loraq_up_restarts_total{child="api"} 1.0' in metrics, metrics[-2000:]
@@ -290,27 +291,13 @@ def test_sigkill_of_the_private_redis_restarts_it_from_its_aof_and_queued_jobs_r
         old = up.pids()["redis"]
         os.kill(old, signal.SIGKILL)
         up.wait_restarted("redis", old, timeout=10)
-        wait_for(lambda: _answers(client), "redis back", 10, up.proc)
+        wait_for(lambda: redis_answers(redis_url), "redis back", 10, up.proc)
         assert client.llen("default") == 2  # replayed from the append-only file
     finally:
         os.kill(worker, signal.SIGCONT)
     for job_id in (running, *queued):
         up.assert_succeeded_once(job_id)
     assert f"redis (pid {old}) was killed by SIGKILL; restarting in 0.5s" in up.output()
-
-
-def _api_ready(url: str) -> bool:
-    try:
-        return httpx.get(url + "/readyz", timeout=2).status_code == 200
-    except httpx.HTTPError:  # not listening yet
-        return False
-
-
-def _answers(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.exceptions.ConnectionError:
-        return False
 
 
 def test_kill_9_of_up_leaves_no_child_and_the_next_start_reuses_the_key(up: Up) -> None:

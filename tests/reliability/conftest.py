@@ -28,7 +28,7 @@ from sqlalchemy import func, select
 
 from tests.e2e.datasets import chat_lines
 from tests.e2e.procs import ROOT, clean_env, free_port, start_worker, stop_process, wait_for
-from tests.servers import create_pg_database, drop_pg_database, start_redis
+from tests.servers import api_ready, create_pg_database, drop_pg_database, start_redis
 
 HEARTBEAT_TIMEOUT_S = 5.0
 CHECKPOINT_EVERY = 3
@@ -275,13 +275,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             start_new_session=True,
         )  # fmt: skip
 
-        def api_ready() -> bool:
-            try:
-                return httpx.get(stack.url + "/readyz", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(api_ready, "API", 60, stack.api)
+        wait_for(lambda: api_ready(stack.url), "API", 60, stack.api)
         with stack.client() as c:
             files = {"file": ("train.jsonl", chat_lines(16))}
             r = c.post("/files", data={"purpose": "fine-tune"}, files=files)
