@@ -1030,6 +1030,6 @@ def active_counts(session: Session, *, tenant_id: str) -> dict[str, int]:
         .where(Job.tenant_id == tenant_id, Job.status.in_(ACTIVE))
         .group_by(Job.status)
     ).all()
-    counts = dict.fromkeys(ACTIVE, 0)
+    counts: dict[str, int] = dict.fromkeys(ACTIVE, 0)
     counts.update({str(s): int(n) for s, n in rows})
     return counts
