@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -108,6 +107,7 @@ def _loraq_step(preset: str, batch: int, seq: int, info: dict[str, Any]) -> tupl
     import torch
 
     import gpu_kernels
+    from service.settings import get_settings
     from worker.engine.fused_llama import fuse_llama
     from worker.engine.lora import apply_lora, trainable_parameters
     from worker.engine.models import load_base_model
@@ -122,7 +122,7 @@ def _loraq_step(preset: str, batch: int, seq: int, info: dict[str, Any]) -> tupl
     model.train()
     params = trainable_parameters(model)
     fallbacks: list[str] = []
-    capture = os.environ.get("LORAQ_BENCH_CAPTURE", "1") == "1"
+    capture = get_settings().bench_capture
     train_step = CapturedTrainStep(
         model,
         params,
@@ -236,9 +236,11 @@ def spawn(args: list[str], timeout: float) -> dict[str, Any]:
 
 
 def git_commit() -> str:
-    env = os.environ.get("LORAQ_COMMIT")
-    if env:
-        return env
+    from service.settings import get_settings
+
+    commit = get_settings().commit
+    if commit:
+        return commit
     try:
         return subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT, check=True
@@ -325,6 +327,10 @@ def main() -> int:
     )
     parser.add_argument("--job-cell", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.job_cell or args.cell or args.peak:  # a cell's process: LORAQ_RANK_UPDATE etc. apply
+        from worker.kernels import configure_kernels
+
+        configure_kernels()
 
     if args.job_cell:
         from bench import job_bench
@@ -360,13 +366,19 @@ def main() -> int:
 
     import torch
 
+    from service.settings import get_settings
+
+    settings = get_settings()
     result: dict[str, Any] = {
         **run_header(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"),
         "torch": torch.__version__,
         "settings": "LoRA r=16 alpha=32 on q,k,v,o,gate,up,down; bf16 base, fp32 adapters; fused AdamW; "
         "clip 1.0; no gradient checkpointing; random tokens; "
         f"{args.warmup} warm-up + {args.steps} timed steps per cell",
-        "env": {k: v for k, v in os.environ.items() if k in ("LORAQ_RANK_UPDATE", "LORAQ_BENCH_CAPTURE")},
+        "env": {
+            "LORAQ_RANK_UPDATE": settings.rank_update,
+            "LORAQ_BENCH_CAPTURE": str(int(settings.bench_capture)),
+        },
         "rows": [],
     }
     peak = spawn(["--peak"], 120)

@@ -31,12 +31,12 @@ COPY gpu_kernels ./gpu_kernels
 COPY migrations ./migrations
 RUN pip install --no-deps -e .
 # Ahead-of-time kernel build: nvcc needs no GPU. gpu_kernels.build caches one library per
-# architecture set under LORAQ_KERNEL_CACHE, and a worker (pinned to one GPU) looks up its GPU's
+# architecture set under LORAQ_KERNEL_CACHE (the worker reads it through its settings), and a worker (pinned to one GPU) looks up its GPU's
 # own architecture, so each architecture is built on its own; an architecture not listed here is
 # compiled at the worker's first job instead.
 ARG CUDA_ARCHS="80 86 89 90"
 ENV LORAQ_KERNEL_CACHE=/opt/loraq/kernels
-RUN for arch in ${CUDA_ARCHS}; do python -m gpu_kernels.build --arch "$arch" || exit 1; done
+RUN for arch in ${CUDA_ARCHS}; do python -m gpu_kernels.build --arch "$arch" --cache-dir "$LORAQ_KERNEL_CACHE" || exit 1; done
 
 FROM ${CUDA_IMAGE} AS runtime
 ENV DEBIAN_FRONTEND=noninteractive

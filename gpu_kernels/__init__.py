@@ -5,9 +5,10 @@ On CPU tensors (or when no GPU is present) every op runs its plain-torch twin fr
 `gpu_kernels.reference`; on CUDA tensors the compiled kernels (csrc/*.cu, built by
 gpu_kernels.build and loaded with ctypes) run, and if a GPU is present but the build failed,
 `require_compiled()` raises with the compiler's error instead of silently training on the slow
-path.
+path. `configure(KernelConfig(...))` sets the switches (see gpu_kernels.config).
 """
 
+from gpu_kernels.config import KernelConfig, configure, current_config
 from gpu_kernels.dispatch import (
     KernelStatus,
     available,
@@ -32,10 +33,13 @@ from gpu_kernels.monitor import NonFiniteMonitor
 
 __all__ = [
     "GraphedStep",
+    "KernelConfig",
     "KernelStatus",
     "NonFiniteMonitor",
     "available",
     "clip_grad_norm_",
+    "configure",
+    "current_config",
     "dropout_seed_step_",
     "fused_linear_cross_entropy",
     "get_backend",

@@ -2,12 +2,13 @@
 
 The library has a C ABI (raw pointers, sizes, a cudaStream_t) and is loaded with ctypes, so it
 needs nvcc and the CUDA runtime only, not a CUDA build of torch's headers. Builds are cached on
-disk under `$LORAQ_KERNEL_CACHE` (default `~/.cache/loraq/kernels`), keyed by a hash of the
-sources, the flags and the target architectures: a worker pays the build once, and a new
-source version never loads a stale library.
+disk under `cache_dir()` (default `~/.cache/loraq/kernels`; `set_cache_dir`, which a worker calls
+with LORAQ_KERNEL_CACHE, or `--cache-dir` picks another), keyed by a hash of the sources, the
+flags and the target architectures: a worker pays the build once, and a new source version never
+loads a stale library.
 
     python -m gpu_kernels.build              # for the GPU present (else the fallback arch list)
-    python -m gpu_kernels.build --arch 90    # ahead of time, e.g. in the worker image
+    python -m gpu_kernels.build --arch 90 --cache-dir /opt/loraq/kernels   # ahead of time (worker image)
 """
 
 from __future__ import annotations
@@ -41,12 +42,22 @@ def headers() -> list[Path]:
     return sorted(CSRC.glob("*.cuh"))
 
 
+_cache_dir: Path | None = None  # None: the default below
+
+
+def set_cache_dir(path: Path | None) -> None:
+    """Where builds are cached from now on (None: `~/.cache/loraq/kernels`)."""
+    global _cache_dir
+    _cache_dir = path
+
+
 def cache_dir() -> Path:
-    env = os.environ.get("LORAQ_KERNEL_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "loraq" / "kernels"
+    return _cache_dir if _cache_dir is not None else Path.home() / ".cache" / "loraq" / "kernels"
 
 
 def find_nvcc() -> str | None:
+    # CUDA_HOME/CUDA_PATH: the CUDA toolkit's own convention (torch's cpp_extension reads them too),
+    # not a Loraq setting
     for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
         if home and (Path(home) / "bin" / "nvcc").is_file():
             return str(Path(home) / "bin" / "nvcc")
@@ -118,7 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--arch", action="append", help="compute capability like 90 (repeatable)")
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
+    parser.add_argument("--cache-dir", type=Path, help="cache directory (default ~/.cache/loraq/kernels)")
     args = parser.parse_args(argv)
+    if args.cache_dir is not None:
+        set_cache_dir(args.cache_dir)
     archs = tuple(sorted(args.arch)) if args.arch else None
     try:
         path = build(archs, force=args.force)

@@ -1,14 +1,13 @@
 """Chooses the compiled or the reference implementation of each op, per call.
 
 The compiled path runs when every tensor of the call is on a CUDA device, the kernels built and
-loaded, and the backend is "auto" (the default). `set_backend("reference")` (or the environment
-variable LORAQ_KERNELS=reference) forces the plain-torch twins everywhere, which is how the GPU
-check trains the same model on both paths.
+loaded, and the backend is "auto" (the default). `set_backend("reference")` forces the plain-torch
+twins everywhere, which is how the GPU check trains the same model on both paths (a worker sets it
+from LORAQ_KERNELS through `gpu_kernels.configure`: this package reads no environment).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -18,7 +17,7 @@ import torch
 from gpu_kernels import _lib, reference
 
 Backend = Literal["auto", "reference"]
-_backend: Backend = "reference" if os.environ.get("LORAQ_KERNELS") == "reference" else "auto"
+_backend: Backend = "auto"
 
 
 @dataclass(frozen=True)

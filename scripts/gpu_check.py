@@ -19,7 +19,6 @@ import argparse
 import itertools
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -32,7 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gpu_kernels
 from gpu_kernels import reference
+from service.settings import get_settings
 from worker.engine.versions import package_versions
+from worker.kernels import configure_kernels
 
 BOUNDS = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 RESULTS: list[dict[str, Any]] = []
@@ -933,7 +934,7 @@ def header() -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "versions": package_versions(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "commit": os.environ.get("LORAQ_COMMIT", "unknown"),
+        "commit": get_settings().commit or "unknown",
         "kernels": gpu_kernels.available().__dict__,
     }
 
@@ -949,6 +950,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 2
+    configure_kernels()  # LORAQ_KERNEL_CACHE and LORAQ_RANK_UPDATE, as a worker applies them
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     t0 = time.time()

@@ -13,7 +13,7 @@ export LORAQ_COMMIT="${LORAQ_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo un
 status=0
 
 echo "== build"
-$py -m gpu_kernels.build || exit 1
+$py -m gpu_kernels.build ${LORAQ_KERNEL_CACHE:+--cache-dir "$LORAQ_KERNEL_CACHE"} || exit 1
 
 echo "== ops vs reference"
 $py scripts/gpu_check.py ops --json "$out/gpu-check-ops.json" || status=1

@@ -26,7 +26,7 @@ if [ "$have" -lt "$n" ]; then
   exit 2
 fi
 echo "== build kernels"
-$py -m gpu_kernels.build || exit 1
+$py -m gpu_kernels.build ${LORAQ_KERNEL_CACHE:+--cache-dir "$LORAQ_KERNEL_CACHE"} || exit 1
 
 echo "== $n GPUs vs 1: the job path's captured packed step, loss curve"
 $py scripts/gpu_check.py multi --n-gpus "$n" --steps 20 --json "$out/gpu-check-multi-x$n.json" || status=1

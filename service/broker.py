@@ -28,17 +28,12 @@ if TYPE_CHECKING:
 
 RUN_JOB_TASK = "loraq.run_job"
 TASK_MODULES = ["worker.tasks"]
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 # Redis visibility timeout = longest job wall time + this margin (seconds).
 VISIBILITY_MARGIN_SECONDS = 3600
 
 
 class RoutingError(ValueError):
     """Bad `--gpus`/`--gpus-per-job`/queue input; the message names the option."""
-
-
-def broker_url(settings: Settings) -> str:
-    return settings.redis_url or DEFAULT_REDIS_URL
 
 
 def celery_queue(worker_class: str, n_gpus: int = 1) -> str:
@@ -58,7 +53,7 @@ def celery_queue(worker_class: str, n_gpus: int = 1) -> str:
 def make_celery(settings: Settings) -> Celery:
     from celery import Celery
 
-    app = Celery("loraq", broker=broker_url(settings), include=TASK_MODULES)
+    app = Celery("loraq", broker=settings.resolved_redis_url, include=TASK_MODULES)
     app.conf.update(
         task_acks_late=True,
         task_reject_on_worker_lost=True,

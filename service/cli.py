@@ -25,6 +25,7 @@ from rich.text import Text
 
 from service import cli_format as fmt
 from service.client import ApiError, ClientError, LoraqClient
+from service.job_status import TERMINAL
 
 app = typer.Typer(
     name="loraq",
@@ -42,19 +43,32 @@ app.add_typer(jobs_app, name="jobs")
 console = Console()
 err_console = Console(stderr=True)
 
-TERMINAL = {"succeeded", "failed", "cancelled"}
 DEFAULT_MODEL = "smollm2-135m-instruct"  # real pretrained weights; tiny-llama is random, for tests
 WIDE_COLUMNS = 10_000  # --wide: rows as long as their content
 
-UrlOpt = Annotated[str | None, typer.Option("--url", envvar="LORAQ_URL", help="API base URL.")]
-KeyOpt = Annotated[str | None, typer.Option("--api-key", envvar="LORAQ_API_KEY", help="API key.")]
+# Unset: LORAQ_URL and LORAQ_API_KEY, through the settings (service/client.py).
+UrlOpt = Annotated[str | None, typer.Option("--url", help="API base URL (default: LORAQ_URL).")]
+KeyOpt = Annotated[str | None, typer.Option("--api-key", help="API key (default: LORAQ_API_KEY).")]
 WideOpt = Annotated[bool, typer.Option("--wide", help="Full ids and every column (past 80 columns).")]
 
 T = TypeVar("T")
 
 
 class _State:
-    debug = os.environ.get("LORAQ_DEBUG", "") not in ("", "0")
+    debug = False  # --debug; LORAQ_DEBUG is read when an error is reported (`_debug`)
+
+
+def _debug() -> bool:
+    """--debug or LORAQ_DEBUG. Settings that do not load (the error being reported may be theirs)
+    count as off."""
+    from service.settings import get_settings
+
+    if _State.debug:
+        return True
+    try:
+        return get_settings().debug
+    except ValueError:  # pydantic's ValidationError
+        return False
 
 
 @app.callback()
@@ -87,7 +101,7 @@ def _api_call(fn: Callable[..., T], *args: Any, **kw: Any) -> T:
     try:
         return fn(*args, **kw)
     except ClientError as e:
-        if _State.debug:
+        if _debug():
             raise
         fail(str(e), 1 if isinstance(e, ApiError) else 2)
 
@@ -97,7 +111,7 @@ def main() -> None:
     try:
         app()
     except Exception as e:
-        if _State.debug:
+        if _debug():
             raise
         line = f"{type(e).__name__}: {e} (run with --debug for the traceback)"
         err_console.print(Text("error: ", style="red") + Text(line), soft_wrap=True, highlight=False)

@@ -82,7 +82,9 @@ def train_command(
         raise typer.Exit(2) from None
 
     from worker.engine import recipe
+    from worker.kernels import configure_kernels
 
+    configure_kernels()
     progress = Progress(
         TextColumn("step {task.completed}/{task.total}"),
         BarColumn(),

@@ -1,6 +1,7 @@
 """A small typed HTTP client for the Loraq REST API, used by the CLI.
 
-Base URL and key come from the caller (`--url/--api-key`) or `LORAQ_URL`/`LORAQ_API_KEY`.
+Base URL and key come from the caller (`--url/--api-key`), else from the settings
+(`LORAQ_URL`, default http://127.0.0.1:8000, and `LORAQ_API_KEY`).
 Every non-2xx answer raises `ApiError` carrying OpenAI's error body fields; a server that cannot be
 reached (refused, unknown host, timed out) raises `ServerUnreachable`. Both are `ClientError`s, the
 errors the CLI prints as one line.
@@ -8,7 +9,6 @@ errors the CLI prints as one line.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,7 +16,8 @@ from typing import Any
 
 import httpx
 
-DEFAULT_URL = "http://127.0.0.1:8000"
+from service.settings import get_settings
+
 CHUNK_BYTES = 1 << 20
 
 
@@ -66,8 +67,9 @@ def _raise_for(resp: httpx.Response) -> None:
 
 class LoraqClient:
     def __init__(self, url: str | None = None, api_key: str | None = None, timeout: float = 30.0) -> None:
-        base = (url or os.environ.get("LORAQ_URL") or DEFAULT_URL).rstrip("/")
-        key = api_key or os.environ.get("LORAQ_API_KEY")
+        settings = get_settings()
+        base = (url or settings.url).rstrip("/")
+        key = api_key or settings.api_key
         if not key:
             raise ClientError(
                 "no API key: pass --api-key or set LORAQ_API_KEY (`loraq up` printed where its key is)"

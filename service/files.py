@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session
 
 from service.db.models import File, Job, is_id, new_id
 from service.errors import ConflictError, InvalidRequestError, NotFoundError
-from service.jobs import ACTIVE
+from service.job_status import ACTIVE
 from service.storage import FileStore, StoredObject, file_key, put_bytes
 
 UPLOAD_PURPOSES = ("fine-tune",)

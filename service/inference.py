@@ -133,17 +133,15 @@ class Completion:
     """One request in flight: `submit()` sends it, `events()` yields the worker's events."""
 
     def __init__(self, settings: Settings, request: dict[str, Any]) -> None:
-        import redis.asyncio
-
-        from service.broker import broker_url
+        from service.redis_client import async_redis_client
 
         self.settings = settings
         self.request = request
         self.id: str = request["id"]
         # BLPOP waits up to the inference timeout: the socket must wait longer (redis-py's default
         # read timeout is 5 s, shorter than a long prompt's prefill on a busy worker)
-        self.client = redis.asyncio.Redis.from_url(
-            broker_url(settings), socket_timeout=settings.inference_timeout_seconds + SOCKET_MARGIN_SECONDS
+        self.client = async_redis_client(
+            settings, socket_timeout=settings.inference_timeout_seconds + SOCKET_MARGIN_SECONDS
         )
 
     async def submit(self) -> None:

@@ -41,13 +41,10 @@ from sqlalchemy.orm import Session, aliased
 from service.db.models import Artifact, Checkpoint, File, Job, JobEvent, JobMetric, Tenant, is_id, now_s
 from service.db.session import read_first
 from service.errors import ConflictError, InvalidRequestError, NotFoundError, RateLimitError
+from service.job_status import ACTIVE, TERMINAL
 from service.schemas import Hyperparameters, JobCreate
 from service.settings import get_settings
 from worker.engine.types import LoraConfig, ModelError, StepMetrics
-
-ACTIVE = ("validating_files", "queued", "running")
-TERMINAL = ("succeeded", "failed", "cancelled")
-FINISH_STATUSES = TERMINAL
 
 # What "auto" resolves to when a job is claimed (OpenAI resolves them at start as well).
 AUTO_HYPERPARAMETERS: dict[str, int | float] = {
@@ -921,8 +918,8 @@ def finish(
     fine_tuned_model: str | None = None,
 ) -> bool:
     """running → succeeded | failed | cancelled for this attempt; False if fenced out."""
-    if status not in FINISH_STATUSES:
-        raise ValueError(f"finish status must be one of {FINISH_STATUSES}, got {status!r}")
+    if status not in TERMINAL:
+        raise ValueError(f"finish status must be one of {TERMINAL}, got {status!r}")
     values: dict[str, Any] = {
         "status": status,
         "finished_at": now_s(),
@@ -1033,6 +1030,6 @@ def active_counts(session: Session, *, tenant_id: str) -> dict[str, int]:
         .where(Job.tenant_id == tenant_id, Job.status.in_(ACTIVE))
         .group_by(Job.status)
     ).all()
-    counts = dict.fromkeys(ACTIVE, 0)
+    counts: dict[str, int] = dict.fromkeys(ACTIVE, 0)
     counts.update({str(s): int(n) for s, n in rows})
     return counts

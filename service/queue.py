@@ -99,9 +99,7 @@ def _celery_for(broker: str, queue: str) -> Celery:
 
 
 def celery_for(settings: Settings) -> Celery:
-    from service.broker import broker_url
-
-    return _celery_for(broker_url(settings), settings.worker_queue)
+    return _celery_for(settings.resolved_redis_url, settings.worker_queue)
 
 
 def job_queue(job: Job) -> str:

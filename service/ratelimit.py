@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from service.errors import RateLimitError
-from service.settings import get_settings
+from service.settings import Settings, get_settings
 
 log = logging.getLogger("loraq.api")
 
@@ -52,10 +52,11 @@ def now() -> float:
     return time.time()
 
 
-def _incr_script(url: str) -> Any:
-    """The script bound to this event loop's client for `url`."""
-    import redis.asyncio
+def _incr_script(settings: Settings) -> Any:
+    """The script bound to this event loop's client for the settings' Redis."""
+    from service.redis_client import async_redis_client
 
+    url = settings.resolved_redis_url
     loop = asyncio.get_running_loop()
     per_loop = _scripts.get(loop)
     if per_loop is None:
@@ -64,9 +65,7 @@ def _incr_script(url: str) -> Any:
                 _scripts.pop(old, None)
         per_loop = _scripts[loop] = {}
     if url not in per_loop:
-        client = redis.asyncio.Redis.from_url(
-            url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
-        )
+        client = async_redis_client(settings, socket_timeout=REDIS_TIMEOUT_S, connect_timeout=REDIS_TIMEOUT_S)
         per_loop[url] = client.register_script(INCR_WITH_EXPIRY)
     return per_loop[url]
 
@@ -81,12 +80,10 @@ async def check_rate(key_id: str) -> None:
         return
     import redis
 
-    from service.broker import broker_url
-
     window = int(t // WINDOW_SECONDS)
     counter = f"loraq:rl:{key_id}:{window}"
     try:
-        count = int(await _incr_script(broker_url(settings))(keys=[counter], args=[WINDOW_SECONDS + 5]))
+        count = int(await _incr_script(settings)(keys=[counter], args=[WINDOW_SECONDS + 5]))
     except redis.exceptions.RedisError:
         _broken_until = t + BREAKER_SECONDS
         log.warning("rate limit: Redis unreachable; not limiting for %.0fs", BREAKER_SECONDS, exc_info=True)

@@ -51,12 +51,9 @@ class TickResult:
 
 
 def _redis_client() -> Any:
-    import redis
+    from service.redis_client import redis_client
 
-    from service.broker import broker_url
-
-    settings = get_settings()
-    return redis.Redis.from_url(broker_url(settings), **settings.redis_timeouts)
+    return redis_client(get_settings())
 
 
 def message_job_id(raw: bytes | str) -> str | None:

@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema
 
+from service.job_status import JobStatus
+
 MAX_N_EPOCHS = 1000
 MAX_BATCH_SIZE = 1024
 MAX_LR_MULTIPLIER = 100.0
@@ -229,7 +231,7 @@ class JobPublic(BaseModel):
     fine_tuned_model: str | None
     model: str
     organization_id: str
-    status: Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled"]
+    status: JobStatus
     hyperparameters: HyperparametersPublic
     training_file: str
     validation_file: str | None

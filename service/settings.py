@@ -1,15 +1,23 @@
-"""The one configuration object. Every knob is an environment variable `LORAQ_<NAME>`."""
+"""The one configuration object. Every knob is an environment variable `LORAQ_<NAME>`.
+
+No other module reads a `LORAQ_` variable (tests/test_settings_only.py checks it): the API, the
+workers, the CLI, bench/ and scripts/ take their values from `get_settings()`, and gpu_kernels
+(which imports only torch) gets its switches passed down (`worker.kernels.configure_kernels`).
+"""
 
 from __future__ import annotations
 
 import os
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+# The broker's Redis when LORAQ_REDIS_URL is unset (outside `loraq up`, which starts its own).
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 def default_data_dir() -> Path:
@@ -18,7 +26,7 @@ def default_data_dir() -> Path:
     the current directory: every command finds the same database and models wherever it is run."""
     if (PROJECT_ROOT / "pyproject.toml").is_file() and (PROJECT_ROOT / "service").is_dir():
         return PROJECT_ROOT / "var"
-    xdg = os.environ.get("XDG_DATA_HOME")
+    xdg = os.environ.get("XDG_DATA_HOME")  # the XDG base-directory convention, not a Loraq setting
     return (Path(xdg) if xdg else Path.home() / ".local" / "share") / "loraq"
 
 
@@ -65,6 +73,20 @@ class Settings(BaseSettings):
     # it: `worker_metrics_advertise`, else this host's address.
     prometheus_targets_dir: Path | None = None
     worker_metrics_advertise: str | None = None
+    # The worker's Prometheus `/metrics` (worker/metrics.py): port (0: a free one) and bind address
+    # (unset: `host`). `loraq worker --gpus` gives each child the port + its slot.
+    worker_metrics_port: int = Field(9108, ge=0, le=65535)
+    worker_metrics_host: str | None = None
+    # Host GPUs this worker owns ("2" or "2,3"): `loraq worker --gpus` sets it for each child, which
+    # then reports only these GPUs' metrics and names its GPU in the job's worker_id.
+    worker_gpus: str | None = None
+
+    # The GPU kernels' switches; gpu_kernels reads no environment, the worker passes these down.
+    # "reference" forces the plain-torch ops even on a GPU (for comparisons).
+    kernels: Literal["auto", "reference"] = "auto"
+    # How the LoRA term meets the base GEMM's output (gpu_kernels/ops/lora.py says what each does).
+    rank_update: Literal["epilogue", "cublas", "kernel"] = "epilogue"
+    kernel_cache: Path | None = None  # where compiled kernels are cached; unset: ~/.cache/loraq/kernels
 
     # Every Redis and broker call is bounded (issue 17): connect and socket timeouts for each client
     # (rate limiter, reaper, health, dashboard, metrics, worker registry, Celery's broker), a bounded
@@ -117,6 +139,16 @@ class Settings(BaseSettings):
     inference_cpu_threads: int = Field(1, ge=1, le=256)
     inference_metrics_port: int = Field(9110, ge=0, le=65535)  # 0: a free port
 
+    # The `loraq` CLI's HTTP commands (service/client.py): the API they talk to (`--url` overrides;
+    # the key is `api_key` unless `--api-key` is given), and tracebacks instead of one-line errors.
+    url: str = "http://127.0.0.1:8000"
+    debug: bool = False
+
+    # bench/ and scripts/gpu_check.py only: "0" runs Loraq's train step without CUDA-graph capture,
+    # and the commit the results are recorded under (unset: `git rev-parse HEAD`, else "unknown").
+    bench_capture: bool = True
+    commit: str | None = None
+
     @property
     def resolved_data_dir(self) -> Path:
         return self.data_dir.expanduser().resolve()
@@ -126,6 +158,11 @@ class Settings(BaseSettings):
         if self.database_url:
             return self.database_url
         return f"sqlite:///{self.resolved_data_dir / 'loraq.db'}"
+
+    @property
+    def resolved_redis_url(self) -> str:
+        """The broker's Redis: every Redis client (service/redis_client.py) and Celery use it."""
+        return self.redis_url or DEFAULT_REDIS_URL
 
     @property
     def model_store(self) -> Path:

@@ -93,7 +93,7 @@ def check_port_free(host: str, port: int) -> None:
             ) from None
 
 
-def start_redis(sup: Supervisor, data_dir: Path, env: dict[str, str]) -> str:
+def start_redis(sup: Supervisor, settings: Settings, env: dict[str, str]) -> str:
     """Start a private redis-server on a free loopback port; return its URL once it answers."""
     binary = shutil.which("redis-server")
     if binary is None:
@@ -101,7 +101,7 @@ def start_redis(sup: Supervisor, data_dir: Path, env: dict[str, str]) -> str:
             "LORAQ_REDIS_URL is unset and no `redis-server` binary is on PATH: "
             "install Redis (apt-get install redis-server) or set LORAQ_REDIS_URL"
         )
-    redis_dir = data_dir / "redis"
+    redis_dir = settings.resolved_data_dir / "redis"
     redis_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     argv = [
@@ -116,15 +116,17 @@ def start_redis(sup: Supervisor, data_dir: Path, env: dict[str, str]) -> str:
     ]  # fmt: skip
     child = sup.spawn("redis", argv, env=env, log_path=redis_dir / "redis.log")
     url = f"redis://127.0.0.1:{port}/0"
-    _wait_until(lambda: _redis_ping(url), child, "redis-server", timeout=20.0)
+    _wait_until(lambda: _redis_ping(settings, url), child, "redis-server", timeout=20.0)
     return url
 
 
-def _redis_ping(url: str) -> bool:
+def _redis_ping(settings: Settings, url: str) -> bool:
     import redis
 
+    from service.redis_client import redis_client
+
     try:
-        return bool(redis.Redis.from_url(url, socket_timeout=0.5).ping())
+        return bool(redis_client(settings, url=url, socket_timeout=0.5).ping())
     except redis.exceptions.ConnectionError:
         return False
 
@@ -237,8 +239,8 @@ def _run_locked(settings: Settings, data_dir: Path, echo: Callable[[str], None])
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        env = dict(os.environ)
-        redis_url = settings.redis_url or start_redis(sup, data_dir, env)
+        env = dict(os.environ)  # the children inherit this process's environment
+        redis_url = settings.redis_url or start_redis(sup, settings, env)
         settings = settings.model_copy(update={"redis_url": redis_url})
         env = child_env(settings, redis_url)
         # Children and this process's DB helpers read the same settings from the environment.

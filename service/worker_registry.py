@@ -12,17 +12,16 @@ import json
 import logging
 import threading
 import time
-from functools import lru_cache
 from typing import Any
 
-from service.settings import get_settings
+from service.redis_client import redis_client
+from service.settings import Settings, get_settings
 
 log = logging.getLogger("loraq.registry")
 
 PREFIX = "loraq:workers:"
 JOB_SUFFIX = ":job"
 SERVED_CACHE_SECONDS = 2.0  # submits read the registry at most this often per API process
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 def worker_key(node: str) -> str:
@@ -85,17 +84,16 @@ def unserved_reason(queue: str, n_gpus: int, celery_queue: str, served: set[str]
     return f"queue {queue!r}: no registered worker serves it (queues served now: {live})"
 
 
-@lru_cache(maxsize=4)
-def _client(url: str, timeouts: tuple[tuple[str, float], ...]) -> Any:
-    import redis
-
-    return redis.Redis.from_url(url, **dict(timeouts))
+_default: tuple[Settings, Any] | None = None
 
 
 def default_client() -> Any:
-    """A client for the registry's Redis with the settings' timeouts (one per URL, reused)."""
+    """A client for the registry's Redis, reused while the settings stay the same."""
+    global _default
     settings = get_settings()
-    return _client(settings.redis_url or DEFAULT_REDIS_URL, tuple(sorted(settings.redis_timeouts.items())))
+    if _default is None or _default[0] != settings:
+        _default = (settings, redis_client(settings))
+    return _default[1]
 
 
 _served: tuple[float, set[str] | None] = (float("-inf"), None)

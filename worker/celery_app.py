@@ -17,10 +17,10 @@ from celery.signals import (
     worker_shutting_down,
 )
 
-from service.broker import RUN_JOB_TASK, broker_url, make_celery
+from service.broker import RUN_JOB_TASK, make_celery
 from service.settings import get_settings
 
-__all__ = ["RUN_JOB_TASK", "broker_url", "celery_app", "make_celery"]
+__all__ = ["RUN_JOB_TASK", "celery_app", "make_celery"]
 
 log = logging.getLogger("loraq.worker")
 
@@ -42,6 +42,14 @@ def _stop_running_job(**_: object) -> None:
     from worker.runner import on_worker_shutting_down
 
     on_worker_shutting_down()
+
+
+@worker_init.connect
+def _configure_kernels(**_: object) -> None:
+    # Before the metrics below: their registry entry says which kernel path runs.
+    from worker.kernels import configure_kernels
+
+    configure_kernels()
 
 
 # Worker metrics (issue 5, worker/metrics.py): /metrics server and worker registry in the main

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
-from service.broker import broker_url
 from service.inference import REPLY_TTL_SECONDS, reply_key, requests_key, workers_key
+from service.redis_client import redis_client
 from service.settings import Settings
 from worker.engine.types import EngineError
 
@@ -89,7 +89,10 @@ class InferenceWorker:
         self.settings = settings
         self.queue = settings.inference_queue
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}"
-        self.redis = redis.Redis.from_url(broker_url(settings))
+        # BLPOP waits up to POP_TIMEOUT_SECONDS: the socket waits that long plus the usual bound
+        self.redis = redis_client(
+            settings, socket_timeout=POP_TIMEOUT_SECONDS + settings.redis_socket_timeout_seconds
+        )
         self.models: OrderedDict[str, ServingModel] = OrderedDict()
         self.batches: dict[str, DecodeBatch] = {}  # base model -> rows decoding on it
         self.waiting: list[Pending] = []  # chat requests not admitted yet
@@ -101,6 +104,9 @@ class InferenceWorker:
     def start(self) -> None:
         import torch
 
+        from worker.kernels import configure_kernels
+
+        configure_kernels(self.settings)
         if not torch.cuda.is_available():
             torch.set_num_threads(self.settings.inference_cpu_threads)
         port = self.settings.inference_metrics_port

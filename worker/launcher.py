@@ -32,15 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from service.broker import RoutingError, celery_queue
-from service.settings import get_settings
+from service.settings import Settings, get_settings
 
 log = logging.getLogger("loraq.worker.launcher")
 
-DEFAULT_METRICS_PORT = 9108
 GRACE_SECONDS = 60.0
 RESTART_DELAY_SECONDS = 5.0
-# Set for each child: which host GPUs it owns ("2" or "2,3"); `worker_identity` reads it.
-GPUS_ENV = "LORAQ_WORKER_GPUS"
 
 
 # One error for bad `--gpus`/`--gpus-per-job`/queue input, here and in service.broker.celery_queue.
@@ -88,15 +85,15 @@ def group_gpus(gpus: Sequence[int], per_job: int) -> list[tuple[int, ...]]:
     return [tuple(gpus[i : i + per_job]) for i in range(0, len(gpus), per_job)]
 
 
-def worker_identity(count_gpus: Callable[[], int] | None = None) -> str:
+def worker_identity(count_gpus: Callable[[], int] | None = None, settings: Settings | None = None) -> str:
     """`host:gpu2:pid` (or `host:gpu2,3:pid`, `host:cpu:pid`): stored on the job that this process runs.
 
-    Started by the launcher: the GPUs it was given. Started alone: the GPU torch trains on (the
-    first visible one), or `cpu` when there is none.
+    Started by the launcher: the GPUs it was given (`worker_gpus`). Started alone: the GPU torch
+    trains on (the first visible one), or `cpu` when there is none.
     """
-    gpus = os.environ.get(GPUS_ENV)
+    gpus = (settings or get_settings()).worker_gpus
     if not gpus:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # CUDA's own variable, not a setting
         if visible is not None:
             gpus = visible.split(",")[0].strip()
         elif (count_gpus or nvml_gpu_count)() > 0:
@@ -125,11 +122,15 @@ def child_specs(
     per_job: int = 1,
     loglevel: str = "INFO",
     base_env: dict[str, str] | None = None,
+    base_port: int | None = None,
     python: str = sys.executable,
 ) -> list[ChildSpec]:
-    """The processes `loraq worker --gpus ...` starts; pure, so tests can check them."""
+    """The processes `loraq worker --gpus ...` starts; pure, so tests can check them. Each child
+    gets this process's environment (or `base_env`) plus its own settings, as LORAQ_ variables:
+    its GPUs, queue and metrics port (`base_port`, default the settings', + its slot)."""
     env0 = dict(os.environ if base_env is None else base_env)
-    base_port = int(env0.get("LORAQ_WORKER_METRICS_PORT", DEFAULT_METRICS_PORT))
+    if base_port is None:
+        base_port = get_settings().worker_metrics_port
     target_queue = celery_queue(queue, per_job)
     specs = []
     for slot, group in enumerate(group_gpus(gpus, per_job)):

@@ -1,6 +1,6 @@
 """Worker metrics for Prometheus, and the worker registry the dashboard's Workers page reads.
 
-Process model: the worker's main process serves `/metrics` on `LORAQ_WORKER_METRICS_PORT`
+Process model: the worker's main process serves `/metrics` on `settings.worker_metrics_port`
 (started by Celery's `worker_init`, before any pool forks). `loraq worker` runs jobs in that same
 process (solo pool); with a prefork pool they run in a child. Either way the training counters and
 histograms go through prometheus_client's multiprocess mode: every process writes its values to
@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 import redis
 
+from service.redis_client import redis_client
 from service.settings import Settings, get_settings
 from service.worker_registry import job_key, worker_key
 from worker.engine.types import StepMetrics
@@ -43,10 +44,9 @@ REGISTRY_INTERVAL_SECONDS = 5.0
 REGISTRY_TTL_SECONDS = 30
 JOB_KEY_TTL_SECONDS = 120
 JOB_KEY_REFRESH_SECONDS = 2.0
+# Not a setting: the main process sets it for its pool children (forked after the settings were
+# read), so that they write the registry entry of the node that serves their metrics.
 NODE_ENV = "LORAQ_WORKER_NODE"
-PORT_ENV = "LORAQ_WORKER_METRICS_PORT"
-HOST_ENV = "LORAQ_WORKER_METRICS_HOST"  # unset: LORAQ_HOST (compose sets 0.0.0.0 for Prometheus)
-DEFAULT_METRICS_PORT = 9108
 STEP_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 JOB_SECONDS_BUCKETS = (1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 12 * 3600, 48 * 3600)
 
@@ -106,17 +106,15 @@ def load_nvml() -> NvmlLike | None:
         return pynvml
 
 
-GPUS_ENV = "LORAQ_WORKER_GPUS"  # set by worker.launcher per child: the host GPUs it owns, "2" or "2,3"
-
-
 def owned_gpu_indices() -> set[int] | None:
     """Host GPU indices this worker owns, or None for all of them.
 
     NVML sees every GPU of the host whatever CUDA_VISIBLE_DEVICES says, so a worker pinned to one
     GPU must filter, or each worker of a host would report every GPU as its own.
     """
-    for var in (GPUS_ENV, "CUDA_VISIBLE_DEVICES"):
-        raw = os.environ.get(var, "").strip()
+    # LORAQ_WORKER_GPUS, set by worker.launcher per child ("2" or "2,3"), else CUDA's own variable
+    for raw in (get_settings().worker_gpus or "", os.environ.get("CUDA_VISIBLE_DEVICES", "")):
+        raw = raw.strip()
         if raw and all(p.strip().isdigit() for p in raw.split(",")):
             return {int(p) for p in raw.split(",")}
     return None  # unset, "all", or UUIDs: report every GPU
@@ -201,6 +199,7 @@ def prepare_multiprocess_dir(path: Path) -> None:
     """
     shutil.rmtree(path, ignore_errors=True)  # stale files from a previous run would be merged in
     path.mkdir(parents=True, exist_ok=True)
+    # prometheus_client's own variable (not a setting): it and the pool children read it from here
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
     from prometheus_client import values
 
@@ -452,10 +451,7 @@ _redis_client: redis.Redis | None = None
 def _redis(settings: Settings | None = None) -> redis.Redis:
     global _redis_client
     if _redis_client is None:
-        from service.broker import broker_url
-
-        settings = settings or get_settings()
-        _redis_client = redis.Redis.from_url(broker_url(settings), **settings.redis_timeouts)
+        _redis_client = redis_client(settings or get_settings())
     return _redis_client
 
 
@@ -545,17 +541,6 @@ class WorkerMetricsServer:
         shutil.rmtree(self.multiproc_dir, ignore_errors=True)  # this worker's values die with it
 
 
-def metrics_port_from_env() -> int:
-    raw = os.environ.get(PORT_ENV, str(DEFAULT_METRICS_PORT))
-    try:
-        port = int(raw)
-    except ValueError:
-        raise ValueError(f"{PORT_ENV} must be an integer port number, got {raw!r}") from None
-    if not 0 <= port <= 65535:
-        raise ValueError(f"{PORT_ENV} must be between 0 and 65535, got {port}")
-    return port
-
-
 def start_worker_metrics(settings: Settings | None = None, *, port: int | None = None) -> WorkerMetricsServer:
     """In the worker's main process, before the pool forks: multiprocess dir, HTTP server, registry.
 
@@ -574,8 +559,8 @@ def start_worker_metrics(settings: Settings | None = None, *, port: int | None =
     MultiProcessCollector(registry, path=str(multiproc_dir))
     registry.register(LiveJobCollector(multiproc_dir))
     registry.register(NvmlCollector(node=node))
-    bind_port = metrics_port_from_env() if port is None else port
-    host = os.environ.get(HOST_ENV) or settings.host
+    bind_port = settings.worker_metrics_port if port is None else port
+    host = settings.worker_metrics_host or settings.host
     try:
         httpd, _thread = start_http_server(bind_port, addr=host, registry=registry)
     except OSError as e:

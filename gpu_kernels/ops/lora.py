@@ -20,9 +20,8 @@ skinny GEMM reads x itself (no copy).
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -37,11 +36,22 @@ _MAX_RANK_PER_LAUNCH = 16
 # - "kernel": base GEMM first, then our rank-update kernel (csrc/lora.cu, fp32 V). On an H100
 #   (M8192 N2048 r16, bf16) cuBLAS took 40 us, ours 76 us.
 # Adapter matrices are rounded to the activation dtype, as PEFT's autocast does.
-_RANK_UPDATE = os.environ.get("LORAQ_RANK_UPDATE", "epilogue")
-if _RANK_UPDATE not in ("epilogue", "cublas", "kernel"):
-    raise ValueError(f"LORAQ_RANK_UPDATE must be 'epilogue', 'cublas' or 'kernel', not {_RANK_UPDATE!r}")
+# `set_rank_update` (gpu_kernels.configure; a worker passes LORAQ_RANK_UPDATE) picks another.
+RankUpdate = Literal["epilogue", "cublas", "kernel"]
+_RANK_UPDATE: RankUpdate = "epilogue"
 _salts = itertools.count(1)
 _seeds: dict[torch.device, torch.Tensor] = {}
+
+
+def set_rank_update(order: RankUpdate) -> None:
+    global _RANK_UPDATE
+    if order not in get_args(RankUpdate):
+        raise ValueError(f"rank_update must be 'epilogue', 'cublas' or 'kernel', not {order!r}")
+    _RANK_UPDATE = order
+
+
+def get_rank_update() -> RankUpdate:
+    return _RANK_UPDATE
 
 
 def dropout_seed(device: torch.device) -> torch.Tensor:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import redis
 from fastapi import APIRouter, FastAPI, Query
@@ -31,10 +31,10 @@ from service import jobs as job_service
 from service import storage, worker_registry
 from service.api.dataset_summary import check_file
 from service.auth import CurrentTenant
-from service.broker import broker_url
 from service.db.models import Checkpoint, File, Job, JobEvent, JobMetric
 from service.db.session import SessionDep
 from service.errors import NotFoundError, UnavailableError
+from service.job_status import JobStatus
 from service.schemas import error_responses
 from service.settings import get_settings
 
@@ -42,7 +42,6 @@ STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 PAGES_DIR = STATIC_DIR / "dashboard"
 MAX_METRIC_ROWS = 100_000
 
-JobStatus = Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled"]
 
 PAGES = {  # page name -> (title, body fragment, script)
     "jobs": ("Jobs", "jobs.html", "jobs.js"),
@@ -244,13 +243,8 @@ def file_summary(file_id: str, tenant: CurrentTenant, session: SessionDep) -> di
     return {"file_id": file.id, "filename": file.filename, **summary.to_dict()}
 
 
-@lru_cache
-def _redis_client(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url, **get_settings().redis_timeouts)
-
-
 def registry_client() -> redis.Redis:
-    return _redis_client(broker_url(get_settings()))
+    return worker_registry.default_client()
 
 
 @api.get("/workers")

@@ -10,8 +10,8 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
-from service.broker import broker_url
 from service.db.session import get_engine
+from service.redis_client import redis_client
 from service.schemas import HealthPublic
 from service.settings import get_settings
 
@@ -34,9 +34,8 @@ def _check_db() -> str:
 
 
 def _check_redis() -> str:
-    url = broker_url(get_settings())
     try:
-        client = redis.Redis.from_url(url, **get_settings().redis_timeouts)
+        client = redis_client(get_settings())
         try:
             client.ping()
         finally:

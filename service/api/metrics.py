@@ -30,8 +30,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.broker import broker_url
 from service.errors import AuthenticationError
+from service.job_status import JOB_STATUSES
+from service.redis_client import redis_client
 from service.settings import Settings, get_settings
 from service.supervisor import RESTARTS_FILE
 
@@ -218,19 +219,17 @@ def install_metrics(app: FastAPI, sources: StateSources, job_statuses: tuple[str
 
 
 # --------------------------------------------------------------------------- the service's sources
-JOB_STATUSES = ("validating_files", "queued", "running", "succeeded", "failed", "cancelled")
 
 
 def service_sources(settings: Settings) -> StateSources:
     """The real sources: the service database (all tenants) and the broker's Redis."""
-    import redis
     from sqlalchemy import func, select
 
     from service import worker_registry
     from service.db.models import Artifact, Checkpoint, File, Job
     from service.db.session import session_scope
 
-    client = redis.Redis.from_url(broker_url(settings), **settings.redis_timeouts)
+    client = redis_client(settings)
 
     def jobs_by_status() -> dict[str, int]:
         with session_scope() as session:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from service.settings import Settings
 from tests.e2e.procs import clean_env, stop_process, wait_for
 from worker import launcher
 
@@ -39,7 +40,7 @@ def test_parse_and_group_gpus() -> None:
 
 
 def test_child_specs_pin_one_gpu_each() -> None:
-    specs = launcher.child_specs([0, 1, 2, 3], queue="h100", base_env={"LORAQ_WORKER_METRICS_PORT": "9200"})
+    specs = launcher.child_specs([0, 1, 2, 3], queue="h100", base_env={}, base_port=9200)
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0", "1", "2", "3"]
     assert {s.env["CUDA_DEVICE_ORDER"] for s in specs} == {"PCI_BUS_ID"}  # same numbering as NVML
     assert [s.env["LORAQ_WORKER_METRICS_PORT"] for s in specs] == ["9200", "9201", "9202", "9203"]
@@ -51,17 +52,20 @@ def test_child_specs_pin_one_gpu_each() -> None:
 
 
 def test_worker_identity_names_host_and_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(launcher.GPUS_ENV, "3")
-    host, gpu, pid = launcher.worker_identity().split(":")
+    host, gpu, pid = launcher.worker_identity(settings=Settings(worker_gpus="3")).split(
+        ":"
+    )  # from the launcher
     assert (gpu, pid) == ("gpu3", str(os.getpid())) and host
-    monkeypatch.delenv(launcher.GPUS_ENV)
+    alone = Settings(worker_gpus=None)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert launcher.worker_identity(count_gpus=lambda: 0).split(":")[1] == "cpu"
-    assert launcher.worker_identity(count_gpus=lambda: 2).split(":")[1] == "gpu0"  # torch's cuda:0
+    assert launcher.worker_identity(count_gpus=lambda: 0, settings=alone).split(":")[1] == "cpu"
+    assert (
+        launcher.worker_identity(count_gpus=lambda: 2, settings=alone).split(":")[1] == "gpu0"
+    )  # torch's cuda:0
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,6")
-    assert launcher.worker_identity().split(":")[1] == "gpu5"
+    assert launcher.worker_identity(settings=alone).split(":")[1] == "gpu5"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # set but empty: CUDA sees no GPU
-    assert launcher.worker_identity().split(":")[1] == "cpu"
+    assert launcher.worker_identity(settings=alone).split(":")[1] == "cpu"
 
 
 def _children(pid: int) -> list[int]:

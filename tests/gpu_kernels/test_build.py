@@ -18,7 +18,7 @@ needs_nvcc = pytest.mark.skipif(build.find_nvcc() is None, reason="nvcc not inst
 def test_every_cu_compiles_links_and_exports_the_c_abi(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("LORAQ_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(build, "_cache_dir", tmp_path)
     assert len(build.sources()) >= 4
     path = build.build(("90",))  # one arch keeps CI fast; every source goes through nvcc and the linker
     assert path.parent == tmp_path and path.is_file()
@@ -57,7 +57,9 @@ def test_cache_key_follows_sources_and_archs(tmp_path: Path, monkeypatch: pytest
     assert build.build_key(("80", "90")) != key
     (csrc / "lora.cu").write_text((csrc / "lora.cu").read_text() + "\n// changed\n")
     assert build.build_key(("90",)) != key
-    monkeypatch.setenv("LORAQ_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(build, "_cache_dir", None)
+    assert build.library_path(("90",)).parent == Path.home() / ".cache" / "loraq" / "kernels"
+    build.set_cache_dir(tmp_path / "cache")
     assert build.library_path(("90",)).parent == tmp_path / "cache"
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -23,6 +25,23 @@ def test_set_backend_validates() -> None:
     with pytest.raises(ValueError, match="backend must be"):
         gpu_kernels.set_backend("fast")  # type: ignore[arg-type]
     assert gpu_kernels.get_backend() in ("auto", "reference")
+
+
+def test_configure_sets_every_switch_and_validates(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpu_kernels import build, dispatch
+    from gpu_kernels.ops import lora
+
+    monkeypatch.setattr(dispatch, "_backend", "auto")  # put back after the test
+    monkeypatch.setattr(lora, "_RANK_UPDATE", "epilogue")
+    monkeypatch.setattr(build, "_cache_dir", None)
+    assert gpu_kernels.current_config() == gpu_kernels.KernelConfig()  # the defaults: no environment read
+    chosen = gpu_kernels.KernelConfig(backend="reference", rank_update="cublas", cache_dir=Path("/tmp/k"))
+    gpu_kernels.configure(chosen)
+    assert gpu_kernels.current_config() == chosen
+    assert gpu_kernels.get_backend() == "reference" and lora._RANK_UPDATE == "cublas"
+    assert build.cache_dir() == Path("/tmp/k")
+    with pytest.raises(ValueError, match="rank_update must be"):
+        gpu_kernels.configure(gpu_kernels.KernelConfig(rank_update="fast"))  # type: ignore[arg-type]
 
 
 def test_cpu_ops_are_the_reference() -> None:

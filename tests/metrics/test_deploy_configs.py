@@ -15,7 +15,6 @@ import yaml
 from service.settings import Settings
 from tests.servers import require_binary
 from worker import launcher
-from worker.metrics import DEFAULT_METRICS_PORT
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "docker/grafana"
@@ -38,7 +37,8 @@ def test_scrape_targets_match_the_compose_services() -> None:
     }
     assert static["loraq-api"] == ["api:8000"]
     assert "8000" in compose["services"]["api"]["environment"]["LORAQ_PORT"]
-    assert static["loraq-worker-cpu"] == [f"worker-cpu:{DEFAULT_METRICS_PORT}"]
+    default_port = Settings.model_fields["worker_metrics_port"].default
+    assert static["loraq-worker-cpu"] == [f"worker-cpu:{default_port}"]
     # GPU workers: file-based discovery over the data volume that the workers write to
     (sd,) = jobs["loraq-worker"]["file_sd_configs"]
     (pattern,) = sd["files"]
@@ -59,14 +59,12 @@ def test_a_4_gpu_worker_writes_one_scrape_target_per_gpu(tmp_path: Path) -> None
         {"targets": [f"10.0.0.7:{9108 + i}"], "labels": {"gpu": str(i), "queue": "h100", "worker": f"gpu{i}"}}
         for i in range(4)
     ]
-    pairs = launcher.child_specs(
-        [0, 1, 2, 3], queue="h100", per_job=2, base_env={"LORAQ_WORKER_METRICS_PORT": "9300"}
-    )
+    pairs = launcher.child_specs([0, 1, 2, 3], queue="h100", per_job=2, base_env={}, base_port=9300)
     assert launcher.scrape_targets(pairs, "gpu-host") == [
         {"targets": ["gpu-host:9300"], "labels": {"gpu": "0,1", "queue": "h100-x2", "worker": "gpu0-1"}},
         {"targets": ["gpu-host:9301"], "labels": {"gpu": "2,3", "queue": "h100-x2", "worker": "gpu2-3"}},
     ]
-    free_ports = launcher.child_specs([0, 1], queue="h100", base_env={"LORAQ_WORKER_METRICS_PORT": "0"})
+    free_ports = launcher.child_specs([0, 1], queue="h100", base_env={}, base_port=0)
     assert launcher.scrape_targets(free_ports, "gpu-host") == []  # a port chosen later cannot be listed
 
 

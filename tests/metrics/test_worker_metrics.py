@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,7 +21,9 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
 
+from service.settings import Settings, get_settings
 from tests.servers import shared_redis_url
 from worker import metrics
 
@@ -87,8 +90,18 @@ class FakeNvml:
         return 1980
 
 
+@pytest.fixture
+def settings_cache() -> Iterator[None]:
+    """For tests that change LORAQ_ variables: no other test sees settings read under them."""
+    get_settings.cache_clear()
+    yield
+    get_settings.cache_clear()
+
+
+@pytest.mark.usefixtures("settings_cache")
 def test_nvml_collector_units_and_labels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LORAQ_WORKER_GPUS", "0,1")  # this worker owns GPUs 0 and 1, not 2
+    get_settings.cache_clear()
     registry = CollectorRegistry()
     registry.register(metrics.NvmlCollector(FakeNvml(), node="host:1"))
     text = generate_latest(registry).decode()
@@ -108,13 +121,13 @@ def test_nvml_collector_units_and_labels(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_metrics_port_env_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LORAQ_WORKER_METRICS_PORT", "nine")
-    with pytest.raises(ValueError, match="LORAQ_WORKER_METRICS_PORT must be an integer"):
-        metrics.metrics_port_from_env()
+    with pytest.raises(ValidationError, match="worker_metrics_port\n  Input should be a valid integer"):
+        Settings()
     monkeypatch.setenv("LORAQ_WORKER_METRICS_PORT", "70000")
-    with pytest.raises(ValueError, match="between 0 and 65535"):
-        metrics.metrics_port_from_env()
+    with pytest.raises(ValidationError, match="less than or equal to 65535"):
+        Settings()
     monkeypatch.setenv("LORAQ_WORKER_METRICS_PORT", "9200")
-    assert metrics.metrics_port_from_env() == 9200
+    assert Settings().worker_metrics_port == 9200
 
 
 def test_multiprocess_endpoint_and_registry(tmp_path: Path) -> None:
@@ -226,14 +239,22 @@ def test_live_job_files_expire_after_the_grace_period(tmp_path: Path) -> None:
     assert not (tmp_path / "live-job-3.json").exists()  # expired: deleted
 
 
+@pytest.mark.usefixtures("settings_cache")
 def test_worker_reports_only_the_gpus_it_owns(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("LORAQ_WORKER_GPUS", raising=False)
+    def owns(gpus: str | None) -> None:  # LORAQ_WORKER_GPUS, read through the settings
+        if gpus is None:
+            monkeypatch.delenv("LORAQ_WORKER_GPUS", raising=False)
+        else:
+            monkeypatch.setenv("LORAQ_WORKER_GPUS", gpus)
+        get_settings.cache_clear()
+
+    owns(None)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert [g.index for g in metrics.read_gpus(FakeNvml())] == [0, 2]  # all readable GPUs
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
     assert [g.index for g in metrics.read_gpus(FakeNvml())] == [2]
-    monkeypatch.setenv("LORAQ_WORKER_GPUS", "0")  # the launcher's assignment wins
+    owns("0")  # the launcher's assignment wins
     assert [g.index for g in metrics.read_gpus(FakeNvml())] == [0]
-    monkeypatch.setenv("LORAQ_WORKER_GPUS", "all")
+    owns("all")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-abc")  # UUIDs: cannot map, report all
     assert [g.index for g in metrics.read_gpus(FakeNvml())] == [0, 2]

@@ -42,6 +42,7 @@ database.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -56,6 +57,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+import gpu_kernels
 from worker.engine import types as engine_types
 from worker.engine.data import Batch
 from worker.engine.types import (
@@ -274,12 +276,27 @@ def config_from_json(text: str) -> TrainConfig:
     return TrainConfig(**d)
 
 
+def kernel_args(kernels: gpu_kernels.KernelConfig) -> list[str]:
+    """The worker's kernel switches as the ranks' arguments (gpu_kernels reads no environment)."""
+    args = ["--kernels", kernels.backend, "--rank-update", kernels.rank_update]
+    return args if kernels.cache_dir is None else [*args, "--kernel-cache", str(kernels.cache_dir)]
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of every torchrun rank: `python -m worker.engine.distributed CONFIG_JSON WORKDIR`."""
+    """Entry point of every torchrun rank:
+    `python -m worker.engine.distributed CONFIG_JSON WORKDIR [--kernels ... --rank-update ...]`."""
     from worker.engine import recipe
 
-    config_path, workdir = (Path(a) for a in (argv if argv is not None else sys.argv[1:]))
-    config = config_from_json(config_path.read_text())
+    parser = argparse.ArgumentParser(prog="worker.engine.distributed")
+    parser.add_argument("config_path", type=Path)
+    parser.add_argument("workdir", type=Path)
+    parser.add_argument("--kernels", default="auto")
+    parser.add_argument("--rank-update", default="epilogue")
+    parser.add_argument("--kernel-cache", type=Path)
+    args = parser.parse_args(argv)
+    gpu_kernels.configure(gpu_kernels.KernelConfig(args.kernels, args.rank_update, args.kernel_cache))
+    workdir = args.workdir
+    config = config_from_json(args.config_path.read_text())
     is_main = int(os.environ.get("RANK", "0")) == 0
     reporter = FileCallbacks(workdir)
     try:
@@ -313,10 +330,12 @@ def _rank_zero_error(record: dict[str, Any]) -> Exception:
 
 
 def torchrun_argv(config_path: Path, workdir: Path, n_gpus: int) -> list[str]:
+    """The ranks run with this process's kernel switches (`gpu_kernels.current_config()`)."""
     return [
         sys.executable, "-m", "torch.distributed.run",
         "--standalone", f"--nproc-per-node={n_gpus}",
         "-m", "worker.engine.distributed", str(config_path), str(workdir),
+        *kernel_args(gpu_kernels.current_config()),
     ]  # fmt: skip
 
 
