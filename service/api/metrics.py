@@ -219,8 +219,6 @@ def install_metrics(app: FastAPI, sources: StateSources, job_statuses: tuple[str
 
 
 # --------------------------------------------------------------------------- the service's sources
-
-
 def service_sources(settings: Settings) -> StateSources:
     """The real sources: the service database (all tenants) and the broker's Redis."""
     from sqlalchemy import func, select
