@@ -29,12 +29,13 @@ from typing import Any
 
 import httpx
 
+from service.job_status import TERMINAL
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from service_bench import Service, summary_ms, write_report
 
 MAX_CLIENTS = 64
 MAX_SECONDS = 300.0
-TERMINAL = {"succeeded", "failed", "cancelled"}
 DATASET = "".join(
     json.dumps(
         {

@@ -34,16 +34,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
 
+from service.job_status import TERMINAL
 from worker.engine.versions import package_versions
 
 ROOT = Path(__file__).resolve().parents[1]
-TERMINAL = {"succeeded", "failed", "cancelled"}
 DATASET_LINE = {
     "messages": [
         {"role": "user", "content": "What is two plus two?"},
@@ -128,7 +129,7 @@ class Service:
         self.log.close()
 
 
-def wait_status(c: httpx.Client, job_id: str, statuses: set[str], timeout: float, poll: float) -> str:
+def wait_status(c: httpx.Client, job_id: str, statuses: Collection[str], timeout: float, poll: float) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         status = str(c.get(f"/fine_tuning/jobs/{job_id}").json()["status"])
@@ -166,7 +167,7 @@ def bench_dispatch(c: httpx.Client, body: dict[str, Any], n: int) -> list[float]
         wait_idle(c)
         t0 = time.perf_counter()
         job_id = c.post("/fine_tuning/jobs", json=body).json()["id"]
-        wait_status(c, job_id, {"running"} | TERMINAL, timeout=30, poll=0.005)
+        wait_status(c, job_id, {"running", *TERMINAL}, timeout=30, poll=0.005)
         latencies.append(time.perf_counter() - t0)
         c.post(f"/fine_tuning/jobs/{job_id}/cancel")
         wait_status(c, job_id, TERMINAL, timeout=120, poll=0.05)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpu_kernels import build, dispatch
+from gpu_kernels import dispatch
 from gpu_kernels.dispatch import Backend
 from gpu_kernels.ops import lora
 from gpu_kernels.ops.lora import RankUpdate
@@ -26,6 +26,8 @@ class KernelConfig:
 
 def configure(config: KernelConfig) -> None:
     """Apply `config` to this process (raises ValueError on an unknown backend or order)."""
+    from gpu_kernels import build  # lazy, as in _lib: `python -m gpu_kernels.build` runs it as __main__
+
     dispatch.set_backend(config.backend)
     lora.set_rank_update(config.rank_update)
     build.set_cache_dir(config.cache_dir)
@@ -33,4 +35,6 @@ def configure(config: KernelConfig) -> None:
 
 def current_config() -> KernelConfig:
     """What this process runs with now."""
+    from gpu_kernels import build
+
     return KernelConfig(dispatch.get_backend(), lora.get_rank_update(), build._cache_dir)

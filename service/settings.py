@@ -120,7 +120,7 @@ class Settings(BaseSettings):
 
     @property
     def redis_timeouts(self) -> dict[str, float]:
-        """Keyword arguments for every `redis.Redis(...)` client the service and workers make."""
+        """The connect and socket timeouts of every Redis client (service/redis_client.py)."""
         return {
             "socket_timeout": self.redis_socket_timeout_seconds,
             "socket_connect_timeout": self.redis_connect_timeout_seconds,
