@@ -1,6 +1,6 @@
 """The one configuration object. Every knob is an environment variable `LORAQ_<NAME>`.
 
-No other module reads a `LORAQ_` variable (tests/test_settings_only.py checks it): the API, the
+No other module reads a `LORAQ_` variable (tests/service/test_settings.py checks it): the API, the
 workers, the CLI, bench/ and scripts/ take their values from `get_settings()`, and gpu_kernels
 (which imports only torch) gets its switches passed down (`worker.kernels.configure_kernels`).
 """

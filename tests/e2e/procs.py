@@ -14,13 +14,12 @@ from typing import Any
 
 import httpx
 
+from service.job_status import TERMINAL
 from tests.servers import stop as stop_process
 
 __all__ = ["stop_process"]
 
 ROOT = Path(__file__).resolve().parents[2]
-
-TERMINAL = {"succeeded", "failed", "cancelled"}
 
 
 def free_port() -> int:

@@ -9,10 +9,9 @@ import time
 import openai
 import pytest
 
+from service.job_status import TERMINAL
 from tests.e2e.datasets import chat_lines
 from tests.e2e.procs import Service
-
-TERMINAL = {"succeeded", "failed", "cancelled"}
 
 
 def wait(

@@ -26,13 +26,13 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
+from service.job_status import TERMINAL
 from tests.e2e.datasets import chat_lines
 from tests.e2e.procs import ROOT, clean_env, free_port, start_worker, stop_process, wait_for
 from tests.servers import api_ready, create_pg_database, drop_pg_database, start_redis
 
 HEARTBEAT_TIMEOUT_S = 5.0
 CHECKPOINT_EVERY = 3
-TERMINAL = {"succeeded", "failed", "cancelled"}
 
 
 @dataclass
