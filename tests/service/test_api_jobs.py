@@ -360,10 +360,14 @@ def test_broker_down_job_is_still_created_and_queued(api: ApiClient, monkeypatch
     (for the reconciler to re-send) and the request neither fails nor hangs."""
     import time
 
+    from service import queue
     from service.settings import get_settings
     from service.up import free_port
 
     file_id = api.upload(DATASET)
+    # The failed publish pauses publishing for a few seconds; restored to "not paused" at teardown,
+    # so the next test's jobs are published at once.
+    monkeypatch.setattr(queue._publisher, "_paused_until", 0.0)
     monkeypatch.setenv("LORAQ_REDIS_URL", f"redis://127.0.0.1:{free_port()}/0")
     get_settings.cache_clear()
     t0 = time.monotonic()
