@@ -23,9 +23,7 @@ in `waiting_for` and in an event.
 
 from __future__ import annotations
 
-import csv
 import hashlib
-import io
 import json
 import math
 import secrets
@@ -44,6 +42,7 @@ from service.errors import ConflictError, InvalidRequestError, NotFoundError, Ra
 from service.job_status import ACTIVE, TERMINAL
 from service.schemas import Hyperparameters, JobCreate
 from service.settings import get_settings
+from service.step_metrics import StepRow, event_data
 from worker.engine.types import LoraConfig, ModelError, StepMetrics
 
 # What "auto" resolves to when a job is claimed (OpenAI resolves them at start as well).
@@ -115,19 +114,24 @@ async def read_job_row(*, tenant_id: str, job_id: str) -> Any:
     return row
 
 
-def get_job(session: Session, *, tenant_id: str, job_id: str) -> Job:
-    """The tenant's job, or 404 (also for another tenant's id: existence is not revealed)."""
+def get_job(session: Session, *, tenant_id: str, job_id: str, param: str = "fine_tuning_job_id") -> Job:
+    """The tenant's job, or 404 naming `param` (also for another tenant's id: existence is not
+    revealed)."""
     job = (
         session.scalar(_JOB_OF_TENANT, {"job_id": job_id, "tenant_id": tenant_id}) if is_id(job_id) else None
     )
     if job is None:
-        raise NotFoundError(f"No fine-tuning job found with id {job_id!r}", param="fine_tuning_job_id")
+        raise NotFoundError(f"No fine-tuning job found with id {job_id!r}", param=param)
     return job
 
 
-def list_jobs(session: Session, *, tenant_id: str, after: str | None, limit: int) -> tuple[list[Job], bool]:
-    """Newest first; `after` is the id of the last job of the previous page."""
+def list_jobs(
+    session: Session, *, tenant_id: str, after: str | None, limit: int, status: str | None = None
+) -> tuple[list[Job], bool]:
+    """Newest first, of one status where given; `after` is the id of the last job of the previous page."""
     query = select(Job).where(Job.tenant_id == tenant_id)
+    if status is not None:
+        query = query.where(Job.status == status)
     if after is not None:
         query = query.where(Job.seq < _seq_of(session, Job, tenant_id, after, "after"))
     rows = list(session.scalars(query.order_by(Job.seq.desc()).limit(limit + 1)))
@@ -151,6 +155,22 @@ def list_events(
         query = query.where(JobEvent.seq < cursor)
     rows = list(session.scalars(query.order_by(JobEvent.seq.desc()).limit(limit + 1)))
     return rows[:limit], len(rows) > limit
+
+
+def health_warnings(session: Session, *, job_ids: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """Each job's training-health warnings ({"health", "step"}, in order), from its `warn` events."""
+    found: dict[str, list[dict[str, Any]]] = {j: [] for j in job_ids}
+    if not job_ids:
+        return found
+    rows = session.execute(
+        select(JobEvent.job_id, JobEvent.data)
+        .where(JobEvent.job_id.in_(job_ids), JobEvent.level == "warn")
+        .order_by(JobEvent.seq)
+    ).all()
+    for job_id, data in rows:
+        if isinstance(data, dict) and "health" in data:
+            found[job_id].append({"health": data["health"], "step": data.get("step")})
+    return found
 
 
 def operator_events(session: Session, *, job_id: str) -> list[JobEvent]:
@@ -178,6 +198,13 @@ def list_checkpoints(
     return rows[:limit], len(rows) > limit
 
 
+def checkpoints_by_step(session: Session, *, job_id: str) -> list[Checkpoint]:
+    """Every checkpoint of a job (already looked up for its tenant), in step order."""
+    return list(
+        session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step))
+    )
+
+
 def get_checkpoint(session: Session, *, tenant_id: str, job_id: str, checkpoint_id: str) -> Checkpoint:
     get_job(session, tenant_id=tenant_id, job_id=job_id)
     ckpt = (
@@ -202,30 +229,20 @@ def get_adapter(session: Session, *, tenant_id: str, job_id: str) -> Artifact:
     return artifact
 
 
-def metric_rows(session: Session, *, job_id: str) -> list[dict[str, Any]]:
-    """Per-step metrics in step order (for the results CSV)."""
-    rows = session.execute(
-        select(JobMetric.step, JobMetric.train_loss, JobMetric.valid_loss)
-        .where(JobMetric.job_id == job_id)
+def metric_rows(session: Session, *, job_id: str, after: int = 0, limit: int | None = None) -> list[StepRow]:
+    """The job's stored steps greater than `after`, in step order (charts and the results CSV)."""
+    rows = session.scalars(
+        select(JobMetric)
+        .where(JobMetric.job_id == job_id, JobMetric.step > after)
         .order_by(JobMetric.step)
-    ).all()
-    return [{"step": s, "train_loss": t, "valid_loss": v} for s, t, v in rows]
+        .limit(limit)
+    )
+    return [StepRow.model_validate(r) for r in rows]
 
 
-RESULTS_CSV_COLUMNS = ("step", "train_loss", "train_accuracy", "valid_loss", "valid_mean_token_accuracy")
-
-
-def metrics_csv(rows: list[dict[str, Any]]) -> bytes:
-    """OpenAI's results file: one row per step, accuracy columns empty (not measured)."""
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(RESULTS_CSV_COLUMNS)
-    for r in rows:
-        valid = r.get("valid_loss")
-        writer.writerow(
-            [r["step"], f"{r['train_loss']:.6f}", "", "" if valid is None else f"{valid:.6f}", ""]
-        )
-    return buf.getvalue().encode()
+def own_job_ids(session: Session, *, tenant_id: str, job_ids: list[str]) -> set[str]:
+    """Those of `job_ids` that are the tenant's jobs."""
+    return set(session.scalars(select(Job.id).where(Job.id.in_(job_ids), Job.tenant_id == tenant_id)))
 
 
 def succeeded_models(session: Session, *, tenant_id: str) -> list[tuple[str, int]]:
@@ -769,25 +786,6 @@ def _finite(x: float | None) -> float | None:
     return x if x is None or math.isfinite(x) else None
 
 
-def _metrics_data(m: StepMetrics) -> dict[str, Any]:
-    return {
-        "step": m.step,
-        "total_steps": m.total_steps,
-        "epoch": m.epoch,
-        "train_loss": _finite(m.train_loss),
-        "valid_loss": _finite(m.valid_loss),
-        "train_mean_token_accuracy": None,
-        "lr": _finite(m.lr),
-        "grad_norm": _finite(m.grad_norm),
-        "tokens": m.tokens,
-        "trained_tokens": m.trained_tokens,
-        "tokens_per_s": _finite(m.tokens_per_s),
-        "padding_fraction": _finite(m.padding_fraction),
-        "step_seconds": _finite(m.step_seconds),
-        "eta_seconds": _finite(m.eta_seconds),
-    }
-
-
 def record_metrics(session: Session, *, claim: Claim, rows: list[StepMetrics]) -> None:
     """Insert a batch of per-step metrics (steps already stored are skipped: a resumed attempt
     repeats steps after its checkpoint) with one `metrics` event each, and update progress."""
@@ -824,18 +822,7 @@ def record_metrics(session: Session, *, claim: Claim, rows: list[StepMetrics]) -
     session.execute(
         insert(JobMetric),
         [
-            {
-                "job_id": claim.job_id,
-                "step": m.step,
-                "train_loss": m.train_loss,
-                "valid_loss": m.valid_loss,
-                "lr": m.lr,
-                "grad_norm": m.grad_norm,
-                "tokens": m.tokens,
-                "tokens_per_s": m.tokens_per_s,
-                "step_seconds": m.step_seconds,
-                "created_at": ts,
-            }
+            {"job_id": claim.job_id, "created_at": ts, **StepRow.from_metrics(m).model_dump()}
             for m in fresh.values()
         ],
     )
@@ -848,7 +835,7 @@ def record_metrics(session: Session, *, claim: Claim, rows: list[StepMetrics]) -
                 "level": "info",
                 "type": "metrics",
                 "message": f"Step {m.step}/{m.total_steps}: training loss={m.train_loss:.4f}",
-                "data": _metrics_data(m),
+                "data": event_data(m),
             }
             for m in sorted(fresh.values(), key=lambda m: m.step)
         ],

@@ -52,7 +52,7 @@ def _configure_kernels(**_: object) -> None:
     configure_kernels()
 
 
-# Worker metrics (issue 5, worker/metrics.py): /metrics server and worker registry in the main
+# Worker metrics (worker/metrics/): /metrics server and worker registry in the main
 # process before the pool forks; registry entry removed at shutdown; a pool child's live gauges
 # dropped when it exits. worker.metrics imports no torch at module level.
 @worker_init.connect

@@ -30,6 +30,7 @@ from typing import Any, Literal
 from service import files, jobs, storage
 from service.db.session import session_scope
 from service.settings import Settings, get_settings
+from service.step_metrics import metrics_csv
 from worker import metrics as worker_metrics
 from worker.engine.types import (
     CheckpointInfo,
@@ -366,7 +367,7 @@ def _succeed(claim: jobs.Claim, result: TrainResult) -> str:
             tenant_id=claim.tenant_id,
             filename=f"{claim.job_id}-results.csv",
             purpose="fine-tune-results",
-            content=jobs.metrics_csv(rows),
+            content=metrics_csv(rows),
         )
         ok = jobs.finish(
             session,

@@ -25,18 +25,30 @@ import redis
 from fastapi import APIRouter, FastAPI, Query
 from fastapi.responses import HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
-from sqlalchemy import select
 
+from service import files, storage, worker_registry
 from service import jobs as job_service
-from service import storage, worker_registry
 from service.api.dataset_summary import check_file
 from service.auth import CurrentTenant
-from service.db.models import Checkpoint, File, Job, JobEvent, JobMetric
+from service.dashboard_schemas import (
+    CheckpointSamplesPublic,
+    FileSummaryPublic,
+    HealthWarningPublic,
+    JobProgressListPublic,
+    JobProgressPublic,
+    SamplesPublic,
+    StepRowsPublic,
+    WorkerJobPublic,
+    WorkerPublic,
+    WorkersPublic,
+)
+from service.db.models import Job
 from service.db.session import SessionDep
-from service.errors import NotFoundError, UnavailableError
+from service.errors import UnavailableError
 from service.job_status import JobStatus
 from service.schemas import error_responses
 from service.settings import get_settings
+from service.step_metrics import metrics_csv
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 PAGES_DIR = STATIC_DIR / "dashboard"
@@ -110,71 +122,49 @@ def workers_page() -> HTMLResponse:
     return page("workers")
 
 
-def health_warnings(session: SessionDep, job_ids: list[str]) -> dict[str, list[dict[str, Any]]]:
-    """Each job's health warnings ({"health", "step"}, in order), from its `warn` events' data."""
-    found: dict[str, list[dict[str, Any]]] = {j: [] for j in job_ids}
-    if not job_ids:
-        return found
-    rows = session.execute(
-        select(JobEvent.job_id, JobEvent.data)
-        .where(JobEvent.job_id.in_(job_ids), JobEvent.level == "warn")
-        .order_by(JobEvent.seq)
-    ).all()
-    for job_id, data in rows:
-        if isinstance(data, dict) and "health" in data:
-            found[job_id].append({"health": data["health"], "step": data.get("step")})
-    return found
-
-
-def progress(job: Job, warnings: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    return {
-        "id": job.id,
-        "status": job.status,
-        "model": job.model,
-        "suffix": job.suffix,
-        "error_code": (job.error or {}).get("code"),
-        "warnings": warnings or [],
-        "result_files": list(job.result_files or []),
-        "fine_tuned_model": job.fine_tuned_model,
-        "step": job.step,
-        "total_steps": job.total_steps,
-        "train_loss": job.train_loss,
-        "tokens_per_s": job.tokens_per_s,
-        "padding_fraction": job.padding_fraction,
-        "eta_seconds": job.eta_seconds,
-        "trained_tokens": job.trained_tokens,
-        "created_at": job.created_at,
-        "started_at": job.started_at,
-        "finished_at": job.finished_at,
-    }
+def progress(job: Job, warnings: list[dict[str, Any]]) -> JobProgressPublic:
+    return JobProgressPublic(
+        id=job.id,
+        status=job.status,
+        model=job.model,
+        suffix=job.suffix,
+        error_code=(job.error or {}).get("code"),
+        warnings=[HealthWarningPublic(**w) for w in warnings],
+        result_files=list(job.result_files or []),
+        fine_tuned_model=job.fine_tuned_model,
+        step=job.step,
+        total_steps=job.total_steps,
+        train_loss=job.train_loss,
+        tokens_per_s=job.tokens_per_s,
+        padding_fraction=job.padding_fraction,
+        eta_seconds=job.eta_seconds,
+        trained_tokens=job.trained_tokens,
+        created_at=job.created_at,
+        started_at=job.started_at,
+        finished_at=job.finished_at,
+    )
 
 
 def tenant_job(session: SessionDep, tenant_id: str, job_id: str) -> Job:
-    job = session.scalar(select(Job).where(Job.id == job_id, Job.tenant_id == tenant_id))
-    if job is None:
-        raise NotFoundError(f"No fine-tuning job with id {job_id!r}", param="job_id")
-    return job
+    return job_service.get_job(session, tenant_id=tenant_id, job_id=job_id, param="job_id")
 
 
-@api.get("/jobs")
+@api.get("/jobs", response_model=JobProgressListPublic)
 def list_jobs(
     tenant: CurrentTenant,
     session: SessionDep,
     status: Annotated[JobStatus | None, Query()] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 100,
-) -> dict[str, Any]:
-    query = select(Job).where(Job.tenant_id == tenant.id)
-    if status is not None:
-        query = query.where(Job.status == status)
-    jobs = session.scalars(query.order_by(Job.seq.desc()).limit(limit)).all()
-    warnings = health_warnings(session, [j.id for j in jobs])
-    return {"object": "list", "data": [progress(j, warnings[j.id]) for j in jobs]}
+) -> JobProgressListPublic:
+    jobs, _ = job_service.list_jobs(session, tenant_id=tenant.id, after=None, limit=limit, status=status)
+    warnings = job_service.health_warnings(session, job_ids=[j.id for j in jobs])
+    return JobProgressListPublic(data=[progress(j, warnings[j.id]) for j in jobs])
 
 
-@api.get("/jobs/{job_id}/progress")
-def job_progress(job_id: str, tenant: CurrentTenant, session: SessionDep) -> dict[str, Any]:
+@api.get("/jobs/{job_id}/progress", response_model=JobProgressPublic)
+def job_progress(job_id: str, tenant: CurrentTenant, session: SessionDep) -> JobProgressPublic:
     job = tenant_job(session, tenant.id, job_id)
-    return progress(job, health_warnings(session, [job.id])[job.id])
+    return progress(job, job_service.health_warnings(session, job_ids=[job.id])[job.id])
 
 
 @api.get(
@@ -185,81 +175,60 @@ def job_progress(job_id: str, tenant: CurrentTenant, session: SessionDep) -> dic
 def job_metrics_csv(job_id: str, tenant: CurrentTenant, session: SessionDep) -> Response:
     """The results CSV of every step so far: for a running, failed or cancelled job too."""
     tenant_job(session, tenant.id, job_id)
-    body = job_service.metrics_csv(job_service.metric_rows(session, job_id=job_id))
+    body = metrics_csv(job_service.metric_rows(session, job_id=job_id))
     headers = {"Content-Disposition": f'attachment; filename="{job_id}-metrics.csv"'}
     return Response(body, media_type="text/csv", headers=headers)
 
 
-@api.get("/jobs/{job_id}/metrics")
+@api.get("/jobs/{job_id}/metrics", response_model=StepRowsPublic)
 def job_metrics(
     job_id: str,
     tenant: CurrentTenant,
     session: SessionDep,
     after: Annotated[int, Query(ge=0, description="return steps greater than this")] = 0,
     limit: Annotated[int, Query(ge=1, le=MAX_METRIC_ROWS)] = MAX_METRIC_ROWS,
-) -> dict[str, Any]:
+) -> StepRowsPublic:
     tenant_job(session, tenant.id, job_id)
-    rows = session.scalars(
-        select(JobMetric)
-        .where(JobMetric.job_id == job_id, JobMetric.step > after)
-        .order_by(JobMetric.step)
-        .limit(limit)
-    ).all()
-    data = [
-        {
-            "step": r.step,
-            "train_loss": r.train_loss,
-            "valid_loss": r.valid_loss,
-            "lr": r.lr,
-            "grad_norm": r.grad_norm,
-            "tokens": r.tokens,
-            "tokens_per_s": r.tokens_per_s,
-            "step_seconds": r.step_seconds,
-        }
-        for r in rows
-    ]
-    return {"object": "list", "data": data}
+    return StepRowsPublic(data=job_service.metric_rows(session, job_id=job_id, after=after, limit=limit))
 
 
-@api.get("/jobs/{job_id}/samples")
-def job_samples(job_id: str, tenant: CurrentTenant, session: SessionDep) -> dict[str, Any]:
+@api.get("/jobs/{job_id}/samples", response_model=SamplesPublic)
+def job_samples(job_id: str, tenant: CurrentTenant, session: SessionDep) -> SamplesPublic:
     """The job's eval_prompts and, per checkpoint (by step), the greedy answer to each."""
     job = tenant_job(session, tenant.id, job_id)
-    rows = session.scalars(
-        select(Checkpoint).where(Checkpoint.job_id == job.id).order_by(Checkpoint.step)
-    ).all()
     data = [
-        {"step": c.step, "samples": c.metrics["samples"]} for c in rows if (c.metrics or {}).get("samples")
+        CheckpointSamplesPublic(step=c.step, samples=c.metrics["samples"])
+        for c in job_service.checkpoints_by_step(session, job_id=job.id)
+        if (c.metrics or {}).get("samples")
     ]
-    return {"object": "list", "prompts": job.eval_prompts or [], "data": data}
+    return SamplesPublic(prompts=job.eval_prompts or [], data=data)
 
 
-@api.get("/files/{file_id}/summary")
-def file_summary(file_id: str, tenant: CurrentTenant, session: SessionDep) -> dict[str, Any]:
-    file = session.scalar(select(File).where(File.id == file_id, File.tenant_id == tenant.id))
-    if file is None:
-        raise NotFoundError(f"No file with id {file_id!r}", param="file_id")
+@api.get("/files/{file_id}/summary", response_model=FileSummaryPublic)
+def file_summary(file_id: str, tenant: CurrentTenant, session: SessionDep) -> FileSummaryPublic:
+    file = files.get_file(session, tenant_id=tenant.id, file_id=file_id)
     summary = check_file(storage.local_path(file.storage_key), get_settings().max_line_bytes)
-    return {"file_id": file.id, "filename": file.filename, **summary.to_dict()}
+    return FileSummaryPublic(file_id=file.id, filename=file.filename, **summary.to_dict())
 
 
 def registry_client() -> redis.Redis:
     return worker_registry.default_client()
 
 
-@api.get("/workers")
-def list_workers(tenant: CurrentTenant, session: SessionDep) -> dict[str, Any]:
-    """Every worker (they are shared); the job a worker runs is named only to its own tenant."""
+@api.get("/workers", response_model=WorkersPublic, response_model_exclude_unset=True)
+def list_workers(tenant: CurrentTenant, session: SessionDep) -> WorkersPublic:
+    """Every worker (they are shared); the job a worker runs is named only to its own tenant.
+    An entry's fields are those its worker wrote (unset ones are left out, not null)."""
     try:
-        workers = worker_registry.list_workers(registry_client())
+        workers = [WorkerPublic.model_validate(w) for w in worker_registry.list_workers(registry_client())]
     except redis.exceptions.RedisError as e:
         raise UnavailableError(f"the worker registry (Redis) is unreachable: {e}") from e
-    job_ids = [w["job"]["job_id"] for w in workers if w.get("job")]
-    own = set(session.scalars(select(Job.id).where(Job.id.in_(job_ids), Job.tenant_id == tenant.id)))
+    busy = [w.job.job_id for w in workers if w.job is not None and w.job.job_id is not None]
+    own = job_service.own_job_ids(session, tenant_id=tenant.id, job_ids=busy)
     for w in workers:
-        if w.get("job") and w["job"]["job_id"] not in own:
-            w["job"] = {"job_id": None, "other_tenant": True}
-    return {"object": "list", "data": workers}
+        if w.job is not None and w.job.job_id not in own:
+            w.job = WorkerJobPublic(job_id=None, other_tenant=True)
+    return WorkersPublic(data=workers)
 
 
 def mount_dashboard(app: FastAPI) -> None:

@@ -163,6 +163,26 @@ def test_validation_reports_every_bad_line_with_its_number(
     assert info.value.param == "training_file"
 
 
+def test_upload_check_and_engine_name_the_same_bad_lines(tiny: LoadedModel, write_jsonl: WriteJsonl) -> None:
+    """One set of rules (`worker.engine.dataset_rules`): every line the API's upload check refuses,
+    the engine refuses with the same words; the engine adds only what needs the tokenizer."""
+    from service.api.dataset_summary import check_file
+
+    good = chat(("user", "What is two plus two?"), ("assistant", "Four."))
+    structural = [line for line, reason in BAD_LINES if "max_seq_len" not in reason]
+    deep = '{"text": "x", "n": ' + "[" * 40 + "]" * 40 + "}"
+    surrogate = (
+        '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "\\ud800"}]}'
+    )
+    path = write_jsonl([good, *structural, deep, surrogate, good])
+    engine = [(e.line, e.reason) for e in validate_dataset(path, tiny.tokenizer, 64).errors]
+    upload = [(b.line, b.reason) for b in check_file(path, max_line_bytes=1 << 20).bad_lines]
+    assert engine == upload
+    assert len(upload) == len(structural) + 2
+    assert "nested deeper than 32 levels" in upload[-2][1]
+    assert "messages[1].content holds a lone UTF-16 surrogate" in upload[-1][1]
+
+
 def test_prompt_completion_errors(tiny: LoadedModel, write_jsonl: WriteJsonl) -> None:
     rows = [
         {"prompt": "a", "completion": "b"},

@@ -23,9 +23,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
+from service import worker_registry
 from service.settings import Settings, get_settings
 from tests.servers import shared_redis_url
-from worker import metrics
+from worker.metrics import gpus, live_jobs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,10 +45,10 @@ def by_name(text: str, name: str) -> list[tuple[dict[str, str], float]]:
 
 def test_without_nvml_no_gpu_series_and_no_error() -> None:
     # This host has no NVIDIA driver: pynvml is installed but nvmlInit fails.
-    assert metrics.load_nvml() is None
-    assert metrics.local_gpus() == []
+    assert gpus.load_nvml() is None
+    assert gpus.local_gpus() == []
     registry = CollectorRegistry()
-    registry.register(metrics.NvmlCollector(node="n1"))
+    registry.register(gpus.NvmlCollector(node="n1"))
     text = generate_latest(registry).decode()
     assert "loraq_gpu" not in text
 
@@ -103,7 +104,7 @@ def test_nvml_collector_units_and_labels(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("LORAQ_WORKER_GPUS", "0,1")  # this worker owns GPUs 0 and 1, not 2
     get_settings.cache_clear()
     registry = CollectorRegistry()
-    registry.register(metrics.NvmlCollector(FakeNvml(), node="host:1"))
+    registry.register(gpus.NvmlCollector(FakeNvml(), node="host:1"))
     text = generate_latest(registry).decode()
     labels = {"worker": "host:1", "gpu": "0", "uuid": "GPU-0", "name": "NVIDIA H100 80GB HBM3"}
     expected = {
@@ -159,14 +160,14 @@ def test_multiprocess_endpoint_and_registry(tmp_path: Path) -> None:
         assert proc.stdout.readline().strip() == "MID"
 
         # Mid-job: the registry names the job; the child's values are merged by the main process.
-        entry = json.loads(r.get(metrics.worker_key(node)) or "null")
+        entry = json.loads(r.get(worker_registry.worker_key(node)) or "null")
         assert entry["metrics_port"] == port and entry["node"] == node
         assert entry["gpus"] == [] and entry["kernels"]["compiled"] is False
-        assert json.loads(r.get(metrics.job_key(node)) or "null")["job_id"] == job_id
+        assert json.loads(r.get(worker_registry.job_key(node)) or "null")["job_id"] == job_id
         mid = httpx.get(url, timeout=5).text
 
         step("CHILD 0")  # the job finished and the child exited
-        assert r.get(metrics.job_key(node)) is None
+        assert r.get(worker_registry.job_key(node)) is None
         after_job = httpx.get(url, timeout=5).text
 
         step("MARKED")  # Celery's worker_process_shutdown for the child
@@ -212,7 +213,7 @@ def test_multiprocess_endpoint_and_registry(tmp_path: Path) -> None:
     assert by_name(after_death, "loraq_gpu_kernels_compiled") == [({}, 0.0)]  # the main process's
     # After stop(), the multiprocess files and the registry entry are gone.
     assert not any((tmp_path / "prometheus").iterdir())
-    assert r.get(metrics.worker_key(node)) is None
+    assert r.get(worker_registry.worker_key(node)) is None
 
 
 def test_live_job_files_expire_after_the_grace_period(tmp_path: Path) -> None:
@@ -223,13 +224,13 @@ def test_live_job_files_expire_after_the_grace_period(tmp_path: Path) -> None:
         "job_id": "c",
         "model": "m",
         "train_loss": 1.0,
-        "finished_at": now - metrics.LIVE_JOB_GRACE_SECONDS - 1,
+        "finished_at": now - live_jobs.LIVE_JOB_GRACE_SECONDS - 1,
     }
     for pid, state in ((1, running), (2, recent), (3, old)):
         (tmp_path / f"live-job-{pid}.json").write_text(json.dumps(state))
     (tmp_path / "live-job-4.json").write_text("{truncated")  # never fails a scrape
     registry = CollectorRegistry()
-    registry.register(metrics.LiveJobCollector(tmp_path))
+    registry.register(live_jobs.LiveJobCollector(tmp_path))
     text = generate_latest(registry).decode()
     assert sorted(by_name(text, "loraq_train_loss"), key=lambda x: x[1]) == [
         ({"job_id": "b", "model": "m"}, 1.5),
@@ -241,20 +242,20 @@ def test_live_job_files_expire_after_the_grace_period(tmp_path: Path) -> None:
 
 @pytest.mark.usefixtures("settings_cache")
 def test_worker_reports_only_the_gpus_it_owns(monkeypatch: pytest.MonkeyPatch) -> None:
-    def owns(gpus: str | None) -> None:  # LORAQ_WORKER_GPUS, read through the settings
-        if gpus is None:
+    def owns(indices: str | None) -> None:  # LORAQ_WORKER_GPUS, read through the settings
+        if indices is None:
             monkeypatch.delenv("LORAQ_WORKER_GPUS", raising=False)
         else:
-            monkeypatch.setenv("LORAQ_WORKER_GPUS", gpus)
+            monkeypatch.setenv("LORAQ_WORKER_GPUS", indices)
         get_settings.cache_clear()
 
     owns(None)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert [g.index for g in metrics.read_gpus(FakeNvml())] == [0, 2]  # all readable GPUs
+    assert [g.index for g in gpus.read_gpus(FakeNvml())] == [0, 2]  # all readable GPUs
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
-    assert [g.index for g in metrics.read_gpus(FakeNvml())] == [2]
+    assert [g.index for g in gpus.read_gpus(FakeNvml())] == [2]
     owns("0")  # the launcher's assignment wins
-    assert [g.index for g in metrics.read_gpus(FakeNvml())] == [0]
+    assert [g.index for g in gpus.read_gpus(FakeNvml())] == [0]
     owns("all")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-abc")  # UUIDs: cannot map, report all
-    assert [g.index for g in metrics.read_gpus(FakeNvml())] == [0, 2]
+    assert [g.index for g in gpus.read_gpus(FakeNvml())] == [0, 2]

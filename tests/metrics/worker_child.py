@@ -16,6 +16,7 @@ from typing import Any
 
 from worker import metrics
 from worker.engine.types import StepMetrics
+from worker.metrics import server as metrics_server
 
 
 def run_job(job_id: str, mid: Any, go: Any) -> None:
@@ -33,7 +34,7 @@ def run_job(job_id: str, mid: Any, go: Any) -> None:
 
 
 if __name__ == "__main__":
-    server = metrics.start_worker_metrics(port=0)
+    server = metrics_server.start_worker_metrics(port=0)
     print(f"PORT {server.port} NODE {server.node}", flush=True)
     ctx = multiprocessing.get_context("fork")
     mid, go = ctx.Event(), ctx.Event()
@@ -46,7 +47,7 @@ if __name__ == "__main__":
     child.join()
     print(f"CHILD {child.exitcode}", flush=True)
     sys.stdin.readline()
-    metrics.mark_child_dead(child.pid or 0)
+    metrics_server.mark_child_dead(child.pid or 0)
     print("MARKED", flush=True)
     sys.stdin.readline()
     server.stop()

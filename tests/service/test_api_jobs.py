@@ -188,7 +188,7 @@ def run_job_to_success(api: ApiClient, job_id: str, steps: int = 3) -> None:
     with session_scope() as s:
         rows = jobs.metric_rows(s, job_id=job_id)
         text = "step,train_loss,train_accuracy,valid_loss,valid_mean_token_accuracy\n" + "".join(
-            f"{r['step']},{r['train_loss']},,,\n" for r in rows
+            f"{r.step},{r.train_loss},,,\n" for r in rows
         )
         results = files.create_file_from_bytes(
             s,

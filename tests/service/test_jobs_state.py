@@ -147,8 +147,8 @@ def test_stale_attempt_is_fenced_out_after_requeue(tenant: str) -> None:
         assert jobs.finish(s, claim=new, status="succeeded", trained_tokens=300, fine_tuned_model="ft:m")
     with session_scope() as s:
         rows = jobs.metric_rows(s, job_id=job_id)
-        assert [r["step"] for r in rows] == [1, 2, 3]
-        assert all(r["train_loss"] == 2.0 for r in rows)  # the stale write of step 3 never landed
+        assert [r.step for r in rows] == [1, 2, 3]
+        assert all(r.train_loss == 2.0 for r in rows)  # the stale write of step 3 never landed
         n_metric_events = s.scalar(
             select(func.count())
             .select_from(JobEvent)
@@ -225,7 +225,7 @@ def test_cancel_running_job_is_cooperative(tenant: str) -> None:
     with session_scope() as s:
         job = jobs.get_job(s, tenant_id=tenant, job_id=job_id)
         assert job.status == "cancelled" and job.fine_tuned_model is None
-        assert [r["step"] for r in jobs.metric_rows(s, job_id=job_id)] == [1]  # partial metrics kept
+        assert [r.step for r in jobs.metric_rows(s, job_id=job_id)] == [1]  # partial metrics kept
         with pytest.raises(ValueError, match="finish status"):
             jobs.finish(s, claim=c, status="queued")
 
@@ -346,4 +346,4 @@ def test_non_finite_metrics_are_stored_without_breaking_json(tenant: str) -> Non
         data = {e.data["step"]: e.data for e in events if e.type == "metrics" and e.data}
         assert data[1]["valid_loss"] is None and data[1]["eta_seconds"] is None
         assert data[1]["train_loss"] == 2.0 and data[2]["train_loss"] == 1.5
-        assert [r["step"] for r in jobs.metric_rows(s, job_id=job_id)] == [1, 2]
+        assert [r.step for r in jobs.metric_rows(s, job_id=job_id)] == [1, 2]

@@ -17,6 +17,7 @@ from sqlalchemy import select
 from service import jobs, storage
 from service.db.models import Artifact, Checkpoint, File, Job, JobEvent, JobMetric
 from service.db.session import session_scope
+from service.step_metrics import RESULTS_CSV_COLUMNS
 from tests.e2e.datasets import broken_lines, chat_lines
 from tests.worker.conftest import WorkerEnv
 from worker import runner
@@ -84,7 +85,7 @@ def test_job_succeeds_with_artifacts_checkpoints_and_metrics(worker_env: WorkerE
     assert arts["adapter"].bytes == storage.default_store().size(arts["adapter"].storage_key)
     assert result.purpose == "fine-tune-results" and result.sha256 == sha256_of(result.storage_key)
     rows = list(csv.reader(io.StringIO(storage.local_path(result.storage_key).read_text())))
-    assert rows[0] == list(jobs.RESULTS_CSV_COLUMNS)
+    assert rows[0] == list(RESULTS_CSV_COLUMNS)
     assert [int(r[0]) for r in rows[1:]] == [1, 2, 3, 4]
     # The attempt's scratch directory is gone; everything lives in the store.
     assert not (worker_env.data_dir / "jobs" / job_id).exists()

@@ -21,23 +21,26 @@ Blank (whitespace-only) lines are not examples and are skipped.
 from __future__ import annotations
 
 import bisect
-import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from worker.engine.dataset_rules import (
+    NO_EXAMPLES,
+    NO_TRAINABLE_TOKENS,
+    DatasetFormat,
+    FileFormat,
+    LineProblem,
+    parse_line,
+)
 from worker.engine.types import DatasetError, LineError, ModelError
 
 IGNORE_INDEX = -100
-ROLES = ("system", "user", "assistant")
-MESSAGE_KEYS = {"role", "content", "weight", "name"}
-
-DatasetFormat = Literal["chat", "prompt_completion", "text"]
 
 
 @dataclass
@@ -93,7 +96,7 @@ class TokenizedDataset:
 
 
 # ---------------------------------------------------------------------------------------------
-# parsing: one JSONL line -> a format and what to tokenize, or a reason it is bad
+# parsing: each line by the shared rules (`dataset_rules.parse_line`) -> what to tokenize
 
 
 @dataclass
@@ -101,75 +104,6 @@ class _Parsed:
     line: int
     format: DatasetFormat
     record: dict[str, Any]
-
-
-class _LineProblem(Exception):
-    pass
-
-
-def _parse_line(raw: bytes) -> tuple[DatasetFormat, dict[str, Any]]:
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise _LineProblem(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise _LineProblem(f"not valid JSON: {exc.msg} at column {exc.colno}") from exc
-    if not isinstance(record, dict):
-        raise _LineProblem(f"expected a JSON object, got {type(record).__name__}")
-    if "messages" in record:
-        _check_messages(record["messages"])
-        return "chat", record
-    if "prompt" in record or "completion" in record:
-        for key in ("prompt", "completion"):
-            if key not in record:
-                raise _LineProblem(f"missing field '{key}' (a prompt/completion line needs both)")
-            if not isinstance(record[key], str):
-                raise _LineProblem(f"field '{key}' must be a string, got {type(record[key]).__name__}")
-        if not record["completion"]:
-            raise _LineProblem("field 'completion' is empty")
-        return "prompt_completion", record
-    if "text" in record:
-        if not isinstance(record["text"], str):
-            raise _LineProblem(f"field 'text' must be a string, got {type(record['text']).__name__}")
-        if not record["text"].strip():
-            raise _LineProblem("field 'text' is empty")
-        return "text", record
-    keys = ", ".join(sorted(record)) or "none"
-    raise _LineProblem(
-        f"missing field: expected 'messages', 'prompt'+'completion' or 'text' (got keys: {keys})"
-    )
-
-
-def _check_messages(messages: Any) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise _LineProblem("field 'messages' must be a non-empty list")
-    for i, msg in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(msg, dict):
-            raise _LineProblem(f"{where} must be an object")
-        if "role" not in msg:
-            raise _LineProblem(f"{where} is missing field 'role'")
-        if msg["role"] not in ROLES:
-            raise _LineProblem(f"{where} has unknown role {msg['role']!r} (allowed: {', '.join(ROLES)})")
-        if "content" not in msg:
-            raise _LineProblem(f"{where} is missing field 'content'")
-        content = msg["content"]
-        if not isinstance(content, str):
-            raise _LineProblem(f"{where}.content must be a string, got {type(content).__name__}")
-        if not content.strip():
-            raise _LineProblem(f"{where}.content is empty")
-        unknown = set(msg) - MESSAGE_KEYS
-        if unknown:
-            raise _LineProblem(f"{where} has unknown field(s): {', '.join(sorted(unknown))}")
-        if "weight" in msg:
-            if msg["role"] != "assistant":
-                raise _LineProblem(f"{where}: 'weight' is only allowed on assistant messages")
-            if msg["weight"] not in (0, 1) or isinstance(msg["weight"], bool):
-                raise _LineProblem(f"{where}.weight must be 0 or 1, got {msg['weight']!r}")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise _LineProblem("no assistant message (nothing to train on)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,7 +129,7 @@ def _chat_spans(
         before = _render(plain[:i], tokenizer, add_generation_prompt=True)
         through = _render(plain[: i + 1], tokenizer, add_generation_prompt=False)
         if not (full.startswith(before) and full.startswith(through) and len(before) < len(through)):
-            raise _LineProblem(
+            raise LineProblem(
                 "the model's chat template does not render conversation prefixes as prefixes of the "
                 "whole conversation, so assistant turns cannot be located"
             )
@@ -267,7 +201,7 @@ def _tokenize(parsed: list[_Parsed], tokenizer: PreTrainedTokenizerBase) -> list
         if p.format == "chat":
             try:
                 text, spans = _chat_spans(p.record["messages"], tokenizer)
-            except _LineProblem as exc:
+            except LineProblem as exc:
                 results[k] = LineError(p.line, str(exc))
                 continue
             chat_texts.append(text)
@@ -306,7 +240,7 @@ def _tokenize(parsed: list[_Parsed], tokenizer: PreTrainedTokenizerBase) -> list
         if isinstance(r, Example):
             r.labels[0] = IGNORE_INDEX  # nothing predicts the first token
             if r.trainable_tokens == 0:
-                results[k] = LineError(r.line, "no trainable tokens (every assistant turn has weight 0?)")
+                results[k] = LineError(r.line, NO_TRAINABLE_TOKENS)
     return results
 
 
@@ -325,28 +259,18 @@ def read_examples(
         raise DatasetError([LineError(0, f"file {path} does not exist")])
     errors: list[LineError] = []
     parsed: list[_Parsed] = []
-    file_format: DatasetFormat | None = None
-    first_line = 0
+    file_format = FileFormat()
     with path.open("rb") as f:
         for number, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
             try:
-                fmt, record = _parse_line(raw)
-            except _LineProblem as exc:
+                line = parse_line(raw)
+                file_format.check(line.format, number)
+            except LineProblem as exc:
                 errors.append(LineError(number, str(exc)))
                 continue
-            if file_format is None:
-                file_format, first_line = fmt, number
-            elif fmt != file_format:
-                errors.append(
-                    LineError(
-                        number,
-                        f"format '{fmt}' differs from the file's format '{file_format}' (line {first_line})",
-                    )
-                )
-                continue
-            parsed.append(_Parsed(number, fmt, record))
+            parsed.append(_Parsed(number, line.format, line.record))
 
     examples: list[Example] = []
     for r in _tokenize(parsed, tokenizer):
@@ -363,10 +287,10 @@ def read_examples(
         else:
             examples.append(r)
     if not examples and not errors:
-        errors.append(LineError(0, "the file holds no examples"))
+        errors.append(LineError(0, NO_EXAMPLES))
     errors.sort(key=lambda e: e.line)
     report = ValidationReport(
-        format=file_format,
+        format=file_format.format,
         examples=len(examples),
         tokens=sum(len(e.input_ids) for e in examples),
         trainable_tokens=sum(e.trainable_tokens for e in examples),

@@ -1,0 +1,87 @@
+"""One schema for a step's metrics, as every reader sees them.
+
+The engine reports each optimizer step as a `StepMetrics` (`worker.engine.types`). From it:
+
+- `StepRow` is what `job_metrics` stores per step: the dashboard's chart rows
+  (`GET /dashboard/api/jobs/{id}/metrics`) and the results CSV (`metrics_csv`) are read from it;
+- `StepData` adds the step's progress fields: a `metrics` event's `data` (`/v1/.../events`) and the
+  worker's live Prometheus gauges (`worker.prometheus_jobs`, whose gauges name its fields).
+
+Both keep the floats as the engine gave them, NaN and inf included (a diverged loss is a reading
+Prometheus should show); JSON has none (PostgreSQL refuses them in json columns), so `event_data`
+dumps them as null.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from collections.abc import Iterable
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from worker.engine.types import StepMetrics
+
+
+class StepRow(BaseModel):
+    """One stored step (a `job_metrics` row)."""
+
+    model_config = ConfigDict(from_attributes=True)  # read straight from a `JobMetric` row
+
+    step: int  # 1-based optimizer step
+    train_loss: float
+    valid_loss: float | None = None  # only the steps that ran a validation pass
+    lr: float
+    grad_norm: float  # before clipping
+    tokens: int  # tokens in this step (all micro-batches)
+    tokens_per_s: float
+    step_seconds: float
+
+    @classmethod
+    def from_metrics(cls, m: StepMetrics) -> StepRow:
+        return cls(**{name: getattr(m, name) for name in cls.model_fields})
+
+
+class StepData(BaseModel):
+    """A step with its progress: a `metrics` event's data and the live gauges' values."""
+
+    step: int
+    total_steps: int
+    epoch: float | None  # null in JSON where the engine's value was not finite, as each float here
+    train_loss: float | None
+    valid_loss: float | None
+    train_mean_token_accuracy: None = None  # OpenAI's field; not measured
+    lr: float | None
+    grad_norm: float | None
+    tokens: int
+    trained_tokens: int  # cumulative
+    tokens_per_s: float | None
+    padding_fraction: float | None  # share of the step's token slots that were padding
+    step_seconds: float | None
+    eta_seconds: float | None
+
+    @classmethod
+    def from_metrics(cls, m: StepMetrics) -> StepData:
+        return cls(**{name: getattr(m, name) for name in cls.model_fields if hasattr(m, name)})
+
+
+RESULTS_CSV_COLUMNS = ("step", "train_loss", "train_accuracy", "valid_loss", "valid_mean_token_accuracy")
+
+
+def metrics_csv(rows: Iterable[StepRow]) -> bytes:
+    """OpenAI's results file: one row per step, accuracy columns empty (not measured)."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(RESULTS_CSV_COLUMNS)
+    for r in rows:
+        valid = "" if r.valid_loss is None else f"{r.valid_loss:.6f}"
+        writer.writerow([r.step, f"{r.train_loss:.6f}", "", valid, ""])
+    return buf.getvalue().encode()
+
+
+def event_data(m: StepMetrics) -> dict[str, Any]:
+    """A `metrics` event's data: `StepData` as JSON, a non-finite float as null."""
+    values = StepData.from_metrics(m).model_dump()
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in values.items()}
