@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from service.step_metrics import StepRow
+from service.worker_registry import GpuSample
 
 
 class HealthWarningPublic(BaseModel):
@@ -87,23 +88,11 @@ class FileSummaryPublic(BaseModel):
     valid: bool
 
 
-# A worker's registry entry (written by `worker.registry`). Every field but `node` may be missing
+# A worker's registry entry (written by `worker.metrics.registry`). Every field but `node` may be missing
 # from an entry (an older worker's), and the route returns only the fields an entry holds.
 class KernelsPublic(BaseModel):
     compiled: bool
     reason: str | None = None
-
-
-class GpuPublic(BaseModel):
-    index: int
-    uuid: str
-    name: str
-    utilization_percent: float
-    memory_used_bytes: float
-    memory_total_bytes: float
-    temperature_celsius: float
-    power_watts: float
-    sm_clock_hertz: float
 
 
 class WorkerJobPublic(BaseModel):
@@ -126,7 +115,7 @@ class WorkerPublic(BaseModel):
     started_at: float | None = None
     last_seen: float | None = None
     kernels: KernelsPublic | None = None
-    gpus: list[GpuPublic] = []
+    gpus: list[GpuSample] = []
     job: WorkerJobPublic | None = None
 
 

@@ -12,6 +12,7 @@ import json
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from service.redis_client import redis_client
@@ -22,6 +23,21 @@ log = logging.getLogger("loraq.registry")
 PREFIX = "loraq:workers:"
 JOB_SUFFIX = ":job"
 SERVED_CACHE_SECONDS = 2.0  # submits read the registry at most this often per API process
+
+
+@dataclass
+class GpuSample:
+    """One GPU of a worker's entry, as NVML read it (`worker.metrics.gpus`)."""
+
+    index: int
+    uuid: str
+    name: str
+    utilization_percent: float
+    memory_used_bytes: float
+    memory_total_bytes: float
+    temperature_celsius: float
+    power_watts: float
+    sm_clock_hertz: float
 
 
 def worker_key(node: str) -> str:

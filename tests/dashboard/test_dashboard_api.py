@@ -206,3 +206,25 @@ def test_workers_from_the_registry(env: dict[str, Any]) -> None:
     assert [w for w in seen_by_b if w["node"] == node] == [
         {**entry, "job": {"job_id": None, "other_tenant": True}}
     ]
+
+
+def test_openapi_documents_typed_bodies_and_error_bodies() -> None:
+    """Every JSON endpoint of the dashboard names its response model, and its 400/401/404 bodies
+    are OpenAI's error body, as the /v1 routes document them."""
+    spec = make_app_without_db().openapi()
+    operations = {
+        path: ops["get"] for path, ops in spec["paths"].items() if path.startswith("/dashboard/api/")
+    }
+    assert len(operations) == 7
+    error_body = {"$ref": "#/components/schemas/ErrorResponse"}
+    for path, op in operations.items():
+        for status in ("400", "401", "404"):
+            assert op["responses"][status]["content"]["application/json"]["schema"] == error_body, path
+        if path.endswith(".csv"):
+            assert "text/csv" in op["responses"]["200"]["content"]
+            continue
+        ok = op["responses"]["200"]["content"]["application/json"]["schema"]
+        assert ok["$ref"].startswith("#/components/schemas/"), (path, ok)
+    # the chart rows are the stored steps' schema, the one the results CSV is written from
+    rows = spec["components"]["schemas"]["StepRowsPublic"]["properties"]["data"]["items"]
+    assert rows == {"$ref": "#/components/schemas/StepRow"}

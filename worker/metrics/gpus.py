@@ -9,25 +9,12 @@ import logging
 import os
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from service.settings import get_settings
+from service.worker_registry import GpuSample
 
 log = logging.getLogger("loraq.worker.metrics")
-
-
-@dataclass
-class GpuSample:
-    index: int
-    uuid: str
-    name: str
-    utilization_percent: float
-    memory_used_bytes: float
-    memory_total_bytes: float
-    temperature_celsius: float
-    power_watts: float
-    sm_clock_hertz: float
 
 
 class NvmlLike(Protocol):

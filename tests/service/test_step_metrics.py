@@ -1,0 +1,54 @@
+"""One schema for a step's metrics (`service.step_metrics`): the stored row, the event data, the
+results CSV and the worker's live Prometheus gauges all take their fields from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from service.db.models import JobMetric
+from service.step_metrics import RESULTS_CSV_COLUMNS, StepData, StepRow, event_data, metrics_csv
+from worker.engine.types import StepMetrics
+from worker.metrics.live_jobs import LIVE_JOB_GAUGES
+
+JOB_LABELS = {"job_id", "model", "clip_rate"}  # what a live-job file adds to a step's data
+
+
+def step(**changes: float) -> StepMetrics:
+    base = StepMetrics(
+        step=3, total_steps=10, epoch=0.3, train_loss=2.5, lr=1e-4, grad_norm=0.7, tokens=512,
+        trained_tokens=1536, tokens_per_s=900.0, step_seconds=0.5, eta_seconds=3.5, valid_loss=None,
+    )  # fmt: skip
+    return dataclasses.replace(base, **changes)
+
+
+def test_the_schemas_fields_come_from_the_engine_and_the_table() -> None:
+    engine_fields = {f.name for f in dataclasses.fields(StepMetrics)}
+    assert set(StepRow.model_fields) <= engine_fields
+    assert set(StepRow.model_fields) == set(JobMetric.__table__.columns.keys()) - {
+        "id",
+        "job_id",
+        "created_at",
+    }
+    assert set(StepData.model_fields) - engine_fields == {"train_mean_token_accuracy"}  # OpenAI's, unmeasured
+    assert set(StepRow.model_fields) <= set(StepData.model_fields)
+
+
+def test_every_live_gauge_reads_a_field_of_the_schema() -> None:
+    for metric, _, key, labels in LIVE_JOB_GAUGES:
+        assert key in set(StepData.model_fields) | JOB_LABELS, metric
+        assert set(labels) <= JOB_LABELS, metric
+
+
+def test_event_data_is_json_and_the_gauges_keep_a_diverged_loss() -> None:
+    m = step(train_loss=math.nan, tokens_per_s=math.inf, valid_loss=1.25)
+    data = event_data(m)
+    assert data["train_loss"] is None and data["tokens_per_s"] is None  # JSON has no NaN/inf
+    assert (data["valid_loss"], data["step"], data["train_mean_token_accuracy"]) == (1.25, 3, None)
+    assert math.isnan(StepData.from_metrics(m).train_loss or 0.0)  # what the live gauge shows
+
+
+def test_results_csv_from_stored_rows() -> None:
+    rows = [StepRow.from_metrics(step(step=1)), StepRow.from_metrics(step(step=2, valid_loss=1.5))]
+    lines = metrics_csv(rows).decode().splitlines()
+    assert lines == [",".join(RESULTS_CSV_COLUMNS), "1,2.500000,,,", "2,2.500000,,1.500000,"]
