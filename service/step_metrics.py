@@ -5,7 +5,7 @@ The engine reports each optimizer step as a `StepMetrics` (`worker.engine.types`
 - `StepRow` is what `job_metrics` stores per step: the dashboard's chart rows
   (`GET /dashboard/api/jobs/{id}/metrics`) and the results CSV (`metrics_csv`) are read from it;
 - `StepData` adds the step's progress fields: a `metrics` event's `data` (`/v1/.../events`) and the
-  worker's live Prometheus gauges (`worker.prometheus_jobs`, whose gauges name its fields).
+  worker's live Prometheus gauges (`worker.metrics.live_jobs`, whose gauges name its fields).
 
 Both keep the floats as the engine gave them, NaN and inf included (a diverged loss is a reading
 Prometheus should show); JSON has none (PostgreSQL refuses them in json columns), so `event_data`
