@@ -73,7 +73,7 @@ class Settings(BaseSettings):
     # it: `worker_metrics_advertise`, else this host's address.
     prometheus_targets_dir: Path | None = None
     worker_metrics_advertise: str | None = None
-    # The worker's Prometheus `/metrics` (worker/metrics.py): port (0: a free one) and bind address
+    # The worker's Prometheus `/metrics` (worker/metrics/server.py): port (0: a free one) and bind address
     # (unset: `host`). `loraq worker --gpus` gives each child the port + its slot.
     worker_metrics_port: int = Field(9108, ge=0, le=65535)
     worker_metrics_host: str | None = None

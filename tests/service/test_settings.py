@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCANNED = ("service", "worker", "gpu_kernels", "scripts", "bench", "migrations")
 SETTINGS_MODULE = ROOT / "service" / "settings.py"
 # Set by the code for its own child processes, never by a user: the worker's main process names
-# its node for the pool children it forks after its settings were read (worker/metrics.py).
+# its node for the pool children it forks after its settings were read (worker/metrics/registry.py).
 CHILD_PLUMBING = {"LORAQ_WORKER_NODE"}
 
 
