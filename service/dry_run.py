@@ -5,7 +5,7 @@ submit); tokenizing the files needs the model's tokenizer, which only workers lo
 inference worker reads and tokenizes them exactly as the job would (worker/inference.py) and
 returns the counts, with the training rows the job will form (packed several examples a row
 unless `packing` is off, one example a row otherwise). From those this module plans the run as
-the engine will: "auto" resolved as a worker resolves it, and
+the engine will: "auto" resolved by the function a worker's claim uses (`resolve_auto`), and
 
     steps per epoch = ceil(rows / batch_size)      steps = n_epochs · steps per epoch
     trained tokens  = n_epochs · tokens            (padding is never counted)
@@ -31,6 +31,7 @@ from service.schemas import (
     JobCreate,
 )
 from service.settings import Settings
+from worker.engine.training_config import resolve_auto
 
 
 def worker_request(session: Session, *, tenant_id: str, spec: JobCreate) -> dict[str, Any]:
@@ -39,7 +40,7 @@ def worker_request(session: Session, *, tenant_id: str, spec: JobCreate) -> dict
     training, validation = jobs.check_job_inputs(
         session, tenant_id=tenant_id, spec=spec, refuse_invalid=False
     )
-    jobs.requested_hyperparameters(spec)  # refuses hyperparameters given twice
+    jobs.requested_training(spec)  # refuses hyperparameters given twice
     return {
         "kind": "dry_run",
         "id": inference.new_request_id(),
@@ -62,9 +63,9 @@ def _errors(param: str, report: dict[str, Any] | None) -> list[DryRunError]:
 
 
 def plan(spec: JobCreate, done: dict[str, Any], settings: Settings) -> DryRunPublic:
-    hp = jobs.resolve_hyperparameters(jobs.requested_hyperparameters(spec))
+    resolved = resolve_auto(jobs.requested_training(spec))
     training, validation = done["training_file"], done.get("validation_file")
-    n_epochs, batch_size = int(hp["n_epochs"]), int(hp["batch_size"])
+    n_epochs, batch_size = int(resolved.n_epochs), int(resolved.batch_size)
     steps_per_epoch = math.ceil(training["rows"] / batch_size)
     steps = n_epochs * steps_per_epoch
     errors = _errors("training_file", training) + _errors("validation_file", validation)
@@ -88,7 +89,7 @@ def plan(spec: JobCreate, done: dict[str, Any], settings: Settings) -> DryRunPub
         valid=not errors,
         training_file=_summary(training),
         validation_file=_summary(validation) if validation else None,
-        hyperparameters=HyperparametersPublic(**hp),
+        hyperparameters=HyperparametersPublic(**resolved.hyperparameter_block().model_dump()),
         max_seq_len=spec.max_seq_len,
         packing=spec.packing,
         steps_per_epoch=steps_per_epoch,

@@ -28,7 +28,7 @@ import json
 import math
 import secrets
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Update, bindparam, func, insert, select, update
@@ -40,19 +40,15 @@ from service.db.models import Artifact, Checkpoint, File, Job, JobEvent, JobMetr
 from service.db.session import read_first
 from service.errors import ConflictError, InvalidRequestError, NotFoundError, RateLimitError
 from service.job_status import ACTIVE, TERMINAL
-from service.schemas import Hyperparameters, JobCreate
+from service.schemas import JobCreate
 from service.settings import get_settings
 from service.step_metrics import StepRow, event_data
-from worker.engine.types import LoraConfig, ModelError, StepMetrics
+from worker.engine.training_config import MAX_SEED, TrainingConfig, resolve_auto
+from worker.engine.types import ModelError, StepMetrics
 
-# What "auto" resolves to when a job is claimed (OpenAI resolves them at start as well).
-AUTO_HYPERPARAMETERS: dict[str, int | float] = {
-    "n_epochs": 3,
-    "batch_size": 4,
-    "learning_rate_multiplier": 1.0,
-}
-DEFAULT_LORA: dict[str, Any] = asdict(LoraConfig())  # the engine's defaults, one source
-MAX_SEED = 2**31 - 1
+# The training fields (worker/engine/training_config.py) with a column of their own in the job
+# row; the others are kept in its `hyperparameters` JSON beside OpenAI's three.
+TRAINING_COLUMNS = ("lora", "max_seq_len", "packing", "seed", "eval_prompts")
 # Events of this type hold what only the operator may read (a worker's traceback): the API never
 # lists them; `loraq jobs internal-errors JOB` (database access) prints them.
 OPERATOR_EVENT = "internal"
@@ -77,15 +73,10 @@ class Claim:
     model: str
     training_file: str  # storage key of the training JSONL
     validation_file: str | None  # storage key, or None
-    hyperparameters: dict[str, Any]  # n_epochs, batch_size, learning_rate_multiplier: resolved numbers
-    lora: dict[str, Any]  # LoraConfig fields
-    seed: int
-    max_seq_len: int
+    training: TrainingConfig  # "auto" resolved; seed and validation_split set at submit
     suffix: str | None
     resume_checkpoint: str | None  # storage key of the latest registered checkpoint zip
-    n_gpus: int = 1  # > 1: the worker runs the engine under torchrun (issue 7)
-    packing: bool = True  # padding-free packed rows (issue 12)
-    eval_prompts: list[str] = field(default_factory=list)  # sampled at every checkpoint
+    n_gpus: int = 1  # > 1: the worker runs the engine under torchrun
     resume_step: int = 0  # the step of `resume_checkpoint` (0: none, the run starts from step 0)
 
 
@@ -296,10 +287,6 @@ def _training_file(
     return file
 
 
-# Kept with the hyperparameters (a JSON column): the held-out share is a choice about training data
-VALIDATION_SPLIT = "validation_split"
-
-
 def validation_split(spec: JobCreate) -> float:
     """The share held out: none with a validation file, else the job's or the server's default."""
     if spec.validation_file is not None:
@@ -364,8 +351,10 @@ def routing_wait(
     return f"a worker: {reason}"
 
 
-def requested_hyperparameters(spec: JobCreate) -> dict[str, Any]:
-    """`method.supervised.hyperparameters` (current API) or `hyperparameters` (deprecated), not both."""
+def requested_training(spec: JobCreate) -> TrainingConfig:
+    """The request's training configuration: its hyperparameters from
+    `method.supervised.hyperparameters` (current API) or `hyperparameters` (deprecated), not both,
+    with Loraq's top-level training fields. "auto" and unset values are kept."""
     method_hp = spec.method.supervised.hyperparameters if spec.method and spec.method.supervised else None
     if method_hp is not None and spec.hyperparameters is not None:
         raise InvalidRequestError(
@@ -373,8 +362,21 @@ def requested_hyperparameters(spec: JobCreate) -> dict[str, Any]:
             "'method.supervised.hyperparameters', not both",
             param="hyperparameters",
         )
-    hp = method_hp or spec.hyperparameters or Hyperparameters()
-    return hp.model_dump()
+    hp = method_hp or spec.hyperparameters
+    return TrainingConfig(**(hp.model_dump() if hp is not None else {}), **spec.options())
+
+
+def training_columns(training: TrainingConfig) -> dict[str, Any]:
+    """The job row's columns that store `training` (JSON-ready values)."""
+    data = training.model_dump(mode="json")
+    columns = {name: data.pop(name) for name in TRAINING_COLUMNS}
+    return {**columns, "hyperparameters": data}
+
+
+def stored_training(job: Job | Any) -> TrainingConfig:
+    """The training configuration of a job row (an ORM job or a `read_job_row` row); a row stored
+    before a field existed gets that field's default."""
+    return TrainingConfig(**job.hyperparameters, **{name: getattr(job, name) for name in TRAINING_COLUMNS})
 
 
 def request_digest(spec: JobCreate) -> str:
@@ -470,8 +472,7 @@ def create_job(
     settings = get_settings()
     waiting_for = check_job_limits(session, tenant_id=tenant_id)
     training, validation = check_job_inputs(session, tenant_id=tenant_id, spec=spec)
-    if spec.lora is not None:
-        check_target_modules(spec.lora.target_modules, spec.model)
+    check_target_modules(spec.lora.target_modules, spec.model)
     check_max_seq_len(training, spec.model, spec.max_seq_len, "training_file")
     if validation is not None:
         check_max_seq_len(validation, spec.model, spec.max_seq_len, "validation_file")
@@ -480,7 +481,10 @@ def create_job(
         queue=queue, n_gpus=spec.n_gpus, served_queues=served_queues, default_queue=settings.worker_queue
     )
 
-    lora = {**DEFAULT_LORA, **(spec.lora.model_dump() if spec.lora else {})}
+    seed = spec.seed if spec.seed is not None else secrets.randbelow(MAX_SEED)
+    config = requested_training(spec).model_copy(
+        update={"seed": seed, "validation_split": validation_split(spec)}
+    )
     job = Job(
         tenant_id=tenant_id,
         idempotency_key=idempotency_key,
@@ -489,17 +493,12 @@ def create_job(
         model=spec.model,
         training_file=spec.training_file,
         validation_file=spec.validation_file,
-        hyperparameters={**requested_hyperparameters(spec), VALIDATION_SPLIT: validation_split(spec)},
+        **training_columns(config),
         method_type="supervised",
-        lora=lora,
-        max_seq_len=spec.max_seq_len,
-        packing=spec.packing,
-        queue=queue,  # routing (issue 7)
+        queue=queue,
         n_gpus=spec.n_gpus,
         suffix=spec.suffix or None,
-        seed=spec.seed if spec.seed is not None else secrets.randbelow(MAX_SEED),
         metadata_=spec.metadata,
-        eval_prompts=spec.eval_prompts,
         status="validating_files",
         result_files=[],
     )
@@ -574,15 +573,6 @@ def _fenced(claim: Claim) -> Update:
 
 
 # ---------------------------------------------------------------- worker side
-
-
-def resolve_hyperparameters(requested: dict[str, Any]) -> dict[str, Any]:
-    resolved: dict[str, Any] = {
-        k: (AUTO_HYPERPARAMETERS[k] if requested.get(k, "auto") == "auto" else requested[k])
-        for k in AUTO_HYPERPARAMETERS
-    }
-    resolved[VALIDATION_SPLIT] = float(requested.get(VALIDATION_SPLIT, 0.0))  # 0 for older jobs
-    return resolved
 
 
 def claim_next(session: Session, *, job_id: str, worker_id: str) -> Claim | None:
@@ -713,8 +703,10 @@ def claim(session: Session, *, job_id: str, worker_id: str, running_limit: int =
     if _run(session, stmt) != 1:
         return None
     job = session.scalars(select(Job).where(Job.id == job_id).execution_options(populate_existing=True)).one()
-    hp = resolve_hyperparameters(job.hyperparameters)
-    job.hyperparameters = hp  # the job object shows resolved values from now on, as OpenAI's does
+    training = resolve_auto(stored_training(job))
+    job.hyperparameters = training_columns(training)[
+        "hyperparameters"
+    ]  # shown resolved from now on, as OpenAI does
     files = {
         f.id: f.storage_key
         for f in session.scalars(
@@ -748,16 +740,11 @@ def claim(session: Session, *, job_id: str, worker_id: str, running_limit: int =
         model=job.model,
         training_file=files[job.training_file],
         validation_file=files[job.validation_file] if job.validation_file else None,
-        hyperparameters=hp,
-        lora=dict(job.lora),
-        seed=job.seed,
-        max_seq_len=job.max_seq_len,
+        training=training,
         suffix=job.suffix,
         resume_checkpoint=resume.storage_key if resume is not None else None,
         resume_step=int(resume.step) if resume is not None else 0,
         n_gpus=job.n_gpus,
-        packing=job.packing,
-        eval_prompts=list(job.eval_prompts or []),
     )
 
 

@@ -7,85 +7,21 @@ field (`hyperparameters.n_epochs`) rather than a union branch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field
 
 from service.job_status import JobStatus
+from worker.engine.training_config import (
+    Hyperparameters,
+    Placement,
+    Strict,
+    Text,
+    TrainingOptions,
+)
 
-MAX_N_EPOCHS = 1000
-MAX_BATCH_SIZE = 1024
-MAX_LR_MULTIPLIER = 100.0
-MAX_SEQ_LEN = 32768
-MAX_SEED = 2**31 - 1
-MAX_EVAL_PROMPTS = 16
-MAX_EVAL_PROMPT_CHARS = 2000
-
-
-def _auto_or_int(lo: int, hi: int) -> Callable[[object], int | Literal["auto"]]:
-    def check(v: object) -> int | Literal["auto"]:
-        if v == "auto" and isinstance(v, str):
-            return "auto"
-        if isinstance(v, bool) or not isinstance(v, int | float) or int(v) != v:
-            raise ValueError(f'must be an integer or "auto", got {v!r}')
-        if not lo <= int(v) <= hi:
-            raise ValueError(f"must be between {lo} and {hi}, got {v!r}")
-        return int(v)
-
-    return check
-
-
-def _int_or_auto_schema(lo: int, hi: int) -> dict[str, Any]:
-    return {"anyOf": [{"type": "integer", "minimum": lo, "maximum": hi}, {"const": "auto"}]}
-
-
-def _check_lr(v: object) -> float | Literal["auto"]:
-    if v == "auto" and isinstance(v, str):
-        return "auto"
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise ValueError(f'must be a number or "auto", got {v!r}')
-    if not 0 < float(v) <= MAX_LR_MULTIPLIER:
-        raise ValueError(f"must be > 0 and <= {MAX_LR_MULTIPLIER}, got {v!r}")
-    return float(v)
-
-
-NEpochs = Annotated[
-    int | Literal["auto"],
-    PlainValidator(_auto_or_int(1, MAX_N_EPOCHS)),
-    WithJsonSchema(_int_or_auto_schema(1, MAX_N_EPOCHS)),
-]
-BatchSize = Annotated[
-    int | Literal["auto"],
-    PlainValidator(_auto_or_int(1, MAX_BATCH_SIZE)),
-    WithJsonSchema(_int_or_auto_schema(1, MAX_BATCH_SIZE)),
-]
-LrMultiplier = Annotated[
-    float | Literal["auto"],
-    PlainValidator(_check_lr),
-    WithJsonSchema(
-        {
-            "anyOf": [
-                {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_LR_MULTIPLIER},
-                {"const": "auto"},
-            ]
-        }
-    ),
-]
-
-
-def _encodable(v: str) -> str:
-    # JSON may carry lone UTF-16 surrogates ("\\ud800"); no database column can store them.
-    try:
-        v.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError("must be valid Unicode text (no lone surrogates)") from e
-    return v
-
-
-Text = Annotated[str, AfterValidator(_encodable)]
-MetadataKey = Annotated[str, Field(max_length=64), AfterValidator(_encodable)]
-MetadataValue = Annotated[str, Field(max_length=512), AfterValidator(_encodable)]
+MetadataKey = Annotated[Text, Field(max_length=64)]
+MetadataValue = Annotated[Text, Field(max_length=512)]
 
 
 class Forbid(BaseModel):
@@ -95,62 +31,30 @@ class Forbid(BaseModel):
 # ---------------------------------------------------------------- requests
 
 
-class Hyperparameters(Forbid):
-    n_epochs: NEpochs = "auto"
-    batch_size: BatchSize = "auto"
-    learning_rate_multiplier: LrMultiplier = "auto"
-
-
-class SupervisedMethod(Forbid):
+class SupervisedMethod(Strict):
     hyperparameters: Hyperparameters | None = None
 
 
-class Method(Forbid):
+class Method(Strict):
     type: Literal["supervised"] = "supervised"
     supervised: SupervisedMethod | None = None
 
 
-class LoraBlock(Forbid):
-    """Our extension: the LoRA adapter's shape (defaults are the engine's)."""
+class JobCreate(TrainingOptions, Placement):
+    """OpenAI's job request. The training fields are `TrainingOptions` (Loraq's extensions, at the
+    top level) and `Hyperparameters` (OpenAI's, nested), declared in worker/engine/training_config.py;
+    `service.jobs.requested_training` joins them into the job's `TrainingConfig`."""
 
-    r: int = Field(16, ge=1, le=1024)
-    alpha: float = Field(32.0, gt=0, le=4096)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[Annotated[str, Field(min_length=1, max_length=128)]] | Literal["all-linear"] = (
-        "all-linear"
-    )
-    use_rslora: bool = False
-
-
-class JobCreate(Forbid):
     model: str = Field(min_length=1, max_length=128)
     training_file: str = Field(min_length=1, max_length=64)
     validation_file: str | None = Field(None, max_length=64)
     hyperparameters: Hyperparameters | None = None
     method: Method | None = None
     suffix: str | None = Field(None, max_length=64, pattern=r"^[A-Za-z0-9._-]*$")
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     metadata: dict[MetadataKey, MetadataValue] | None = Field(None, max_length=16)
     integrations: list[dict[str, Any]] | None = Field(None, max_length=0)
-    lora: LoraBlock | None = None
-    max_seq_len: int = Field(1024, ge=16, le=MAX_SEQ_LEN)
-    # Loraq extension: pack examples into rows of max_seq_len tokens, each attending only to
-    # itself (padding-free, the fast path); false trains one example per row, padded
-    packing: bool = True
-    # Loraq extension: the share of the training examples held out for the validation loss when no
-    # validation_file is given (at most 200, only from 100 examples on); unset: LORAQ_VALIDATION_SPLIT
-    # (5%); 0: train on every example.
-    validation_split: float | None = Field(None, ge=0, le=0.5)
-    # Loraq extensions (deployment): the worker class to run on (its queue, e.g. "h100", "cpu";
-    # default LORAQ_WORKER_QUEUE) and GPUs on one host (> 1 runs data-parallel under torchrun).
-    queue: str | None = Field(None, min_length=1, max_length=40, pattern=r"^[A-Za-z0-9_-]+$")
-    n_gpus: int = Field(1, ge=1, le=8)
     # Loraq extension: validate and plan the job (service/dry_run.py) without queueing it
     dry_run: bool = False
-    # Loraq extension: answered greedily at every checkpoint, shown per checkpoint on the dashboard
-    eval_prompts: list[Annotated[Text, Field(min_length=1, max_length=MAX_EVAL_PROMPT_CHARS)]] | None = Field(
-        None, max_length=MAX_EVAL_PROMPTS
-    )
 
 
 # ---------------------------------------------------------------- responses
@@ -188,10 +92,8 @@ class JobErrorPublic(BaseModel):
     param: str | None = None
 
 
-class HyperparametersPublic(BaseModel):
-    n_epochs: int | Literal["auto"]
-    batch_size: int | Literal["auto"]
-    learning_rate_multiplier: float | Literal["auto"]
+class HyperparametersPublic(Hyperparameters):
+    """A job's hyperparameters: as requested until it starts, "auto" resolved from then on."""
 
 
 class SupervisedPublic(BaseModel):
@@ -201,14 +103,6 @@ class SupervisedPublic(BaseModel):
 class MethodPublic(BaseModel):
     type: Literal["supervised"] = "supervised"
     supervised: SupervisedPublic
-
-
-class LoraPublic(BaseModel):
-    r: int
-    alpha: float
-    dropout: float
-    target_modules: list[str] | str
-    use_rslora: bool
 
 
 class ProgressPublic(BaseModel):
@@ -222,7 +116,10 @@ class ProgressPublic(BaseModel):
     padding_fraction: float | None = None  # share of the step's token slots that were padding
 
 
-class JobPublic(BaseModel):
+class JobPublic(TrainingOptions, Placement):
+    """OpenAI's job object; Loraq's training fields (`TrainingOptions`, `Placement`) are extensions
+    at its top level, as in the request, with the values the service chose for the unset ones."""
+
     id: str
     object: Literal["fine_tuning.job"] = "fine_tuning.job"
     created_at: int
@@ -243,20 +140,14 @@ class JobPublic(BaseModel):
     metadata: dict[str, str] | None
     method: MethodPublic
     user_provided_suffix: str | None
-    lora: LoraPublic
-    max_seq_len: int
-    packing: bool = True
     progress: ProgressPublic
-    # deployment extensions: where the job is routed, and which host/GPU runs (or ran) it
     queue: str = "default"
-    n_gpus: int = 1
+    validation_split: float = 0.0  # the held-out share; 0 with a validation_file
     worker_id: str | None = None  # "host:gpu2:pid" (worker.launcher.worker_identity)
-    eval_prompts: list[str] | None = None  # extension: sampled at every checkpoint
     # Loraq extensions: when training began (durations), and a cancel that a running job has been
     # asked for but not reached yet (its status stays `running` until the step ends)
     started_at: int | None = None
     cancel_requested: bool = False
-    validation_split: float = 0.0  # the held-out share (see JobCreate); 0 with a validation_file
     # Loraq extension: why a queued job has not started, in words (tenant limit, no worker yet)
     waiting_for: str | None = None
 

@@ -36,7 +36,6 @@ from worker.engine.types import (
     CheckpointInfo,
     DatasetError,
     EngineError,
-    LoraConfig,
     StepMetrics,
     TrainConfig,
     TrainResult,
@@ -46,7 +45,6 @@ from worker.launcher import worker_identity
 log = logging.getLogger("loraq.worker")
 
 WORKER_ID = worker_identity()  # "host:gpu2:pid": the job shows which host and GPU ran it
-BASE_LEARNING_RATE = 2e-4  # learning_rate_multiplier scales this
 FLUSH_EVERY_SECONDS = 1.0
 FLUSH_EVERY_STEPS = 50
 CANCEL_CACHE_SECONDS = 1.0
@@ -219,35 +217,28 @@ def attempt_dir(settings: Settings, claim: jobs.Claim) -> Path:
 
 
 def build_train_config(claim: jobs.Claim, settings: Settings, out_dir: Path) -> TrainConfig:
-    """Map the claim (API-level fields, "auto" already resolved) onto the engine's config."""
-    hp = claim.hyperparameters
-    lora = LoraConfig(**claim.lora) if claim.lora else LoraConfig()
+    """The engine's config for the claim's training configuration ("auto" already resolved), with
+    its files from the store, its output under `out_dir` and this deployment's checkpoints and limits."""
+    training = claim.training
+    if training.checkpoint_every is None:  # the job left it to the service
+        training = training.model_copy(update={"checkpoint_every": settings.checkpoint_every})
     resume: Path | None = None
     if claim.resume_checkpoint:
         resume = out_dir / "resume"
         storage.extract_zip(claim.resume_checkpoint, resume)
-    return TrainConfig(
+    return TrainConfig.build(
+        training,
         model=claim.model,
         train_file=storage.local_path(claim.training_file),
         validation_file=storage.local_path(claim.validation_file) if claim.validation_file else None,
         output_dir=out_dir,
         model_store=settings.model_store,
-        lora=lora,
-        max_seq_len=claim.max_seq_len,
-        pack=claim.packing,
-        batch_size=int(hp["batch_size"]),
-        n_epochs=int(hp["n_epochs"]),
-        learning_rate=BASE_LEARNING_RATE * float(hp["learning_rate_multiplier"]),
-        seed=claim.seed,
-        validation_split=float(hp.get("validation_split", 0.0)),
-        checkpoint_every=settings.checkpoint_every,
         checkpoint_each_epoch=settings.checkpoint_each_epoch,
         checkpoint_interval_seconds=settings.checkpoint_interval_seconds,
         resume_from=resume,
         max_wall_seconds=settings.job_max_wall_seconds,
         max_tokens=settings.job_max_tokens,
         step_limit=settings.job_max_steps,
-        eval_prompts=list(claim.eval_prompts),
     )
 
 

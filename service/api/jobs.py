@@ -25,7 +25,6 @@ from service.schemas import (
     JobErrorPublic,
     JobPublic,
     JobsPublic,
-    LoraPublic,
     MethodPublic,
     ProgressPublic,
     SupervisedPublic,
@@ -48,8 +47,11 @@ ZIP_RESPONSE: dict[int | str, dict[str, Any]] = {
 
 def job_public(job: Job | Row[Any]) -> JobPublic:
     """From an ORM job or a `jobs.read_job_row` row (same attribute names)."""
-    hp = HyperparametersPublic(**job.hyperparameters)
+    training = jobs.stored_training(job)
+    hp = HyperparametersPublic(**training.hyperparameter_block().model_dump())
+    options = {**training.options(), "validation_split": training.validation_split or 0.0}
     return JobPublic(
+        **options,
         id=job.id,
         created_at=job.created_at,
         finished_at=job.finished_at,
@@ -63,22 +65,16 @@ def job_public(job: Job | Row[Any]) -> JobPublic:
         validation_file=job.validation_file,
         result_files=list(job.result_files or []),
         trained_tokens=job.trained_tokens,
-        seed=job.seed,
         estimated_finish=job.estimated_finish,
         integrations=[],
         metadata=job.metadata_,
         method=MethodPublic(supervised=SupervisedPublic(hyperparameters=hp)),
         user_provided_suffix=job.suffix,
-        lora=LoraPublic(**job.lora),
-        max_seq_len=job.max_seq_len,
-        packing=job.packing,
         queue=job.queue,
         n_gpus=job.n_gpus,
         worker_id=job.worker_id,
-        eval_prompts=job.eval_prompts,
         started_at=job.started_at,
         cancel_requested=bool(job.cancel_requested),
-        validation_split=float(job.hyperparameters.get(jobs.VALIDATION_SPLIT, 0.0)),
         waiting_for=job.waiting_for if job.status == "queued" else None,
         progress=ProgressPublic(
             step=job.step,

@@ -1,5 +1,6 @@
-"""The API process lists models through worker.engine.catalog and checks uploads with
-worker.engine.dataset_rules: neither may pull in torch."""
+"""The API process lists models through worker.engine.catalog, checks uploads with
+worker.engine.dataset_rules and validates jobs with worker.engine.training_config: none of them
+may pull in torch."""
 
 from __future__ import annotations
 
@@ -13,4 +14,10 @@ def test_catalog_and_cli_models_import_no_torch() -> None:
 
 def test_dataset_rules_and_upload_summary_import_no_torch() -> None:
     code = "import worker.engine.dataset_rules, service.api.dataset_summary"
+    assert loaded_after(code, ("torch", "transformers", "tokenizers")) == []
+
+
+def test_training_config_and_job_schemas_import_no_torch() -> None:
+    # the API's request schema is built from the training configuration type
+    code = "import worker.engine.training_config, worker.engine.types, service.schemas"
     assert loaded_after(code, ("torch", "transformers", "tokenizers")) == []

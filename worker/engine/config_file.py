@@ -1,154 +1,86 @@
 """Training configs from YAML, and the range checks every TrainConfig goes through.
 
-A YAML file maps TrainConfig's field names to values; `lora:` is a nested mapping of LoraConfig's
-fields. Relative paths are taken relative to the YAML file's directory. Every problem raises a
-ConfigError naming the field: an unknown field, a wrong type, a value out of range.
+A YAML file is a `ConfigFile`: the fields of `TrainingConfig` (worker/engine/training_config.py,
+where each is declared with its default and range) plus where the run reads and writes and its
+limits (`RunOptions`). `lora:` is a nested mapping; relative paths are taken relative to the YAML
+file's directory. Every problem raises a ConfigError naming the field: an unknown field, a wrong
+type, a value out of range.
+
+Configs written for the engine before it shared the API's names keep working: `pack` is read as
+`packing`, and `learning_rate` (an absolute peak rate) may stand instead of `learning_rate_multiplier`.
 
 `validate_config` is also run by the recipe on configs built in code (the worker's), so the ranges
-below hold whatever the config's origin. README's "Engine configuration" lists the same table.
+hold whatever the config's origin. README's "Engine configuration" lists the same table.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
+from pydantic import BeforeValidator, Field, ValidationError
 
-from worker.engine.types import ConfigError, LoraConfig, TrainConfig
-
-Check = Callable[[Any], str | None]  # returns a problem ("must be >= 1") or None
-
-
-@dataclass(frozen=True)
-class FieldSpec:
-    kind: str  # "int", "float", "bool", "str", "path", "choice", "targets"
-    required: bool = False
-    optional: bool = False  # None allowed
-    check: Check | None = None
-    choices: tuple[str, ...] = ()
+from worker.engine.training_config import Strict, TrainingConfig
+from worker.engine.types import ConfigError, DeviceName, TrainConfig
 
 
-def _at_least(lo: float) -> Check:
-    return lambda v: None if v >= lo else f"must be >= {lo}"
+def _path(v: object) -> Path:
+    if isinstance(v, Path):
+        return v
+    if isinstance(v, str) and v:
+        return Path(v).expanduser()
+    raise ValueError(f"must be a path (string), got {v!r}")
 
 
-def _between(lo: float, hi: float, *, hi_open: bool = False, lo_open: bool = False) -> Check:
-    def check(v: Any) -> str | None:
-        lo_ok = v > lo if lo_open else v >= lo
-        hi_ok = v < hi if hi_open else v <= hi
-        if lo_ok and hi_ok:
-            return None
-        return f"must be in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-
-    return check
+ConfigPath = Annotated[Path, BeforeValidator(_path)]
+PATH_FIELDS = ("train_file", "output_dir", "model_store", "validation_file", "resume_from")
+OLD_NAMES = {"pack": "packing"}  # an older config's name -> the field's name
 
 
-LORA_SPECS: dict[str, FieldSpec] = {
-    "r": FieldSpec("int", check=_between(1, 1024)),
-    "alpha": FieldSpec("float", check=_between(0, 1e6, lo_open=True)),
-    "dropout": FieldSpec("float", check=_between(0, 1, hi_open=True)),
-    "target_modules": FieldSpec("targets"),
-    "use_rslora": FieldSpec("bool"),
-}
+class RunOptions(Strict):
+    """What a local run needs beyond its training config; unset fields take TrainConfig's defaults."""
 
-TRAIN_SPECS: dict[str, FieldSpec] = {
-    "model": FieldSpec("str", required=True),
-    "train_file": FieldSpec("path", required=True),
-    "output_dir": FieldSpec("path", required=True),
-    "model_store": FieldSpec("path"),
-    "validation_file": FieldSpec("path", optional=True),
-    "lora": FieldSpec("lora"),
-    "max_seq_len": FieldSpec("int", check=_between(16, 131_072)),
-    "batch_size": FieldSpec("int", check=_between(1, 4096)),
-    "grad_accum": FieldSpec("int", check=_between(1, 4096)),
-    "n_epochs": FieldSpec("int", check=_between(1, 1000)),
-    "max_steps": FieldSpec("int", optional=True, check=_at_least(1)),
-    "learning_rate": FieldSpec("float", check=_between(0, 1, lo_open=True)),
-    "weight_decay": FieldSpec("float", check=_between(0, 1)),
-    "lr_scheduler": FieldSpec("choice", choices=("cosine", "linear", "constant")),
-    "warmup_ratio": FieldSpec("float", check=_between(0, 1, hi_open=True)),
-    "max_grad_norm": FieldSpec("float", check=_between(0, 1e6, lo_open=True)),
-    "seed": FieldSpec("int", check=_between(0, 2**63 - 1)),
-    "pack": FieldSpec("bool"),
-    "validation_split": FieldSpec("float", check=_between(0, 0.5)),
-    "eval_every": FieldSpec("int", check=_at_least(0)),
-    "checkpoint_every": FieldSpec("int", check=_at_least(0)),
-    "resume_from": FieldSpec("path", optional=True),
-    "device": FieldSpec("choice", choices=("auto", "cpu", "cuda")),
-    "max_tokens": FieldSpec("int", optional=True, check=_at_least(1)),
-    "step_limit": FieldSpec("int", optional=True, check=_at_least(1)),
-    "max_wall_seconds": FieldSpec("float", optional=True, check=_between(0, math.inf, lo_open=True)),
-}
+    model: str = Field(min_length=1, description="base model (`loraq models list`)")
+    train_file: ConfigPath
+    output_dir: ConfigPath
+    model_store: ConfigPath | None = None
+    validation_file: ConfigPath | None = None
+    resume_from: ConfigPath | None = None
+    learning_rate: float | None = Field(
+        None, gt=0, le=1, description="AdamW peak learning rate, instead of learning_rate_multiplier"
+    )
+    max_steps: int | None = Field(None, ge=1, description="optimizer steps (overrides n_epochs)")
+    device: DeviceName | None = None
+    checkpoint_each_epoch: bool | None = None
+    checkpoint_interval_seconds: float | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=1)
+    max_wall_seconds: float | None = Field(None, gt=0)
+    step_limit: int | None = Field(None, ge=1)
 
 
-def _coerce(name: str, spec: FieldSpec, value: Any, base_dir: Path | None) -> Any:
-    """Check `value`'s type (YAML gives str/int/float/bool/None/list/dict) and convert paths."""
-    if value is None:
-        if spec.optional:
-            return None
-        raise ConfigError(name, f"{name} must not be empty (null)")
-    kind = spec.kind
-    if kind == "int":
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(name, f"{name} must be an integer, got {value!r}")
-    elif kind == "float":
-        if isinstance(value, str):
-            # PyYAML (YAML 1.1) reads "1e-3" (no dot in the mantissa) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                raise ConfigError(name, f"{name} must be a number, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(name, f"{name} must be a number, got {value!r}")
-        value = float(value)
-        if math.isnan(value):
-            raise ConfigError(name, f"{name} must be a number, got NaN")
-    elif kind == "bool":
-        if not isinstance(value, bool):
-            raise ConfigError(name, f"{name} must be true or false, got {value!r}")
-    elif kind in ("str", "choice"):
-        if not isinstance(value, str) or not value:
-            raise ConfigError(name, f"{name} must be a non-empty string, got {value!r}")
-        if kind == "choice" and value not in spec.choices:
-            raise ConfigError(name, f"{name} must be one of {', '.join(spec.choices)}; got {value!r}")
-    elif kind == "path":
-        if isinstance(value, Path):
-            pass
-        elif isinstance(value, str) and value:
-            value = Path(value).expanduser()
-        else:
-            raise ConfigError(name, f"{name} must be a path (string), got {value!r}")
-        if base_dir is not None and not value.is_absolute():
-            value = base_dir / value
-    elif kind == "targets":
-        ok_list = isinstance(value, list) and value and all(isinstance(t, str) and t for t in value)
-        if value != "all-linear" and not ok_list:
-            raise ConfigError(
-                name, f"{name} must be 'all-linear' or a non-empty list of module names, got {value!r}"
-            )
-    if spec.check is not None:
-        problem = spec.check(value)
-        if problem:
-            raise ConfigError(name, f"{name} {problem}, got {value!r}")
-    return value
+class ConfigFile(TrainingConfig, RunOptions):
+    """A `loraq train` YAML file."""
 
 
-def _lora_from_mapping(data: Any) -> LoraConfig:
-    if isinstance(data, LoraConfig):
-        data = {f.name: getattr(data, f.name) for f in fields(LoraConfig)}
-    if not isinstance(data, dict):
-        raise ConfigError("lora", f"lora must be a mapping of LoRA options, got {data!r}")
-    unknown = sorted(set(data) - set(LORA_SPECS))
-    if unknown:
-        raise ConfigError(
-            f"lora.{unknown[0]}", f"unknown field lora.{unknown[0]} (known: {', '.join(LORA_SPECS)})"
-        )
-    values = {k: _coerce(f"lora.{k}", LORA_SPECS[k], v, None) for k, v in data.items()}
-    return LoraConfig(**values)
+def _config_error(exc: ValidationError, renamed: dict[str, str]) -> ConfigError:
+    """The first problem, naming the field as the YAML spells it."""
+    err = exc.errors()[0]
+    parts: list[str] = []
+    for part in err["loc"]:
+        if isinstance(part, int) or "[" in str(part):  # a list index or a union branch: the field ends
+            break
+        parts.append(str(part))
+    name = ".".join(parts) or "config"
+    name = renamed.get(name, name)
+    if err["type"] == "extra_forbidden":
+        known = ", ".join(ConfigFile.model_fields)
+        return ConfigError(name, f"unknown field {name!r} (known: {known})")
+    if err["type"] == "missing":
+        return ConfigError(name, f"missing required field {name!r}")
+    if err["type"] == "value_error":
+        return ConfigError(name, f"{name} {err['msg'].removeprefix('Value error, ')}")
+    return ConfigError(name, f"{name}: {err['msg']}, got {err['input']!r}")
 
 
 def config_from_mapping(
@@ -159,36 +91,40 @@ def config_from_mapping(
         raise ConfigError(
             "config", f"the config must be a mapping of field: value, got {type(data).__name__}"
         )
-    unknown = sorted(set(data) - set(TRAIN_SPECS))
-    if unknown:
-        raise ConfigError(unknown[0], f"unknown field {unknown[0]!r} (known: {', '.join(TRAIN_SPECS)})")
-    values: dict[str, Any] = {}
-    for name, spec in TRAIN_SPECS.items():
-        if name not in data:
-            if spec.required:
-                raise ConfigError(name, f"missing required field {name!r}")
-            continue
-        if name == "lora":
-            values[name] = _lora_from_mapping(data[name])
-        else:
-            values[name] = _coerce(name, spec, data[name], base_dir)
-    if "model_store" not in values:
+    data = dict(data)
+    renamed: dict[str, str] = {}
+    for old, new in OLD_NAMES.items():
+        if old in data:
+            if new in data:
+                raise ConfigError(old, f"give {new} or {old} (its older name), not both")
+            data[new] = data.pop(old)
+            renamed[new] = old
+    if "learning_rate" in data and "learning_rate_multiplier" in data:
+        raise ConfigError("learning_rate", "give learning_rate or learning_rate_multiplier, not both")
+    try:
+        file = ConfigFile.model_validate(data)
+    except ValidationError as exc:
+        raise _config_error(exc, renamed) from None
+    run = file.model_dump(include=set(RunOptions.model_fields), exclude_none=True)
+    for name in PATH_FIELDS:
+        if base_dir is not None and name in run and not run[name].is_absolute():
+            run[name] = base_dir / run[name]
+    if "model_store" not in run:
         if default_model_store is None:
             raise ConfigError("model_store", "missing required field 'model_store'")
-        values["model_store"] = default_model_store
-    config = TrainConfig(**values)
-    validate_config(config)
+        run["model_store"] = default_model_store
+    learning_rate = run.pop("learning_rate", None)
+    config = TrainConfig.build(file, **run)
+    if learning_rate is not None:
+        config.learning_rate = learning_rate
     return config
 
 
 def validate_config(config: TrainConfig) -> None:
     """Re-check every field of a config built in code (types and ranges, as for YAML)."""
-    for name, spec in TRAIN_SPECS.items():
-        value = getattr(config, name)
-        if name == "lora":
-            _lora_from_mapping(value)
-        else:
-            _coerce(name, spec, value, None)
+    data = config.to_dict()
+    data["packing"] = data.pop("pack")
+    config_from_mapping(data)
 
 
 def load_config_file(path: Path, *, default_model_store: Path | None = None) -> TrainConfig:

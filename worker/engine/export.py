@@ -121,7 +121,8 @@ def read_adapter_config(adapter_dir: Path) -> tuple[LoraConfig, str]:
     data = json.loads(path.read_text())
     if data.get("peft_type") != "LORA":
         raise ModelError(f"{path}: peft_type must be LORA, got {data.get('peft_type')!r}")
-    cfg = LoraConfig(
+    # not range-checked: an adapter trained elsewhere may use a shape our jobs do not offer
+    cfg = LoraConfig.model_construct(
         r=int(data["r"]),
         alpha=float(data["lora_alpha"]),
         dropout=float(data.get("lora_dropout", 0.0)),

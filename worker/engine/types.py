@@ -7,49 +7,57 @@ never knows about databases, queues or HTTP.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-SchedulerName = Literal["cosine", "linear", "constant"]
+from worker.engine.training_config import (
+    AUTO_BATCH_SIZE,
+    AUTO_LEARNING_RATE_MULTIPLIER,
+    AUTO_N_EPOCHS,
+    BASE_LEARNING_RATE,
+    TrainingConfig,
+    learning_rate,
+    resolve_auto,
+)
+from worker.engine.training_config import LoraConfig as LoraConfig  # re-exported for the engine
+from worker.engine.training_config import SchedulerName as SchedulerName
+
 DeviceName = Literal["auto", "cpu", "cuda"]
 
 
-@dataclass
-class LoraConfig:
-    r: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
-    # module leaf names ("q_proj", ...) or the string "all-linear"
-    target_modules: list[str] | str = "all-linear"
-    use_rslora: bool = False
+# Each training field's default, from its one declaration
+_DEFAULT = TrainingConfig()
 
 
 @dataclass
 class TrainConfig:
+    """What one run of the engine does: a `TrainingConfig` with "auto" resolved (`build`), in the
+    engine's terms (an absolute learning rate, `pack`), plus its files and limits."""
+
     model: str
     train_file: Path
     output_dir: Path
     model_store: Path
     validation_file: Path | None = None
     lora: LoraConfig = field(default_factory=LoraConfig)
-    max_seq_len: int = 1024
-    batch_size: int = 4
-    grad_accum: int = 1
-    n_epochs: int = 1
+    max_seq_len: int = _DEFAULT.max_seq_len
+    batch_size: int = AUTO_BATCH_SIZE
+    grad_accum: int = _DEFAULT.grad_accum
+    n_epochs: int = AUTO_N_EPOCHS
     max_steps: int | None = None
-    learning_rate: float = 2e-4
-    weight_decay: float = 0.0
-    lr_scheduler: SchedulerName = "cosine"
-    warmup_ratio: float = 0.0
-    max_grad_norm: float = 1.0
+    learning_rate: float = BASE_LEARNING_RATE * AUTO_LEARNING_RATE_MULTIPLIER
+    weight_decay: float = _DEFAULT.weight_decay
+    lr_scheduler: SchedulerName = _DEFAULT.lr_scheduler
+    warmup_ratio: float = _DEFAULT.warmup_ratio
+    max_grad_norm: float = _DEFAULT.max_grad_norm
     seed: int = 0
-    pack: bool = True  # padding-free: examples packed into rows of max_seq_len tokens
+    pack: bool = _DEFAULT.packing  # padding-free: examples packed into rows of max_seq_len tokens
     # Without a validation_file, hold out this share of the examples for the validation loss (at
     # most HOLDOUT_MAX_EXAMPLES, only from HOLDOUT_MIN_EXAMPLES examples on: worker/engine/data.py);
     # 0 = train on everything. The service passes LORAQ_VALIDATION_SPLIT (0.05) or the job's value.
     validation_split: float = 0.0
-    eval_every: int = 0  # steps between validation losses; they also come at every epoch end and the end
+    eval_every: int = _DEFAULT.eval_every  # steps between validation losses (and at epoch ends, the end)
     checkpoint_every: int = 0  # 0 = only at the end
     checkpoint_each_epoch: bool = False  # also at every epoch end
     checkpoint_interval_seconds: float = 0.0  # also once this much training time passed (0 = off)
@@ -62,11 +70,30 @@ class TrainConfig:
     # sampled greedily (as single-turn user chats) at every checkpoint, so a user sees behaviour change
     eval_prompts: list[str] = field(default_factory=list)
 
+    @classmethod
+    def build(cls, training: TrainingConfig, **run: Any) -> TrainConfig:
+        """The engine's config for `training` ("auto" resolved here; an unset seed, validation split
+        or checkpoint interval takes the engine's default) plus the run's fields (`model`, files,
+        limits, ...) given as keywords."""
+        resolved = resolve_auto(training)
+        names = {f.name for f in fields(cls)} - {"eval_prompts"}
+        options = {k: v for k, v in resolved.options().items() if v is not None and k in names}
+        return cls(
+            **options,
+            n_epochs=int(resolved.n_epochs),
+            batch_size=int(resolved.batch_size),
+            learning_rate=learning_rate(resolved),
+            pack=resolved.packing,
+            eval_prompts=list(resolved.eval_prompts or []),
+            **run,
+        )
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         for k, v in d.items():
             if isinstance(v, Path):
                 d[k] = str(v)
+        d["lora"] = self.lora.model_dump()
         return d
 
 
