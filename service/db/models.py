@@ -112,7 +112,8 @@ class Job(Base):
     model: Mapped[str] = mapped_column(String(128))
     training_file: Mapped[str] = mapped_column(String(64))
     validation_file: Mapped[str | None] = mapped_column(String(64), default=None)
-    # {"n_epochs", "batch_size", "learning_rate_multiplier"}: numbers or "auto" until claimed
+    # OpenAI's {"n_epochs", "batch_size", "learning_rate_multiplier"} (numbers or "auto" until
+    # claimed) and the other training fields without a column of their own (service.jobs.training_columns)
     hyperparameters: Mapped[dict[str, Any]] = mapped_column(JSON)
     method_type: Mapped[str] = mapped_column(String(32), default="supervised")
     lora: Mapped[dict[str, Any]] = mapped_column(JSON)

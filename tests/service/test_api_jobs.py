@@ -69,7 +69,7 @@ def test_packing_opt_out_is_stored_and_reaches_the_engine_config(api: ApiClient,
     assert job["packing"] is False and api.get(f"/v1/fine_tuning/jobs/{job['id']}").json()["packing"] is False
     with session_scope() as session:
         claim = jobs.claim(session, job_id=job["id"], worker_id="test-worker")
-    assert claim is not None and claim.packing is False
+    assert claim is not None and claim.training.packing is False
     assert build_train_config(claim, get_settings(), tmp_path).pack is False
 
 

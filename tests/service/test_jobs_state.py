@@ -75,14 +75,10 @@ def test_create_job_queues_and_claim_carries_what_the_worker_needs(tenant: str) 
     assert c.training_file == key and c.validation_file == key
     assert storage.local_path(c.training_file).read_bytes() == DATASET
     # validation_split 0: the job has a validation file, so nothing is held out of training
-    assert c.hyperparameters == {
-        "n_epochs": 2,
-        "batch_size": 4,
-        "learning_rate_multiplier": 1.0,
-        "validation_split": 0.0,
-    }
-    assert c.lora["r"] == 8 and c.lora["alpha"] == 32.0 and c.lora["target_modules"] == "all-linear"
-    assert (c.seed, c.max_seq_len, c.suffix, c.resume_checkpoint) == (1, 64, "t", None)
+    t = c.training
+    assert (t.n_epochs, t.batch_size, t.learning_rate_multiplier, t.validation_split) == (2, 4, 1.0, 0.0)
+    assert t.lora.r == 8 and t.lora.alpha == 32.0 and t.lora.target_modules == "all-linear"
+    assert (t.seed, t.max_seq_len, c.suffix, c.resume_checkpoint) == (1, 64, "t", None)
     assert len(c.attempt_token) == 32
     with session_scope() as s:
         job = jobs.get_job(s, tenant_id=tenant, job_id=job_id)

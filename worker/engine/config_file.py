@@ -80,7 +80,29 @@ def _config_error(exc: ValidationError, renamed: dict[str, str]) -> ConfigError:
         return ConfigError(name, f"missing required field {name!r}")
     if err["type"] == "value_error":
         return ConfigError(name, f"{name} {err['msg'].removeprefix('Value error, ')}")
-    return ConfigError(name, f"{name}: {err['msg']}, got {err['input']!r}")
+    phrase = _PHRASES.get(err["type"], "{}").format(err["msg"], **err.get("ctx", {}))
+    return ConfigError(name, f"{name} {phrase}, got {err['input']!r}")
+
+
+# pydantic's error types, said as the rest of this module says them ("{}" is pydantic's message)
+_PHRASES = {
+    "greater_than_equal": "must be >= {ge}",
+    "greater_than": "must be > {gt}",
+    "less_than_equal": "must be <= {le}",
+    "less_than": "must be < {lt}",
+    "literal_error": "must be one of {expected}",
+    "bool_type": "must be true or false",
+    "bool_parsing": "must be true or false",
+    "int_type": "must be an integer",
+    "int_parsing": "must be an integer",
+    "int_from_float": "must be an integer",
+    "float_type": "must be a number",
+    "float_parsing": "must be a number",
+    "finite_number": "must be a finite number",
+    "model_type": "must be a mapping",
+    "string_type": "must be a string",
+    "string_too_short": "must not be empty",
+}
 
 
 def config_from_mapping(

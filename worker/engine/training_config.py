@@ -134,6 +134,7 @@ class LoraConfig(Strict):
         "all-linear",
         description="leaf names (q_proj) or path suffixes (mlp.down_proj); all-linear: every linear "
         "layer except lm_head",
+        examples=[["q_proj", "v_proj"]],
     )
     use_rslora: bool = Field(False, description="rank-stabilised scale alpha / √r")
 
