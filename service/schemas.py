@@ -1,8 +1,8 @@
 """Request and response models of the REST API, in OpenAI's shapes.
 
 Request models forbid unknown fields, and none of them has an owner, status or id field, so a
-client cannot set those. Numbers-or-"auto" fields use one validator so that an error names the
-field (`hyperparameters.n_epochs`) rather than a union branch.
+client cannot set those. A job's training fields are not declared here: `JobCreate` and
+`JobPublic` are built from worker/engine/training_config.py, where each has its default and range.
 """
 
 from __future__ import annotations

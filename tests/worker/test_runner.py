@@ -56,12 +56,9 @@ def test_job_succeeds_with_artifacts_checkpoints_and_metrics(worker_env: WorkerE
     assert job.fine_tuned_model == f"ft:tiny-llama:t:{job_id}"
     assert job.attempt == 1 and job.error is None
     assert job.trained_tokens and job.trained_tokens > 0
-    assert job.hyperparameters == {
-        "n_epochs": 1,
-        "batch_size": 4,
-        "learning_rate_multiplier": 5.0,
-        "validation_split": 0.05,
-    }  # the default holdout share (a file this small keeps every example for training)
+    stored = jobs.stored_training(job)  # resolved, with the default holdout share
+    assert (stored.n_epochs, stored.batch_size, stored.learning_rate_multiplier) == (1, 4, 5.0)
+    assert stored.validation_split == 0.05  # (a file this small keeps every example for training)
     with session_scope() as s:
         steps = list(
             s.scalars(select(JobMetric.step).where(JobMetric.job_id == job_id).order_by(JobMetric.step))

@@ -72,8 +72,8 @@ class TrainConfig:
 
     @classmethod
     def build(cls, training: TrainingConfig, **run: Any) -> TrainConfig:
-        """The engine's config for `training` ("auto" resolved here; an unset seed, validation split
-        or checkpoint interval takes the engine's default) plus the run's fields (`model`, files,
+        """The engine's config for `training` ("auto" resolved here; an unset seed, validation_split
+        or checkpoint_every takes the engine's default below) plus the run's fields (`model`, files,
         limits, ...) given as keywords."""
         resolved = resolve_auto(training)
         names = {f.name for f in fields(cls)} - {"eval_prompts"}
