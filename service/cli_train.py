@@ -1,6 +1,7 @@
 """`loraq train CONFIG.yaml`: one fine-tune on this machine, no API, queue or database.
 
-The config is a YAML file of the engine's TrainConfig fields (README, "Engine configuration");
+The config is a YAML file of the training fields a job takes too (`TrainingConfig`) plus where the
+run reads and writes (worker/engine/config_file.py; README, "Engine configuration");
 `model_store` defaults to the data dir's store (LORAQ_DATA_DIR). A rich progress bar shows the
 step, loss, tokens/s and ETA. The first Ctrl-C asks the engine to stop after the current step (it
 writes a checkpoint that `resume_from` continues); a second Ctrl-C aborts at once.
