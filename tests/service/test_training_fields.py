@@ -9,6 +9,7 @@ generic one fits (a module name)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -113,10 +114,12 @@ def dig(data: dict[str, Any], path: Path_) -> Any:
 
 
 @pytest.fixture
-def unserved_ok(monkeypatch: pytest.MonkeyPatch) -> None:
+def unserved_ok(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     # a queue or GPU count no test worker serves is a valid value: the job waits for one
     monkeypatch.setenv("LORAQ_ACCEPT_UNSERVED_JOBS", "1")
     get_settings.cache_clear()
+    yield
+    get_settings.cache_clear()  # the next test reads its own environment
 
 
 def post_job(api: ApiClient, file_id: str, path: Path_, value: Any) -> Any:
