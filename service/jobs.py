@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Update, bindparam, func, insert, select, update
+from sqlalchemy import Row, Update, bindparam, func, insert, select, update
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased
@@ -373,7 +373,7 @@ def training_columns(training: TrainingConfig) -> dict[str, Any]:
     return {**columns, "hyperparameters": data}
 
 
-def stored_training(job: Job | Any) -> TrainingConfig:
+def stored_training(job: Job | Row[Any]) -> TrainingConfig:
     """The training configuration of a job row (an ORM job or a `read_job_row` row); a row stored
     before a field existed gets that field's default."""
     return TrainingConfig(**job.hyperparameters, **{name: getattr(job, name) for name in TRAINING_COLUMNS})
