@@ -3,6 +3,7 @@
 - `gpu`-marked tests skip cleanly on machines without a CUDA device; on one, each runs with the
   compiled kernels required (a failed build is an error, not a silent reference run), TF32 off
   (the fp32 bounds assume full fp32 GEMMs) and a fixed seed.
+- `--n-gpus N` (default 2): how many GPUs test_gpu_training's multi-GPU test compares with one.
 - `--gpu-results PATH` writes every test's outcome, with the errors it recorded through
   `record_property`, as JSON (scripts/gpu_check.sh keeps it in bench/results).
 """
@@ -10,7 +11,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +27,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--gpu-results", type=Path, default=None, help="write each test's outcome and errors as JSON here"
     )
+    parser.addoption("--n-gpus", type=int, default=2, help="GPUs of the multi-GPU training test")
+
+
+@pytest.fixture
+def n_gpus(request: pytest.FixtureRequest) -> int:
+    return int(request.config.getoption("--n-gpus"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -63,9 +69,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 def _header() -> dict[str, Any]:
     """Where and on what the results were measured."""
+    from bench.train_bench import git_commit
     from worker.engine.versions import package_versions
 
-    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True)
     cuda = torch.cuda.is_available()
     return {
         "device": torch.cuda.get_device_name(0) if cuda else "none",
@@ -73,7 +79,7 @@ def _header() -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "versions": package_versions(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "commit": git.stdout.strip() if git.returncode == 0 else "unknown",
+        "commit": git_commit(),
     }
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 BOUNDS = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
-DTYPES = [torch.float32, torch.bfloat16]
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 # the largest vocabulary of worker/engine/catalog.py's models (the Llama 3 family)
 LARGEST_VOCAB = 128_256
 
@@ -104,3 +104,14 @@ def shapes(small: Sequence[Any], large: Sequence[Any] = ()) -> list[Any]:
     """Parameters for a shape: the small ones (edge shapes; what compute-sanitizer runs) and
     the large ones marked `slow` (`-m "gpu and not slow"` leaves them out)."""
     return [*small, *(pytest.param(*s, marks=pytest.mark.slow) for s in large)]
+
+
+def rope_tables(
+    b: int, s: int, d: int, dtype: torch.dtype, device: str = "cuda"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama-style cos/sin (b, s, d): positions (offset per row) times inverse frequencies,
+    the halves repeated."""
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=device).float() / d))
+    pos = torch.arange(s, device=device).float() + torch.randint(0, 50, (b, 1), device=device)
+    ang = pos[..., None] * inv  # (b, s, d/2)
+    return torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)

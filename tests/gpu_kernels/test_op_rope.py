@@ -14,19 +14,7 @@ import torch.nn.functional as F
 
 from gpu_kernels.ops import rope
 from gpu_kernels.ops import rope_reference as ref
-from tests.gpu_kernels.oracle import DTYPES, Recorder, assert_matches_reference, randn, shapes
-
-
-def rope_tables(
-    b: int, s: int, d: int, dtype: torch.dtype, device: str = "cuda"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Llama-style cos/sin (b, s, d): positions (offset per row) times inverse frequencies,
-    the halves repeated."""
-    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=device).float() / d))
-    pos = torch.arange(s, device=device).float() + torch.randint(0, 50, (b, 1), device=device)
-    ang = pos[..., None] * inv  # (b, s, d/2)
-    return torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
-
+from tests.gpu_kernels.oracle import DTYPES, Recorder, assert_matches_reference, randn, rope_tables, shapes
 
 # ------------------------------------------------------------------ the reference, fp64, on CPU
 
