@@ -44,7 +44,9 @@ def test_reference_gradients_pass_gradcheck() -> None:
         torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
         for s in ((3, 7), (5, 7), (5,), (2, 7), (5, 2))
     )
-    assert torch.autograd.gradcheck(lambda *t: ref.lora_linear(*t, 1.5), (x, w, bias, a, b))
+    assert torch.autograd.gradcheck(
+        lambda x, w, bias, a, b: ref.lora_linear(x, w, bias, a, b, 1.5), (x, w, bias, a, b)
+    )
     adapters = lambda a, b: [(a[:1], b[:2, :1], 2.0), (a[1:], b[2:, 1:], 0.5)]  # noqa: E731
     assert torch.autograd.gradcheck(
         lambda x, a, b: ref.lora_linear_grouped(x, w, None, adapters(a, b)), (x, a, b)
