@@ -88,4 +88,4 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if path is None:
         return
     failed = [r["test"] for r in _rows if r["outcome"] == "failed"]
-    path.write_text(json.dumps({**_header(), "checks": _rows, "failed": failed}, indent=1))
+    path.write_text(json.dumps({**_header(), "checks": _rows, "failed": failed}, indent=1, default=str))

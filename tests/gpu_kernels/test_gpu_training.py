@@ -64,7 +64,7 @@ def test_graphed_step_equals_eager_step(record_property: Recorder) -> None:
             x_static.copy_(x)
             t_static.copy_(t)
             losses.append(graphed()["loss"].item())
-        assert graphed.captured == captured, f"graph capture fell back: {graphed.fallback_reason}"
+        assert graphed.captured or not captured, f"graph capture fell back: {graphed.fallback_reason}"
         return losses
 
     eager, graphed = run(False), run(True)

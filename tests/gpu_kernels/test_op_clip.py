@@ -66,7 +66,7 @@ def test_reference_equals_torch_clip_grad_norm(max_norm: float) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("max_norm", [1e-3, 1e6])
 @pytest.mark.parametrize(
-    "sizes",
+    ("sizes",),
     shapes([([1],), ([1, 7, 16384, 16385, 100003],), ([3] * 700,)], [([2048 * 16, 16 * 8192] * 112,)]),
 )
 def test_clip_matches_the_float64_norm(sizes: list[int], max_norm: float, record_property: Recorder) -> None:
