@@ -1,6 +1,7 @@
 """Fixtures and hooks of the kernel tests.
 
 - `gpu`-marked tests skip cleanly on machines without a CUDA device; on one, each runs with the
+  kernels configured from the settings (LORAQ_KERNEL_CACHE: where gpu_check.sh built them), the
   compiled kernels required (a failed build is an error, not a silent reference run), TF32 off
   (the fp32 bounds assume full fp32 GEMMs) and a fixed seed.
 - `--n-gpus N` (default 2): how many GPUs test_gpu_training's multi-GPU test compares with one.
@@ -50,7 +51,9 @@ def _compiled_kernels_on_gpu(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
         return
     import gpu_kernels
+    from worker.kernels import configure_kernels
 
+    configure_kernels()  # the kernel cache (and switches) of the settings, as a worker applies them
     gpu_kernels.require_compiled()
     assert gpu_kernels.available().compiled
     saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
