@@ -1,49 +1,46 @@
 #!/usr/bin/env bash
-# GPU correctness check for gpu_kernels, on a CUDA host: build the kernels, compare every op and
-# its gradients with the reference (fp32 + bf16, several shapes), run compute-sanitizer memcheck
-# on a small case, train tiny-llama 50 steps on the compiled and the reference path, and check the
-# packed job step (per-example losses in a packed row equal the examples alone; no leakage).
+# GPU check for gpu_kernels, on a CUDA host:
+#   1. build the kernels;
+#   2. correctness: `pytest -m gpu tests/gpu_kernels` — every op forward and backward against its
+#      reference (fp32 + bf16, edge and large shapes: test_op_<op>.py), a graphed step vs eager,
+#      tiny-llama 50 steps and the recipe on the compiled vs the reference path, the packed job
+#      step in bf16 (each example in a packed row vs alone, isolation) (test_gpu_training.py);
+#   3. compute-sanitizer memcheck of `pytest -m "gpu and not slow"` (the small shapes of every op
+#      and the packed step on tiny-llama);
+#   4. measuring: op timings, compiled vs eager torch (scripts/gpu_check.py bench).
 # Usage: scripts/gpu_check.sh [OUTDIR]   (logs and JSON land in OUTDIR, default bench/results)
+# Needs pytest and pytest-timeout next to the CUDA torch (pip install pytest pytest-timeout).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench/results}"
 mkdir -p "$out"
 py="${PYTHON:-python3}"
-export LORAQ_COMMIT="${LORAQ_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 status=0
+
+$py -m pytest --version >/dev/null 2>&1 || { echo "gpu_check: pytest is missing: pip install pytest pytest-timeout" >&2; exit 2; }
 
 echo "== build"
 $py -m gpu_kernels.build ${LORAQ_KERNEL_CACHE:+--cache-dir "$LORAQ_KERNEL_CACHE"} || exit 1
 
-echo "== ops vs reference"
-$py scripts/gpu_check.py ops --json "$out/gpu-check-ops.json" || status=1
+echo "== correctness: pytest -m gpu (ops vs reference, training paths)"
+$py -m pytest -q -p no:cacheprovider -m gpu tests/gpu_kernels --gpu-results "$out/gpu-check-tests.json" \
+  2>&1 | tee "$out/gpu-check-tests.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
-echo "== tiny-llama 50 steps, compiled vs reference"
-$py scripts/gpu_check.py train --steps 50 --json "$out/gpu-check-train.json" || status=1
-
-echo "== engine recipe on the GPU, compiled vs reference path (tiny-llama 20 steps)"
-$py scripts/gpu_check.py recipe --steps 20 --json "$out/gpu-check-recipe.json" || status=1
-
-echo "== packed job step (bf16): per-example loss and gradients in a packed row vs alone, isolation"
-$py scripts/gpu_check.py packed --json "$out/gpu-check-packed.json" || status=1
-
-echo "== compute-sanitizer memcheck (small shapes)"
+echo "== compute-sanitizer memcheck (pytest -m 'gpu and not slow': small shapes, packed step)"
 if command -v compute-sanitizer >/dev/null; then
   # no caching allocator: every tensor is its own allocation, so an overrun is seen
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool memcheck \
-    --error-exitcode 3 --print-limit 20 $py scripts/gpu_check.py ops --small >"$out/gpu-check-sanitizer.txt" 2>&1
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZER_TIMEOUT:-900}" compute-sanitizer --tool memcheck \
+    --error-exitcode 3 --print-limit 20 $py -m pytest -q -p no:cacheprovider -m "gpu and not slow" tests/gpu_kernels \
+    >"$out/gpu-check-sanitizer.txt" 2>&1
   rc=$?
   tail -n 3 "$out/gpu-check-sanitizer.txt"
   echo "sanitizer exit code: $rc"
   [ "$rc" -eq 0 ] || status=1
-  # the packed job step end to end (varlen attention, gathered loss) on tiny-llama
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool memcheck \
-    --error-exitcode 3 --print-limit 20 $py scripts/gpu_check.py packed --small >"$out/gpu-check-sanitizer-packed.txt" 2>&1
-  rc=$?
-  tail -n 3 "$out/gpu-check-sanitizer-packed.txt"
-  echo "sanitizer (packed step) exit code: $rc"
-  [ "$rc" -eq 0 ] || status=1
 else
   echo "compute-sanitizer not found: skipped"
 fi
+
+echo "== op timings: compiled vs eager torch"
+$py scripts/gpu_check.py bench --json "$out/gpu-check-opbench.json" || status=1
 exit $status

@@ -1,6 +1,7 @@
 """Mixed-adapter LoRA for serving, SGMV-style (Punica, S-LoRA): rows that share an adapter form a
 segment, and each segment runs one pair of GEMMs over all its tokens, instead of gathering a
-private copy of A and B per row (reference.lora_linear_multi, the BGMV twin and test oracle).
+private copy of A and B per row (lora_multi_reference.lora_linear_multi, the BGMV twin and test
+oracle).
 
 On a GPU this does one (tokens_i, in)·(in, r) and one (tokens_i, r)·(r, out) GEMM per distinct
 adapter i in the batch, so the cost grows with the number of adapters in use, not with the batch
@@ -23,7 +24,7 @@ def lora_linear_multi(
     scales: torch.Tensor,  # (N,)
     index: torch.Tensor,  # (B,) int64
 ) -> torch.Tensor:
-    """Same math and shapes as reference.lora_linear_multi."""
+    """Same math and shapes as lora_multi_reference.lora_linear_multi."""
     y = F.linear(x, weight, bias)
     # One host sync per call for the segment boundaries; rows of one adapter, in batch order.
     for slot in torch.unique(index).tolist():

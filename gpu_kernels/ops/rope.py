@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from gpu_kernels import _lib, reference
+from gpu_kernels import _lib
+from gpu_kernels.ops.rope_reference import rope_head_size
 
 
 def _bshd(b: int, s: int, heads: int, d: int, like: torch.Tensor) -> torch.Tensor:
@@ -36,7 +37,7 @@ class RoPEQKVFunction(torch.autograd.Function):
         ctx: Any, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, s, width = qkv.shape
-        d = reference.rope_head_size(width, n_heads, n_kv)
+        d = rope_head_size(width, n_heads, n_kv)
         x = qkv.contiguous()
         cos, sin = _tables(cos, sin, x)
         if cos.shape[-1] != d or d % 2:

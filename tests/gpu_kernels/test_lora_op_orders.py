@@ -3,7 +3,7 @@
 The "epilogue" (LoRA term first, base GEMM with beta = 1) and "cublas" (base GEMM first, rank
 update after) orders are plain torch GEMMs, so the op's forward and backward are checked here on
 the CPU in fp64 (with dropout, its hash mask by the reference twin); the GPU run of the same
-checks, and of the "kernel" order, is `scripts/gpu_check.py ops`.
+checks, and of the "kernel" order, is test_op_lora.py.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ def test_epilogue_order_is_used_only_when_the_gemm_keeps_the_dtype(monkeypatch: 
 
 @pytest.mark.parametrize("order", ["epilogue", "cublas"])
 def test_lora_op_with_dropout_matches_the_masked_formula(order: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The dropout path with the compiled mask stood in by its reference twin (gpu_check shows the
-    kernel's mask equals reference.dropout_mask exactly): y = x·Wᵀ + b + Σ s_j·(drop(x)·A_jᵀ)·B_jᵀ,
+    """The dropout path with the compiled mask stood in by its reference twin (test_op_lora.py shows
+    the kernel's mask equals reference.dropout_mask exactly): y = x·Wᵀ + b + Σ s_j·(drop(x)·A_jᵀ)·B_jᵀ,
     where forward and backward must draw the same mask."""
     masks: list[torch.Tensor] = []
 

@@ -1,8 +1,10 @@
-"""The mixed-adapter LoRA op (serving) against a loop of single-adapter LoRA layers.
+"""The mixed-adapter LoRA op of serving (gpu_kernels.ops.lora_multi, SGMV) and its reference
+(gpu_kernels.ops.lora_multi_reference, BGMV) against a loop of single-adapter LoRA layers.
 
 Each row of a batch carries an adapter index; slots have different ranks (zero-padded in the
 stacks) and slot 0 is "no adapter". Both implementations, the gathered reference (BGMV) and the
-segmented one (SGMV, what CUDA runs), must equal applying each row's own adapter alone.
+segmented one (SGMV, what CUDA runs), must equal applying each row's own adapter alone. On a
+CUDA device (`gpu`), the segmented op is compared with the reference in fp32 and bf16.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ import pytest
 import torch
 
 import gpu_kernels
-from gpu_kernels import reference
 from gpu_kernels.ops import lora_multi
+from gpu_kernels.ops import lora_multi_reference as ref
+from gpu_kernels.ops.lora_reference import lora_linear
+from tests.gpu_kernels.oracle import DTYPES, Recorder, assert_matches_reference, randn, shapes
 
 IN, OUT, R_MAX = 24, 40, 8
 RANKS = [0, 2, 8, 5]  # slot 0: the base model alone
@@ -33,7 +37,7 @@ def _stacks(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return a, b, scales, singles
 
 
-@pytest.mark.parametrize("impl", [reference.lora_linear_multi, lora_multi.lora_linear_multi])
+@pytest.mark.parametrize("impl", [ref.lora_linear_multi, lora_multi.lora_linear_multi])
 def test_mixed_batch_equals_each_row_with_its_own_adapter(impl) -> None:  # type: ignore[no-untyped-def]
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(6, 5, IN, generator=gen, dtype=torch.float64)  # (B, S, in)
@@ -50,7 +54,7 @@ def test_mixed_batch_equals_each_row_with_its_own_adapter(impl) -> None:  # type
         if RANKS[slot] == 0:
             expected = torch.nn.functional.linear(x[row], w, bias)
         else:
-            expected = reference.lora_linear(x[row], w, bias, ai, bi, si)
+            expected = lora_linear(x[row], w, bias, ai, bi, si)
         torch.testing.assert_close(y[row], expected, rtol=1e-12, atol=1e-12)
 
 
@@ -73,7 +77,45 @@ def test_float32_stacks_with_a_16_bit_base() -> None:
     a, b, scales, _ = _stacks(gen)
     a, b, scales = a.float(), b.float(), scales.float()
     index = torch.tensor([1, 3, 1])
-    ref = reference.lora_linear_multi(x, w, None, a, b, scales, index)
+    gathered = ref.lora_linear_multi(x, w, None, a, b, scales, index)
     seg = lora_multi.lora_linear_multi(x, w, None, a, b, scales, index)
-    assert ref.dtype == seg.dtype == torch.bfloat16
-    torch.testing.assert_close(ref.float(), seg.float(), rtol=2e-2, atol=2e-2)
+    assert gathered.dtype == seg.dtype == torch.bfloat16
+    torch.testing.assert_close(gathered.float(), seg.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_reference_gradients_pass_gradcheck() -> None:
+    gen = torch.Generator().manual_seed(4)
+    a, b, scales, _ = _stacks(gen)
+    x = torch.randn(3, 2, IN, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(OUT, IN, generator=gen, dtype=torch.float64, requires_grad=True)
+    a, b = a.requires_grad_(), b.requires_grad_()
+    index = torch.tensor([3, 0, 3])
+    assert torch.autograd.gradcheck(
+        lambda x, w, a, b: ref.lora_linear_multi(x, w, None, a, b, scales, index), (x, w, a, b)
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("batch", "seq", "index"), shapes([(1, 1, [2]), (6, 5, [2, 0, 3, 2, 1, 3])], [(16, 257, [3, 1] * 8)])
+)
+def test_segmented_op_matches_reference(
+    dtype: torch.dtype, batch: int, seq: int, index: list[int], record_property: Recorder
+) -> None:
+    """bf16 or fp32 base with fp32 adapter stacks, as serving keeps them; forward and dx."""
+    a, b, scales, _ = _stacks(torch.Generator().manual_seed(2))
+    a, b, scales = a.float().cuda(), b.float().cuda(), scales.float().cuda()
+    x = randn(batch, seq, IN, dtype=dtype, grad=True)
+    w = randn(OUT, IN, dtype=dtype, scale=IN**-0.5)
+    bias = randn(OUT, dtype=dtype)
+    idx = torch.tensor(index, device="cuda")
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        w_, bias_, a_, b_ = (t.to(x.dtype) for t in (w, bias, a, b))
+        return ref.lora_linear_multi(x, w_, bias_, a_, b_, scales, idx)
+
+    assert_matches_reference(
+        lambda x: lora_multi.lora_linear_multi(x, w, bias, a, b, scales, idx), reference,
+        [x], torch.randn(batch, seq, OUT, device="cuda"), ["y", "dx"], dtype, record_property,
+    )  # fmt: skip

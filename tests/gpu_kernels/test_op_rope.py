@@ -1,0 +1,126 @@
+"""Rotary embedding fused with the q/k/v split (gpu_kernels.ops.rope, csrc/rope.cu) and its
+reference (gpu_kernels.ops.rope_reference).
+
+The reference's own fp64 checks run everywhere (against Hugging Face's rotary embedding and a
+rotation written out per pair); the compiled op against the reference, forward and backward, in
+fp32 and bf16, alone and under attention, needs a CUDA device (`gpu`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_kernels.ops import rope
+from gpu_kernels.ops import rope_reference as ref
+from tests.gpu_kernels.oracle import DTYPES, Recorder, assert_matches_reference, randn, rope_tables, shapes
+
+# ------------------------------------------------------------------ the reference, fp64, on CPU
+
+
+def test_rope_qkv_matches_hugging_face_rotary_embedding() -> None:
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(5)
+    b, s, heads, kv, d = 2, 7, 6, 2, 10
+    qkv = torch.randn(b, s, (heads + 2 * kv) * d, generator=g, dtype=torch.float64)
+    angles = torch.randn(b, s, d // 2, generator=g, dtype=torch.float64)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    q, k, v = ref.rope_qkv(qkv, cos, sin, heads, kv)
+    hf_q, hf_k, hf_v = (t.transpose(1, 2) for t in qkv.view(b, s, -1, d).split([heads, kv, kv], dim=2))
+    want_q, want_k = apply_rotary_pos_emb(hf_q, hf_k, cos, sin)
+    assert (q.shape, k.shape, v.shape) == ((b, heads, s, d), (b, kv, s, d), (b, kv, s, d))
+    torch.testing.assert_close(q, want_q, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(k, want_k, rtol=1e-12, atol=1e-12)
+    assert torch.equal(v, hf_v)
+
+
+def test_rope_rotates_each_pair_i_and_i_plus_half_by_its_angle() -> None:
+    """Independent of rotate_half: feature pairs (i, i + D/2) rotated as 2-vectors, one by one."""
+    g = torch.Generator().manual_seed(6)
+    s, d = 3, 4
+    qkv = torch.randn(1, s, 3 * d, generator=g, dtype=torch.float64)
+    angles = torch.randn(1, s, d // 2, generator=g, dtype=torch.float64)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    q, k, _ = ref.rope_qkv(qkv, cos, sin, 1, 1)
+    for head, got in ((0, q), (1, k)):
+        for t in range(s):
+            for i in range(d // 2):
+                x0, x1 = qkv[0, t, head * d + i].item(), qkv[0, t, head * d + i + d // 2].item()
+                c, sn = angles[0, t, i].cos().item(), angles[0, t, i].sin().item()
+                assert got[0, 0, t, i].item() == pytest.approx(x0 * c - x1 * sn, abs=1e-12)
+                assert got[0, 0, t, i + d // 2].item() == pytest.approx(x1 * c + x0 * sn, abs=1e-12)
+
+
+def test_reference_gradients_pass_gradcheck() -> None:
+    g = torch.Generator().manual_seed(7)
+    b, s, heads, kv, d = 2, 3, 2, 1, 4
+    qkv = torch.randn(b, s, (heads + 2 * kv) * d, generator=g, dtype=torch.float64, requires_grad=True)
+    angles = torch.randn(1, s, d // 2, generator=g, dtype=torch.float64)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    assert torch.autograd.gradcheck(lambda t: ref.rope_qkv(t, cos, sin, heads, kv), (qkv,))
+
+
+def test_rope_qkv_names_a_width_that_is_not_whole_heads() -> None:
+    qkv = torch.zeros(1, 2, 6 * 8 + 1)  # 4 q heads + 2·1 kv heads of 8, one feature too many
+    cos = sin = torch.zeros(1, 2, 8)
+    with pytest.raises(ValueError, match=r"width 49 is not a whole number of heads"):
+        ref.rope_qkv(qkv, cos, sin, 4, 1)
+    assert ref.rope_head_size(48, 4, 1) == 8
+
+
+# ------------------------------------------------------------ the compiled op, on a CUDA device
+
+# (B, S, H q heads, G kv heads, D); B = 3 takes one cos/sin table broadcast over the batch
+SHAPES = shapes(
+    [(1, 1, 1, 1, 2), (2, 7, 6, 2, 10), (3, 33, 9, 3, 64), (1, 129, 32, 8, 128)],
+    [(8, 1024, 9, 3, 64), (2, 2048, 32, 8, 64)],
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("b", "s", "heads", "kv", "d"), SHAPES)
+def test_rope_qkv_matches_reference(
+    dtype: torch.dtype, b: int, s: int, heads: int, kv: int, d: int, record_property: Recorder
+) -> None:
+    qkv = randn(b, s, (heads + 2 * kv) * d, dtype=dtype, grad=True)
+    cos, sin = rope_tables(1 if b == 3 else b, s, d, dtype)
+
+    def flat(fn, t: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        q, k, v = fn(t, cos.to(t.dtype), sin.to(t.dtype), heads, kv)
+        return torch.cat([q.reshape(-1), k.reshape(-1), v.reshape(-1)])
+
+    assert_matches_reference(
+        lambda t: flat(rope.rope_qkv, t), lambda t: flat(ref.rope_qkv, t),
+        [qkv], torch.randn(qkv.numel(), device="cuda"), ["qkv_out", "dqkv"], dtype, record_property,
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("b", "s", "heads", "kv", "d"), SHAPES)
+def test_rope_qkv_under_attention_matches_reference(
+    dtype: torch.dtype, b: int, s: int, heads: int, kv: int, d: int, record_property: Recorder
+) -> None:
+    """As the fused attention uses it: the gradients arrive in SDPA's own strides."""
+    qkv = randn(b, s, (heads + 2 * kv) * d, dtype=dtype, grad=True)
+    cos, sin = rope_tables(1 if b == 3 else b, s, d, dtype)
+
+    def attend(fn, t: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        q, k, v = fn(t, cos.to(t.dtype), sin.to(t.dtype), heads, kv)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=heads != kv)
+
+    assert_matches_reference(
+        lambda t: attend(rope.rope_qkv, t), lambda t: attend(ref.rope_qkv, t),
+        [qkv], torch.randn(b, heads, s, d, device="cuda"), ["attn", "dqkv"], dtype, record_property,
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_rope_qkv_rejects_an_odd_head_size() -> None:
+    qkv = torch.zeros(1, 2, 3 * 5, device="cuda")
+    cos = sin = torch.zeros(1, 2, 5, device="cuda")
+    with pytest.raises(ValueError, match="must be even"):
+        rope.rope_qkv(qkv, cos, sin, 1, 1)

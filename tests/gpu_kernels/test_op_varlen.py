@@ -1,0 +1,116 @@
+"""Variable-length causal attention over packed sequences (gpu_kernels.ops.varlen: PyTorch's
+flash-attention kernels) and its reference (gpu_kernels.ops.varlen_reference: one SDPA call per
+sequence).
+
+The reference's own fp64 checks run everywhere (against attention written out with a
+block-diagonal causal mask); the flash op against the reference, forward and backward, in bf16
+(flash attention takes 16-bit inputs only), GQA, with the zero-length sequences that pad
+cu_seqlens to a fixed size, needs a CUDA device (`gpu`).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import gpu_kernels
+from gpu_kernels.ops import varlen
+from gpu_kernels.ops import varlen_reference as ref
+from tests.gpu_kernels.oracle import Recorder, assert_matches_reference, randn, rel, shapes
+
+
+def cu_seqlens(lengths: list[int], pad: int = 0, device: str = "cpu") -> torch.Tensor:
+    """(K + 1 + pad,) int32 offsets of sequences of `lengths`, padded with `pad` empty ones."""
+    offsets = [0, *itertools.accumulate(lengths)]
+    return torch.tensor(offsets + [offsets[-1]] * pad, dtype=torch.int32, device=device)
+
+
+# ------------------------------------------------------------------ the reference, fp64, on CPU
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """softmax(q·kᵀ/√D + mask)·v over all N tokens at once, the mask allowing token j for token
+    i only within i's sequence and j <= i; k/v heads repeated for GQA. (N, H, D)."""
+    n, heads, d = q.shape
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))  # (N,)
+    pos = torch.arange(n)
+    allowed = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])  # (N, N)
+    rep = heads // k.shape[1]
+    kh, vh = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = torch.einsum("ihd,jhd->hij", q, kh) / d**0.5
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("hij,jhd->ihd", probs, vh)
+
+
+def test_reference_equals_block_diagonal_causal_attention() -> None:
+    g = torch.Generator().manual_seed(0)
+    lengths = [3, 1, 5, 0, 2]
+    n, heads, kv, d = sum(lengths), 4, 2, 6
+    q = torch.randn(n, heads, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(n, kv, d, generator=g, dtype=torch.float64) for _ in range(2))
+    got = ref.varlen_attention(q, k, v, cu_seqlens(lengths, pad=2), max(lengths))
+    torch.testing.assert_close(got, naive_attention(q, k, v, lengths), rtol=1e-12, atol=1e-12)
+
+
+def test_reference_gradients_pass_gradcheck() -> None:
+    g = torch.Generator().manual_seed(1)
+    lengths = [2, 3]
+    q = torch.randn(5, 2, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(5, 1, 3, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    cu = cu_seqlens(lengths)
+    assert torch.autograd.gradcheck(lambda q, k, v: ref.varlen_attention(q, k, v, cu, 3), (q, k, v))
+
+
+def test_reference_rejects_bad_offsets() -> None:
+    q = k = v = torch.zeros(4, 1, 2)
+    with pytest.raises(ValueError, match="must rise from 0 to 4"):
+        ref.varlen_attention(q, k, v, torch.tensor([0, 3, 2, 4], dtype=torch.int32), 4)
+    with pytest.raises(ValueError, match="longer than max_seqlen 2"):
+        ref.varlen_attention(q, k, v, cu_seqlens([1, 3]), 2)
+
+
+# ------------------------------------------------------------ the compiled op, on a CUDA device
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("lengths", "heads", "kv", "d"),
+    shapes([([1], 1, 1, 16), ([5, 1, 17, 0], 4, 2, 16)], [([300, 41, 700, 128, 513, 366], 32, 8, 64)]),
+)
+def test_varlen_attention_matches_reference(
+    lengths: list[int], heads: int, kv: int, d: int, record_property: Recorder
+) -> None:
+    dtype = torch.bfloat16
+    n = sum(lengths)
+    cu = cu_seqlens(lengths, pad=2, device="cuda")
+    q = randn(n, heads, d, dtype=dtype, grad=True)
+    k, v = randn(n, kv, d, dtype=dtype, grad=True), randn(n, kv, d, dtype=dtype, grad=True)
+    m = max(lengths)
+    assert_matches_reference(
+        lambda q, k, v: varlen.varlen_attention(q, k, v, cu, m),
+        lambda q, k, v: ref.varlen_attention(q, k, v, cu, m),
+        [q, k, v], torch.randn(n, heads, d, device="cuda"), ["out", "dq", "dk", "dv"], dtype, record_property,
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_varlen_attention_matches_one_sdpa_per_sequence() -> None:
+    """Flash varlen (the packed job step's attention) through dispatch against the reference,
+    GQA, with empty sequences padding cu_seqlens to a fixed length as the step pads it."""
+    lengths, heads, kv, d = [300, 1, 77, 0, 512], 8, 2, 64
+    n = sum(lengths)
+    cu = cu_seqlens(lengths, pad=2, device="cuda")
+    q, k, v = (
+        torch.randn(n, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (heads, kv, kv)
+    )
+    out = gpu_kernels.varlen_attention(q, k, v, cu, max(lengths))
+    gy = torch.randn_like(out)
+    out.backward(gy)
+    q2, k2, v2 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = ref.varlen_attention(q2, k2, v2, cu, max(lengths))
+    want.backward(gy.double())
+    assert rel(out, want) < 2e-2
+    for g, g2 in ((q.grad, q2.grad), (k.grad, k2.grad), (v.grad, v2.grad)):
+        assert g is not None and g2 is not None and rel(g, g2) < 2e-2
