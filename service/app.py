@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 
@@ -14,6 +14,7 @@ from service.api import chat, files, health, jobs, models
 from service.api.dashboard import mount_dashboard
 from service.api.docs import mount_docs
 from service.api.metrics import install_service_metrics
+from service.api.query_guard import refuse_nul_in_query
 from service.db.session import close_read_pools
 from service.errors import install_error_handlers
 from service.settings import Settings, get_settings
@@ -61,6 +62,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,
+        dependencies=[Depends(refuse_nul_in_query)],
     )
     install_error_handlers(app)
     if settings.cors_origins:  # off unless origins are listed explicitly
