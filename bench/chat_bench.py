@@ -9,7 +9,7 @@ Measures, with a warm idle inference worker (tiny-llama preloaded, a few warm-up
   seconds each): aggregate generated tokens/s against the same requests sent one at a time,
   which shows the worker batching rows of different adapters together.
 
-Target (issue 14): non-streamed 16-token completion on tiny-llama, p50 <= 300 ms on a 2-core box.
+Target: non-streamed 16-token completion on tiny-llama, p50 <= 300 ms on a 2-core box.
 
 Usage: .venv/bin/python bench/chat_bench.py [--requests 50] [--max-tokens 16] [--out PATH]
 """

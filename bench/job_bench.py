@@ -300,7 +300,7 @@ def cells(presets: list[str]) -> list[list[str]]:
     return out
 
 
-# N-GPU / one-GPU tokens/s the issue asks for (issue 20), per GPU count and model
+# the N-GPU / one-GPU tokens/s ratio to reach, per GPU count and model
 MULTI_GPU_GOALS: dict[int, dict[str, float]] = {
     2: {"llama-1b": 1.85, "smollm2-135m": 1.7},
     4: {"llama-1b": 3.6},

@@ -8,9 +8,9 @@ Measures
 - status reads: GET /v1/fine_tuning/jobs/{id} from N concurrent keep-alive connections for a
   fixed time: throughput and p50/p99 latency.
 
-Targets (issue 3): dispatch p99 < 1 s; >= 1,000 status reads/s with p99 < 100 ms. Issue 13:
->= 2,000 status reads/s with p99 <= 50 ms, on PostgreSQL within 10% of SQLite's figure (two runs,
-`--database-url` on one of them, on the same machine at the same hour).
+Targets: dispatch p99 < 1 s; >= 2,000 status reads/s with p99 <= 50 ms; on PostgreSQL within 10%
+of SQLite's figure (two runs, `--database-url` on one of them, on the same machine at the same
+hour).
 
 The read load uses a minimal HTTP/1.1 keep-alive client on raw asyncio streams: on a 2-core
 machine a full HTTP client library would spend more CPU than the server and measure itself.
@@ -88,7 +88,7 @@ class Service:
         env.update(LORAQ_DATA_DIR=str(data_dir), LORAQ_PORT=str(self.port), LORAQ_API_KEY=self.key)
         # One key submits 100 jobs and reads ~1,000/s: a throughput measurement, not a tenant, so
         # the per-tenant queued-job limit and (unless --rate-limit-per-minute) the per-key rate
-        # limit (issue 6) are off.
+        # limit are off.
         env.update(LORAQ_MAX_QUEUED_JOBS_PER_TENANT="0", LORAQ_RATE_LIMIT_PER_MINUTE="0")
         env.update(extra_env)
         self.data_dir = data_dir
@@ -309,7 +309,7 @@ def main() -> int:
         "dispatch_p99_under_1s": results["dispatch"]["p99_ms"] < 1000,
         "reads_at_least_1000_per_s": reads["reads_per_s"] >= 1000,
         "reads_p99_under_100ms": reads["p99_ms"] < 100,
-        # issue 13: PostgreSQL keeps up with SQLite (compare the two databases' runs)
+        # PostgreSQL keeps up with SQLite (compare the two databases' runs)
         "reads_at_least_2000_per_s": reads["reads_per_s"] >= 2000,
         "reads_p99_at_most_50ms": reads["p99_ms"] <= 50,
     }

@@ -74,7 +74,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
     for router in (health.router, files.router, jobs.router, models.router, chat.router):
         app.include_router(router)
-    # issue 5: request metrics middleware + GET /metrics; the dashboard at / and its /static assets
+    # request metrics middleware + GET /metrics; the dashboard at / and its /static assets
     install_service_metrics(app, settings)
     mount_dashboard(app)
     mount_docs(app)

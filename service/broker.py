@@ -64,7 +64,7 @@ def make_celery(settings: Settings) -> Celery:
         task_serializer="json",
         accept_content=["json"],
         broker_connection_retry_on_startup=True,
-        # Bounded broker calls (issue 17): every socket operation and connect has a timeout, and a
+        # Bounded broker calls: every socket operation and connect has a timeout, and a
         # publish retries at most `broker_publish_retries` times (service.queue adds a deadline).
         broker_connection_timeout=settings.redis_connect_timeout_seconds,
         broker_transport_options={

@@ -937,7 +937,7 @@ def finish(
     return True
 
 
-# ---------------------------------------------------------------- reliability (issue 6) hooks
+# ---------------------------------------------------------------- reliability hooks
 
 
 def requeue(session: Session, *, job_id: str, attempt_token: str, reason: str) -> bool:

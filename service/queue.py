@@ -5,7 +5,7 @@ sent, and a failed send leaves it `queued` for the reconciler to re-send, so a b
 never loses a job (and never fails the API request that created it). The `queued` row is the
 transactional outbox: it is written in the same transaction as the job, and the reconciler relays it.
 
-Bounded (issue 17): a publish runs on a small thread pool and the caller waits at most
+Bounded: a publish runs on a small thread pool and the caller waits at most
 `broker_publish_timeout_seconds` for it (Kombu's own timeouts bound each socket call, but its
 connection pool can make a caller queue behind other stuck publishes). After a miss, publishes are
 skipped for `broker_backoff_seconds`, so a frozen Redis costs one wait, not one per request.
@@ -103,7 +103,7 @@ def celery_for(settings: Settings) -> Celery:
 
 
 def job_queue(job: Job) -> str:
-    """The Celery queue of a job (issue 7): its worker class, `-x<n>` for multi-GPU jobs."""
+    """The Celery queue of a job: its worker class, `-x<n>` for multi-GPU jobs."""
     from service.broker import celery_queue
 
     return celery_queue(job.queue, job.n_gpus)

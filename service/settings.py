@@ -45,7 +45,7 @@ class Settings(BaseSettings):
     migrate_on_start: bool = False  # the API runs `alembic upgrade head` when it starts
 
     max_upload_bytes: int = 512 * 1024 * 1024
-    # Uploads are validated line by line (issue 17): a longer line is a bad line, never read whole.
+    # Uploads are validated line by line: a longer line is a bad line, never read whole.
     max_line_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     max_queued_jobs_per_tenant: int = 20
     max_running_jobs_per_tenant: int = 4
@@ -88,7 +88,7 @@ class Settings(BaseSettings):
     rank_update: Literal["epilogue", "cublas", "kernel"] = "epilogue"
     kernel_cache: Path | None = None  # where compiled kernels are cached; unset: ~/.cache/loraq/kernels
 
-    # Every Redis and broker call is bounded (issue 17): connect and socket timeouts for each client
+    # Every Redis and broker call is bounded: connect and socket timeouts for each client
     # (rate limiter, reaper, health, dashboard, metrics, worker registry, Celery's broker), a bounded
     # number of publish retries, and a deadline on the whole publish. A publish that misses it
     # leaves the job `queued` in the database (the outbox) and the reconciler sends it later; for
@@ -100,7 +100,7 @@ class Settings(BaseSettings):
     broker_backoff_seconds: float = Field(5.0, ge=0)
 
     # Refuse at submit a job whose queue (worker class) no live worker serves, or whose n_gpus no
-    # worker offers (issue 17). True accepts them (autoscaled queues): the job waits, and its
+    # worker offers. True accepts them (autoscaled queues): the job waits, and its
     # status and events say what for.
     accept_unserved_jobs: bool = False
     # An Idempotency-Key is remembered this long (Stripe: 24 h); after that it may be used again.
@@ -108,7 +108,7 @@ class Settings(BaseSettings):
     # `/metrics` answers only with `Authorization: Bearer <token>` when this is set.
     metrics_bearer_token: str | None = None
 
-    # Checkpoints (issue 17): every `checkpoint_every` steps (0: off), at every epoch end, and at
+    # Checkpoints: every `checkpoint_every` steps (0: off), at every epoch end, and at
     # least every `checkpoint_interval_seconds` of training (0: off), so a lost worker loses at most that.
     checkpoint_every: int = 0
     # A job without a validation_file holds out this share of its examples for a validation curve

@@ -1,5 +1,5 @@
 """Token lengths of a file's examples under a model's tokenizer, for the submit-time
-`max_seq_len` check (issue 17.3). Computed once per (file, model) and cached in bounded memory.
+`max_seq_len` check. Computed once per (file, model) and cached in bounded memory.
 
 Counting reads the stored file line by line (within `max_line_bytes`) and uses the torch-free
 counter (`worker.engine.token_count`: `tokenizers` and jinja2), so the API process never loads

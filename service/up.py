@@ -253,7 +253,7 @@ def _run_locked(settings: Settings, data_dir: Path, echo: Callable[[str], None])
         api = sup.spawn("api", api_argv(settings), env=env, log_path=logs / "api.log")
         sup.spawn("worker", worker_argv(settings), env=env, log_path=logs / "worker.log")
         sup.on_exit["worker"] = lambda _child, pid: _release_jobs_of(pid, echo)
-        # issue 14: chat completions are served by their own worker, never by the API
+        # chat completions are served by their own worker, never by the API
         sup.spawn("inference", inference_argv(settings), env=env, log_path=logs / "inference.log")
         base = f"http://{settings.host}:{settings.port}"
         _wait_until(lambda: _http_ready(f"{base}/readyz"), api, "the API", timeout=READY_TIMEOUT_SECONDS)

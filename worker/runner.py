@@ -109,7 +109,7 @@ class JobCallbacks:
 
     # -- TrainingCallbacks
     def on_step(self, metrics: StepMetrics) -> None:
-        worker_metrics.observe_step(self.claim.job_id, metrics)  # issue 5: Prometheus; never raises
+        worker_metrics.observe_step(self.claim.job_id, metrics)  # Prometheus; never raises
         self.last_metrics = metrics
         self._buffer.append(metrics)
         due = time.monotonic() - self._last_flush >= FLUSH_EVERY_SECONDS
@@ -259,10 +259,10 @@ def ensure_base_model(name: str, settings: Settings, callbacks: JobCallbacks) ->
 def run_engine(config: TrainConfig, callbacks: JobCallbacks, settings: Settings) -> TrainResult:
     from worker.engine import recipe
 
-    # issue 5: training series + the registry's current job; ended by worker.tasks (outcome)
+    # training series + the registry's current job; ended by worker.tasks (outcome)
     worker_metrics.job_started(callbacks.claim.job_id, model=config.model, max_grad_norm=config.max_grad_norm)
     if callbacks.claim.n_gpus > 1:
-        # issue 7: one rank per GPU under torchrun (each rank loads the model); rank 0's reports
+        # one rank per GPU under torchrun (each rank loads the model); rank 0's reports
         # come back here as calls on `callbacks`.
         from worker.engine.distributed import run_torchrun
 

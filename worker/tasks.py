@@ -46,9 +46,9 @@ def job_task(name: str) -> Callable[[Callable[[str], str]], Any]:
                 outcome = fn(job_id)
             except RETRYABLE:
                 log.warning("task %s job=%s: infrastructure error, will retry", name, job_id, exc_info=True)
-                worker_metrics.job_finished(worker_metrics.active_job(job_id), "retry")  # issue 5
+                worker_metrics.job_finished(worker_metrics.active_job(job_id), "retry")
                 raise
-            worker_metrics.job_finished(worker_metrics.active_job(job_id), outcome)  # issue 5: never raises
+            worker_metrics.job_finished(worker_metrics.active_job(job_id), outcome)  # never raises
             log.info("task %s job=%s done: %s in %.2fs", name, job_id, outcome, time.monotonic() - start)
             return outcome
 

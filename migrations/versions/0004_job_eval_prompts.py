@@ -1,4 +1,4 @@
-"""jobs.eval_prompts: prompts sampled greedily at every checkpoint (issue 14)
+"""jobs.eval_prompts: prompts sampled greedily at every checkpoint
 
 Revision ID: 0004
 Revises: 0003

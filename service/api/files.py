@@ -68,7 +68,7 @@ async def upload_file(request: Request, tenant: CurrentTenant, session: SessionD
         purpose = files.check_upload_purpose(upload.fields.get("purpose"))
 
         def record() -> File:
-            # Validated now, streaming line by line with bounded memory (issue 17): a job on a
+            # Validated now, streaming line by line with bounded memory: a job on a
             # file with bad lines is refused at submit, naming them, instead of failing later.
             path = storage.local_path(upload.stored.key)
             summary = check_file(path, get_settings().max_line_bytes)

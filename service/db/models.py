@@ -118,7 +118,7 @@ class Job(Base):
     method_type: Mapped[str] = mapped_column(String(32), default="supervised")
     lora: Mapped[dict[str, Any]] = mapped_column(JSON)
     max_seq_len: Mapped[int] = mapped_column(Integer)
-    # deployment (issue 7): the worker class whose queue runs the job, and the GPUs it needs on one
+    # deployment: the worker class whose queue runs the job, and the GPUs it needs on one
     # host (> 1: torchrun); the Celery queue is service.broker.celery_queue(queue, n_gpus)
     queue: Mapped[str] = mapped_column(String(48), default="default", server_default="default")
     n_gpus: Mapped[int] = mapped_column(Integer, default=1, server_default="1")

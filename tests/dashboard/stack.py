@@ -43,7 +43,7 @@ def stack(tmp_path: Path, stack_redis_url: str, request: pytest.FixtureRequest) 
         LORAQ_CHECKPOINT_EVERY="4",
         LORAQ_HEARTBEAT_SECONDS="1",
         # a job planned past it fails in the worker (the browser test's failed job: bad files and
-        # short max_seq_len are refused at submit, issue 17)
+        # short max_seq_len are refused at submit)
         LORAQ_JOB_MAX_STEPS="5000",
     )
     migrate = "import sys; from service.db.migrate import upgrade_head; upgrade_head(sys.argv[1])"

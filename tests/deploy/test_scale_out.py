@@ -125,7 +125,7 @@ def test_six_jobs_routed_by_queue_each_run_on_its_worker(stack: Stack) -> None:
         assert (multi_job["queue"], multi_job["n_gpus"]) == ("h100", 2)
         multi = multi_job["id"]
         jobs[multi] = "h100-x2"
-        # no worker consumes "a100" or "cpu-x4": refused at submit, naming the field (issue 17)
+        # no worker consumes "a100" or "cpu-x4": refused at submit, naming the field
         for queue, n_gpus, param in (("a100", 1, "queue"), ("cpu", 4, "n_gpus")):
             body = {"model": "tiny-llama", "training_file": file_id, "queue": queue, "n_gpus": n_gpus}
             refused = client.post("/fine_tuning/jobs", json=body)

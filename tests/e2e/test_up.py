@@ -131,7 +131,7 @@ def test_loraq_up_serves_and_sigint_stops_every_child(tmp_path: Path) -> None:
             "worker",
             "inference",
         }
-        # issue 14: `loraq up` serves chat completions too
+        # `loraq up` serves chat completions too
         logs = data_dir / "logs" / "inference.log"
         wait_for(lambda: " ready on queue " in logs.read_text(errors="replace"), "inference", 120, proc)
         chat = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}

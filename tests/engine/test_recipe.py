@@ -212,7 +212,7 @@ def test_bad_validation_file_is_reported_as_such(tmp_path: Path) -> None:
 def test_checkpoints_at_epoch_ends_and_by_training_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 17.6: a checkpoint at every epoch end, and once `checkpoint_interval_seconds` of
+    """A checkpoint at every epoch end, and once `checkpoint_interval_seconds` of
     training passed since the last one (whichever comes first), so a lost worker loses at most that."""
     import worker.engine.recipe as recipe
 

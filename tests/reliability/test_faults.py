@@ -52,7 +52,7 @@ def test_sigkill_mid_training_resumes_from_the_last_checkpoint(stack: Stack) -> 
     stack.assert_succeeded_once(job_id, attempts=2)
     events = stack.events(job_id)
     assert any(f"no heartbeat for {HEARTBEAT_TIMEOUT_S:g}s (attempt 1 of 3)" in e for e in events), events
-    # Issue 17.6: it resumes from the last checkpoint saved before the kill, and says which step
+    # It resumes from the last checkpoint saved before the kill, and says which step
     assert f"Resuming from the checkpoint at step {last_saved}" in events, events
     resumed = [e for e in events if e.startswith("Resumed from checkpoint at step")]
     assert resumed == [f"Resumed from checkpoint at step {last_saved}"], events
@@ -140,7 +140,7 @@ def test_redis_restart_with_jobs_queued_loses_none_and_runs_none_twice(stack: St
 
 
 def test_frozen_redis_submits_answer_in_bounded_time_and_every_job_runs(stack: Stack) -> None:
-    """Issue 17.1: with the broker's redis-server stopped (SIGSTOP: a stalled disk or a paused VM),
+    """With the broker's redis-server stopped (SIGSTOP: a stalled disk or a paused VM),
     30 concurrent submits each answer within 5 s, /healthz and the job list keep answering, and
     after SIGCONT every job that exists is one whose caller was told about it, and it runs."""
     from concurrent.futures import ThreadPoolExecutor
@@ -203,7 +203,7 @@ def vm_hwm(pid: int) -> int:
 
 
 def test_512_mib_upload_with_a_100_mib_line_stays_within_1_gib(stack: Stack) -> None:
-    """Issue 17.2: the whole service (API + worker + Redis) grows its peak RSS by at most 1 GiB
+    """The whole service (API + worker + Redis) grows its peak RSS by at most 1 GiB
     while it takes a 512 MiB upload holding one 100 MiB line; the file says `error` naming that
     line, and a job on it is refused at submit. The upload is generated while it is sent."""
     import httpx
@@ -272,7 +272,7 @@ def test_512_mib_upload_with_a_100_mib_line_stays_within_1_gib(stack: Stack) -> 
 
 
 def test_running_limit_holds_when_jobs_start_on_two_workers(stack: Stack) -> None:
-    """Issue 13.5: with two idle workers and a running-job limit of 1, a tenant's second job does
+    """With two idle workers and a running-job limit of 1, a tenant's second job does
     not start beside its first: it waits, saying why in its status and events, and starts when
     the first finishes."""
     for proc in stack.alive_workers():

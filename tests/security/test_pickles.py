@@ -53,7 +53,7 @@ def test_uploaded_pickle_training_file_is_rejected_and_never_unpickled(
     payload = evil_pickle(tmp_path / "train.pt", marker)
     assert_live(payload, marker)
     file_id = api.upload(payload.read_bytes(), filename="train.jsonl")
-    # validated as JSONL at upload (issue 17): the file is `error` and a job on it is refused
+    # validated as JSONL at upload: the file is `error` and a job on it is refused
     assert api.get(f"/v1/files/{file_id}").json()["status"] == "error"
     r = api.post("/v1/fine_tuning/jobs", json=job_body(file_id))
     assert r.status_code == 400 and r.json()["error"]["param"] == "training_file", r.text

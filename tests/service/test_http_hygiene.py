@@ -1,4 +1,4 @@
-"""Issue 17.8: HTTP hygiene. 405 names every method of the path in `Allow`; the dashboard's pages
+"""HTTP hygiene. 405 names every method of the path in `Allow`; the dashboard's pages
 carry a CSP without inline script, anti-framing, nosniff and a referrer policy; /metrics can
 require a bearer token; a results CSV answers text/csv; the dashboard API documents its 4xx."""
 

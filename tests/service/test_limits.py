@@ -46,7 +46,7 @@ def test_queued_jobs_per_tenant_limit(api: ApiClient, monkeypatch: pytest.Monkey
 
 
 def test_running_limit_holds_at_start(api: ApiClient, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 13.5: a job over the running-job limit is accepted, waits with the reason in its
+    """A job over the running-job limit is accepted, waits with the reason in its
     status and events, and starts when a slot frees; another tenant is not held up by it."""
     set_env(monkeypatch, max_running_jobs_per_tenant="1")
     file_id = api.upload(DATASET)
@@ -81,7 +81,7 @@ def test_running_limit_holds_at_start(api: ApiClient, monkeypatch: pytest.Monkey
 
 
 def test_fair_share_round_robin_across_tenants(api: ApiClient, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 17.7: one tenant's 10 queued jobs do not delay another tenant's single job."""
+    """One tenant's 10 queued jobs do not delay another tenant's single job."""
     set_env(monkeypatch, max_running_jobs_per_tenant="0", max_queued_jobs_per_tenant="0")
     assert api.other is not None
     file_id = api.upload(DATASET)

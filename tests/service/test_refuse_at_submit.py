@@ -1,4 +1,4 @@
-"""Issue 17.3/17.4: a job that cannot run is refused at submit with 400 naming the field or the
+"""A job that cannot run is refused at submit with 400 naming the field or the
 line, instead of being accepted and failing (or waiting silently) later; Idempotency-Key reuse
 with another body is a 409. Uploads are validated when they arrive (`status`, `status_details`)."""
 

@@ -162,7 +162,7 @@ def test_unexpected_error_fails_generically_and_logs_details(worker_env: WorkerE
     assert runner.run_claimed_job(job_id) == "failed"
     job = job_row(job_id)
     assert job.error == {"code": "internal_error", "message": runner.GENERIC_FAILURE, "param": None}
-    # Issue 17.5: the tenant reads a code and one-line messages; the traceback (with server paths)
+    # The tenant reads a code and one-line messages; the traceback (with server paths)
     # is in an operator-only event, which the API's event list never returns.
     with session_scope() as s:
         tenant_view, _ = jobs.list_events(
@@ -305,7 +305,7 @@ def test_diverged_job_fails_with_code_hint_and_no_adapter(worker_env: WorkerEnv,
 
 @pytest.mark.parametrize("worker_env", ["sqlite"], indirect=True)
 def test_a_restart_without_checkpoint_says_it_starts_from_step_0(worker_env: WorkerEnv) -> None:
-    """Issue 17.6: the event says where an attempt starts; with nothing saved, step 0, not "resumes"."""
+    """The event says where an attempt starts; with nothing saved, step 0, not "resumes"."""
     job_id = worker_env.create_job(worker_env.upload(chat_lines(8)))
     with session_scope() as s:
         lost = jobs.claim(s, job_id=job_id, worker_id="lost-worker")

@@ -161,13 +161,13 @@ class LoRAFinetuneRecipe:
         # LoRA init draws from the seeded generator here, independent of what loading consumed.
         torch.manual_seed(cfg.seed)
         layers = apply_lora(model, cfg.lora)
-        # GPU fast path (issue 4): fused RMSNorm/SwiGLU modules, grouped q/k/v and gate/up LoRA.
+        # GPU fast path: fused RMSNorm/SwiGLU modules, grouped q/k/v and gate/up LoRA.
         # A no-op unless gpu_kernels' compiled path is active, so CPU runs are unchanged.
         report = fuse_llama(model)
         self.params = trainable_parameters(model)
         # Multi-GPU: the gradients live in one flat buffer that a step all-reduces once.
         self.grads = distributed.FlatGrads(self.params, self.dist) if self.dist.active else None
-        # The packed step (issue 12) wherever the stack is fused, captured on the GPU; the eager
+        # The packed step wherever the stack is fused, captured on the GPU; the eager
         # Hugging Face step on the CPU and as the fallback.
         self.eager_reason = self._eager_reason(report)
         captured = self.eager_reason is None
