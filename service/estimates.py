@@ -2,7 +2,7 @@
 
 Each worker class has rows measured by `bench/train_bench.py` (Loraq's own train step, LoRA r=16
 on every linear layer, bf16 base) and committed under bench/results/; `TABLES` copies the figures
-this module needs and names the file each comes from (tests/service/test_dry_run.py checks they
+this module needs and names the file each comes from (tests/service/test_estimates.py checks they
 still match). From a row measured at `batch × seq` tokens per step:
 
     wall time  = trained tokens / the row's tokens per second

@@ -1,4 +1,4 @@
-// Workers page: the Redis registry each worker refreshes every 5 s (see worker/metrics.py).
+// Workers page: the Redis registry each worker refreshes every 5 s (see worker/metrics/registry.py).
 "use strict";
 
 function gpuHtml(g) {
