@@ -2,9 +2,10 @@
 # The API image: FastAPI control plane, database migrations on start. No CUDA, no torch.
 #
 # Why no torch: the `loraq` distribution's own dependencies are the control plane; torch,
-# transformers, safetensors, tokenizers and gguf are the `worker` extra, which the API never
+# transformers, safetensors and gguf are the `worker` extra, which the API never
 # imports (import-linter contract "API never imports torch"; tests/deploy/test_api_image_deps.py
-# imports the app with those modules blocked). They would add about 1 GB for nothing.
+# imports the app with those modules blocked). They would add about 1 GB for nothing. `tokenizers`
+# (a few MB, no torch) is the control plane's: the API counts tokens at submit.
 # Dependencies come from the hashed lock requirements/api.txt (`make lock`): every image built
 # from one commit gets the same bytes. The package itself is installed with --no-deps.
 #

@@ -3,8 +3,7 @@
 
 Counting reads the stored file line by line (within `max_line_bytes`) and uses the torch-free
 counter (`worker.engine.token_count`: `tokenizers` and jinja2), so the API process never loads
-torch. Where `tokenizers` is not installed (the API image installs no `worker` extra) nothing is
-counted and the worker's validation is the check. Each cached entry is
+torch (`tokenizers` is a control-plane dependency: the API image has it). Each cached entry is
 two arrays of 4-byte integers (line numbers, lengths); the cache holds at most
 `CACHE_BYTES`, least recently used first out; an entry larger than that is not kept.
 """
@@ -53,10 +52,8 @@ def lengths(file: File, model: str) -> Lengths | None:
         if key in _cache:
             _cache.move_to_end(key)
             return _cache[key]
-    try:
-        from worker.engine.token_count import load_counter  # tokenizers + jinja2, no torch
-    except ImportError:  # the API image installs no `worker` extra (tokenizers): not counted there
-        return None
+    from worker.engine.token_count import load_counter  # tokenizers + jinja2, no torch
+
     settings = get_settings()
     counter = load_counter(model, settings.model_store)
     if counter is None:

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_api_app_runs_without_worker_only_dependencies(tmp_path: Path) -> None:
     blocked = api_excluded_deps()
-    assert "torch" in blocked
+    assert "torch" in blocked and "transformers" in blocked
     script = textwrap.dedent(
         f"""
         import importlib.abc, json, sys
@@ -56,6 +56,15 @@ def test_api_app_runs_without_worker_only_dependencies(tmp_path: Path) -> None:
             # Redis is unreachable here: the job stays queued for the reconciler, the request succeeds.
             assert r.status_code == 200 and r.json()["status"] == "queued", r.text
             assert r.json()["queue"] == "h100"
+            # The API image counts tokens (tokenizers, no torch): a max_seq_len shorter than the
+            # data is refused at submit, not by a worker minutes later.
+            story = [{{"role": "user", "content": "tell"}},
+                     {{"role": "assistant", "content": "a long story " * 20}}]
+            r = client.post("/v1/files", headers=auth, data={{"purpose": "fine-tune"}},
+                            files={{"file": ("s.jsonl", (json.dumps({{"messages": story}}) + "\\n") * 4)}})
+            body = {{"model": "tiny-llama", "training_file": r.json()["id"], "max_seq_len": 32}}
+            r = client.post("/v1/fine_tuning/jobs", headers=auth, json=body)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "max_seq_len_too_short", r.text
         loaded = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
         assert not loaded, loaded
         print("ok")
