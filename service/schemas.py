@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from service.job_status import JobStatus
 from worker.engine.training_config import (
@@ -55,6 +55,12 @@ class JobCreate(TrainingOptions, Placement):
     integrations: list[dict[str, Any]] | None = Field(None, max_length=0)
     # Loraq extension: validate and plan the job (service/dry_run.py) without queueing it
     dry_run: bool = False
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _null_lora_is_the_default(cls, value: Any) -> Any:
+        """`"lora": null` has always meant the default adapter shape."""
+        return {} if value is None else value
 
 
 # ---------------------------------------------------------------- responses

@@ -17,6 +17,7 @@ Dashboard-only endpoints (same auth as /v1, the tenant's rows only):
 
 from __future__ import annotations
 
+import logging
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any
@@ -25,6 +26,7 @@ import redis
 from fastapi import APIRouter, FastAPI, Query
 from fastapi.responses import HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
+from pydantic import ValidationError
 
 from service import files, storage, worker_registry
 from service import jobs as job_service
@@ -49,6 +51,8 @@ from service.job_status import JobStatus
 from service.schemas import error_responses
 from service.settings import get_settings
 from service.step_metrics import metrics_csv
+
+log = logging.getLogger("loraq.dashboard")
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 PAGES_DIR = STATIC_DIR / "dashboard"
@@ -220,15 +224,26 @@ def list_workers(tenant: CurrentTenant, session: SessionDep) -> WorkersPublic:
     """Every worker (they are shared); the job a worker runs is named only to its own tenant.
     An entry's fields are those its worker wrote (unset ones are left out, not null)."""
     try:
-        workers = [WorkerPublic.model_validate(w) for w in worker_registry.list_workers(registry_client())]
+        entries = worker_registry.list_workers(registry_client())
     except redis.exceptions.RedisError as e:
         raise UnavailableError(f"the worker registry (Redis) is unreachable: {e}") from e
+    workers = [w for w in map(_worker_or_none, entries) if w is not None]
     busy = [w.job.job_id for w in workers if w.job is not None and w.job.job_id is not None]
     own = job_service.own_job_ids(session, tenant_id=tenant.id, job_ids=busy)
     for w in workers:
         if w.job is not None and w.job.job_id not in own:
             w.job = WorkerJobPublic(job_id=None, other_tenant=True)
-    return WorkersPublic(data=workers)
+    return WorkersPublic(object="list", data=workers)  # set: exclude_unset would drop a default
+
+
+def _worker_or_none(entry: Any) -> WorkerPublic | None:
+    """One registry entry; a malformed one (a worker of another version) is logged and left out,
+    so one bad entry does not take the Workers page down."""
+    try:
+        return WorkerPublic.model_validate(entry)
+    except ValidationError as e:
+        log.warning("worker registry entry left out: %s", e.errors(include_url=False)[:3])
+        return None
 
 
 def mount_dashboard(app: FastAPI) -> None:

@@ -195,12 +195,20 @@ def test_workers_from_the_registry(env: dict[str, Any]) -> None:
     entry = {"node": node, "queue": "q", "gpus": [], "kernels": {"compiled": False, "reason": "no CUDA"}}
     rds.set(worker_registry.worker_key(node), json.dumps(entry), ex=30)
     rds.set(worker_registry.job_key(node), json.dumps({"job_id": job_a, "step": 2}), ex=30)
+    # a malformed entry (a worker of another version) is left out, not a 500 for the whole page
+    bad = f"host-{uuid.uuid4().hex[:6]}:456"
+    rds.set(worker_registry.worker_key(bad), json.dumps({"node": bad, "gpus": "not a list"}), ex=30)
     try:
         with TestClient(make_app()) as c:
-            seen_by_a = c.get("/dashboard/api/workers", headers=auth(env["keys"]["a"])).json()["data"]
+            page_a = c.get("/dashboard/api/workers", headers=auth(env["keys"]["a"])).json()
+            seen_by_a = page_a["data"]
             seen_by_b = c.get("/dashboard/api/workers", headers=auth(env["keys"]["b"])).json()["data"]
     finally:
-        rds.delete(worker_registry.worker_key(node), worker_registry.job_key(node))
+        rds.delete(
+            worker_registry.worker_key(node), worker_registry.job_key(node), worker_registry.worker_key(bad)
+        )
+    assert page_a["object"] == "list"
+    assert not [w for w in seen_by_a if w["node"] == bad]
     assert [w for w in seen_by_a if w["node"] == node] == [{**entry, "job": {"job_id": job_a, "step": 2}}]
     # Workers are shared; another tenant sees the worker busy, not which job it runs.
     assert [w for w in seen_by_b if w["node"] == node] == [

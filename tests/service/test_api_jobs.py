@@ -386,3 +386,10 @@ def test_metadata_with_lone_surrogates_is_400(api: ApiClient) -> None:
     assert_error(r, 400, "metadata.k")
     ok = api.post("/v1/fine_tuning/jobs", json=job_body(file_id, metadata={"k\u00e9": "v\U0001f600\u0000"}))
     assert ok.status_code == 200 and ok.json()["metadata"] == {"k\u00e9": "v\U0001f600\u0000"}
+
+
+def test_lora_null_means_the_default_adapter_shape(api: ApiClient) -> None:
+    file_id = api.upload(DATASET)
+    r = api.post("/v1/fine_tuning/jobs", json=job_body(file_id, lora=None))
+    assert r.status_code == 200, r.text
+    assert r.json()["lora"]["r"] == 16 and r.json()["lora"]["target_modules"] == "all-linear"

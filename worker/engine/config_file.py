@@ -21,7 +21,7 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BeforeValidator, Field, ValidationError
 
-from worker.engine.training_config import Strict, TrainingConfig
+from worker.engine.training_config import LOCAL_N_EPOCHS, NEpochs, Strict, TrainingConfig
 from worker.engine.types import ConfigError, DeviceName, TrainConfig
 
 
@@ -60,7 +60,10 @@ class RunOptions(Strict):
 
 
 class ConfigFile(TrainingConfig, RunOptions):
-    """A `loraq train` YAML file."""
+    """A `loraq train` YAML file. A local run keeps its one-pass default: unset `n_epochs` is 1
+    here (`LOCAL_N_EPOCHS`), `auto` only when written; a job sent to the API resolves unset as auto."""
+
+    n_epochs: NEpochs = Field(LOCAL_N_EPOCHS, description="passes over the training file (`auto`: 3)")
 
 
 def _config_error(exc: ValidationError, renamed: dict[str, str]) -> ConfigError:

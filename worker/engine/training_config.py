@@ -35,6 +35,8 @@ BASE_LEARNING_RATE = 2e-4  # the AdamW peak learning rate that learning_rate_mul
 AUTO_N_EPOCHS = 3
 AUTO_BATCH_SIZE = 4
 AUTO_LEARNING_RATE_MULTIPLIER = 1.0
+# A local run (`loraq train` YAML, a TrainConfig built in code) without n_epochs makes one pass.
+LOCAL_N_EPOCHS = 1
 
 MAX_N_EPOCHS = 1000
 MAX_BATCH_SIZE = 1024

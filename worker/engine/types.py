@@ -14,8 +14,8 @@ from typing import Any, Literal, Protocol
 from worker.engine.training_config import (
     AUTO_BATCH_SIZE,
     AUTO_LEARNING_RATE_MULTIPLIER,
-    AUTO_N_EPOCHS,
     BASE_LEARNING_RATE,
+    LOCAL_N_EPOCHS,
     TrainingConfig,
     learning_rate,
     resolve_auto,
@@ -44,7 +44,7 @@ class TrainConfig:
     max_seq_len: int = _DEFAULT.max_seq_len
     batch_size: int = AUTO_BATCH_SIZE
     grad_accum: int = _DEFAULT.grad_accum
-    n_epochs: int = AUTO_N_EPOCHS
+    n_epochs: int = LOCAL_N_EPOCHS  # a run built in code (or from YAML) makes one pass unless told
     max_steps: int | None = None
     learning_rate: float = BASE_LEARNING_RATE * AUTO_LEARNING_RATE_MULTIPLIER
     weight_decay: float = _DEFAULT.weight_decay
