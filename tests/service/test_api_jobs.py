@@ -328,25 +328,26 @@ def test_unknown_ids_are_404(api: ApiClient) -> None:
 
 
 def test_ids_with_nul_bytes_are_404_not_500(api: ApiClient) -> None:
-    """PostgreSQL refuses NUL in text; ids that cannot exist never reach the database."""
+    """PostgreSQL refuses NUL in text; ids that cannot exist never reach the database. A NUL in
+    the query string is refused before any route runs: 400 naming the parameter."""
     for path in (
         "/v1/files/file-%00x",
         "/v1/files/file-%00x/content",
         "/v1/fine_tuning/jobs/ftjob-%00",
         "/v1/fine_tuning/jobs/ftjob-%00/events",
         "/v1/fine_tuning/jobs/ftjob-%00/checkpoints",
-        "/v1/files?after=%00",
-        "/v1/fine_tuning/jobs?after=%00",
         "/v1/models/a%00b",
     ):
         assert_error(api.get(path), 404)
+    for path in ("/v1/files?after=%00", "/v1/fine_tuning/jobs?after=%00"):
+        assert_error(api.get(path), 400, "after")
     file_id = api.upload(DATASET)
     job_id = api.create_job(file_id)["id"]
     for path in (
         f"/v1/fine_tuning/jobs/{job_id}/events?after=%00",
         f"/v1/fine_tuning/jobs/{job_id}/checkpoints?after=x%00",
     ):
-        assert_error(api.get(path), 404, "after")
+        assert_error(api.get(path), 400, "after")
     assert_error(api.post("/v1/fine_tuning/jobs", json=job_body("file-\u0000")), 404, "training_file")
     assert_error(
         api.post("/v1/fine_tuning/jobs", json=job_body(file_id, validation_file="\u0000")),
