@@ -29,14 +29,27 @@ $py -m pytest -q -p no:cacheprovider -m gpu tests/gpu_kernels --gpu-results "$ou
 
 echo "== compute-sanitizer memcheck (pytest -m 'gpu and not slow': small shapes, packed step)"
 if command -v compute-sanitizer >/dev/null; then
-  # no caching allocator: every tensor is its own allocation, so an overrun is seen
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZER_TIMEOUT:-900}" compute-sanitizer --tool memcheck \
-    --error-exitcode 3 --print-limit 20 $py -m pytest -q -p no:cacheprovider -m "gpu and not slow" tests/gpu_kernels \
-    >"$out/gpu-check-sanitizer.txt" 2>&1
-  rc=$?
-  tail -n 3 "$out/gpu-check-sanitizer.txt"
-  echo "sanitizer exit code: $rc"
-  [ "$rc" -eq 0 ] || status=1
+  # One sanitizer process per test file, SANITIZER_JOBS at a time: memcheck is bound by the host
+  # CPU, so the files run side by side on one GPU. No caching allocator: every tensor is its own
+  # allocation, so an overrun is seen.
+  export out py
+  ls tests/gpu_kernels/test_*.py | xargs -P "${SANITIZER_JOBS:-8}" -I{} sh -c '
+    name=$(basename {} .py)
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZER_TIMEOUT:-900}" compute-sanitizer --tool memcheck \
+      --error-exitcode 3 --print-limit 20 $py -m pytest -q -p no:cacheprovider -m "gpu and not slow" {} \
+      >"$out/sanitizer-$name.txt" 2>&1
+    rc=$?
+    [ "$rc" -eq 5 ] && rc=0  # pytest: no test of the file selected
+    echo "$rc" >"$out/sanitizer-$name.rc"'
+  : >"$out/gpu-check-sanitizer.txt"
+  for rcfile in "$out"/sanitizer-*.rc; do
+    name=$(basename "$rcfile" .rc)
+    rc=$(cat "$rcfile")
+    { echo "=== $name: exit code $rc"; grep -m 60 "^=========" "$out/$name.txt"; tail -n 3 "$out/$name.txt"; } >>"$out/gpu-check-sanitizer.txt"
+    echo "$name: sanitizer exit code $rc ($(tail -n 1 "$out/$name.txt"))"
+    [ "$rc" -eq 0 ] || status=1
+    rm -f "$rcfile" "$out/$name.txt"
+  done
 else
   echo "compute-sanitizer not found: skipped"
 fi
