@@ -1,0 +1,244 @@
+"""Where the job path's step time and peak memory go, next to the fixed-shape captured step.
+
+For one model, in one process each (`--part job` / `--part fixed`, run by the default `--part
+both` as subprocesses), on a CUDA host:
+
+- job: `recipe.train` as `train_bench.py --job` runs it (job_bench.job_cell's settings). CUDA
+  events around every graph replay give each step's GPU time and the GPU's idle time between
+  one replay's end and the next one's start (host work the GPU waits for); cProfile covers the
+  host side of the timed steps (top functions by own time).
+- both: the allocator's history (torch.cuda.memory._record_memory_history) replayed to the
+  moment of peak allocation; the blocks alive then, grouped by the innermost frame of this repo
+  that allocated them, so the job's and the fixed step's peaks can be compared line by line.
+
+Usage: python bench/job_profile.py --preset smollm2-135m [--steps 20] --out DIR
+Writes DIR/job-profile-<preset>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from job_bench import CHECKPOINT_EVERY, DATASET, JOB_SHAPES, JOB_WARMUP  # noqa: E402
+
+REPO_DIRS = ("/worker/", "/gpu_kernels/", "/bench/", "/service/")
+
+
+def _frame_key(frames: list[dict[str, Any]]) -> str:
+    """The innermost frame in this repo (else the innermost frame) as file:line name."""
+    for f in frames:
+        name = str(f.get("filename", ""))
+        if any(d in name for d in REPO_DIRS) and "job_profile" not in name:
+            return f"{name.split('/main/')[-1].split('/p/')[-1]}:{f.get('line')} {f.get('name')}"
+    if frames:
+        f = frames[0]
+        return f"{f.get('filename')}:{f.get('line')} {f.get('name')}"
+    return "?"
+
+
+def peak_breakdown(top: int = 25) -> dict[str, Any]:
+    """Replay the recorded allocator history: the peak of allocated bytes and what was alive then."""
+    import torch
+
+    snap = torch.cuda.memory._snapshot()
+    trace = snap["device_traces"][0] if snap["device_traces"] else []
+    cur = peak = 0
+    peak_at = -1
+    for i, ev in enumerate(trace):
+        if ev["action"] == "alloc":
+            cur += ev["size"]
+        elif ev["action"] == "free_requested":
+            cur -= ev["size"]
+        if cur > peak:
+            peak, peak_at = cur, i
+    live: dict[int, tuple[int, str]] = {}
+    for ev in trace[: peak_at + 1]:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = (ev["size"], _frame_key(ev.get("frames", [])))
+        elif ev["action"] == "free_requested":
+            live.pop(ev["addr"], None)
+    groups: dict[str, list[int]] = {}
+    for size, key in live.values():
+        g = groups.setdefault(key, [0, 0])
+        g[0] += size
+        g[1] += 1
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])
+    return {
+        "trace_events": len(trace),
+        "peak_bytes_in_trace": peak,
+        "peak_event_index": peak_at,
+        "live_at_peak": [{"where": k, "bytes": v[0], "blocks": v[1]} for k, v in ranked[:top]],
+        "live_at_peak_all": {k: v[0] for k, v in ranked},
+    }
+
+
+def part_job(preset: str, steps: int) -> dict[str, Any]:
+    import torch
+
+    from worker.engine import train_step as ts_mod
+    from worker.engine.recipe import train
+    from worker.engine.types import LoraConfig, TrainConfig
+
+    batch, seq, _, _ = JOB_SHAPES[preset]
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    events: list[tuple[Any, Any, float]] = []
+    orig_run = ts_mod.CapturedTrainStep.run
+
+    def timed_run(self: Any) -> Any:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t = time.perf_counter()
+        start.record()
+        out = orig_run(self)
+        end.record()
+        events.append((start, end, t))
+        return out
+
+    ts_mod.CapturedTrainStep.run = timed_run  # type: ignore[method-assign]
+    prof = cProfile.Profile()
+    marks: dict[str, int] = {}
+
+    class Collector:
+        def on_step(self, m: Any) -> None:
+            if m.step == JOB_WARMUP:
+                prof.enable()
+            if m.step == JOB_WARMUP + steps:
+                prof.disable()
+            marks.setdefault("peak_after_step_" + str(m.step), torch.cuda.max_memory_allocated())
+
+        def on_event(self, level: str, message: str, data: Any = None) -> None:
+            return None
+
+        def on_checkpoint(self, c: Any) -> None:
+            marks[f"peak_after_checkpoint_{len(marks)}"] = torch.cuda.max_memory_allocated()
+
+        def should_stop(self) -> bool:
+            return False
+
+    tmp = Path(tempfile.mkdtemp())
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config = TrainConfig(
+        model=preset,
+        train_file=DATASET,
+        output_dir=tmp / "out",
+        model_store=tmp / "models",
+        lora=LoraConfig(r=16, alpha=32, dropout=0.0, target_modules=targets),
+        max_seq_len=seq,
+        batch_size=batch,
+        max_steps=JOB_WARMUP + steps,
+        learning_rate=1e-4,
+        lr_scheduler="cosine",
+        checkpoint_every=CHECKPOINT_EVERY,
+        pack=True,
+        device="cuda",
+    )
+    torch.cuda.reset_peak_memory_stats()
+    train(config, Collector())
+    torch.cuda.synchronize()
+    rows = []
+    for i, (s, e, t) in enumerate(events):
+        row = {"gpu_ms": round(s.elapsed_time(e), 3)}
+        if i + 1 < len(events):
+            row["gpu_idle_after_ms"] = round(e.elapsed_time(events[i + 1][0]), 3)
+            row["host_ms"] = round(1e3 * (events[i + 1][2] - t), 3)
+        rows.append(row)
+    timed = rows[-steps:-1]
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+    return {
+        "part": "job",
+        "batch": batch,
+        "seq": seq,
+        "replays": len(events),
+        "steps": rows,
+        "timed_mean": {
+            k: round(sum(r[k] for r in timed) / len(timed), 3)
+            for k in ("gpu_ms", "gpu_idle_after_ms", "host_ms")
+        },
+        "max_memory_allocated": torch.cuda.max_memory_allocated(),
+        "peak_marks": marks,
+        "memory": peak_breakdown(),
+        "host_profile": out.getvalue()[-6000:],
+    }
+
+
+def part_fixed(preset: str, steps: int) -> dict[str, Any]:
+    import torch
+    from train_bench import _loraq_step
+
+    batch, seq, _, _ = JOB_SHAPES[preset]
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    info: dict[str, Any] = {}
+    step, _ = _loraq_step(preset, batch, seq, info)
+    at_reset = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(7 + steps):
+        step()
+    torch.cuda.synchronize()
+    return {
+        "part": "fixed",
+        "batch": batch,
+        "seq": seq,
+        "allocated_at_bench_reset": at_reset,
+        "max_memory_allocated_as_benched": torch.cuda.max_memory_allocated(),
+        "memory": peak_breakdown(),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="smollm2-135m")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--part", choices=["both", "job", "fixed"], default="both")
+    ap.add_argument("--out", type=Path, default=Path("."))
+    a = ap.parse_args()
+    if a.part != "both":
+        result = part_job(a.preset, a.steps) if a.part == "job" else part_fixed(a.preset, a.steps)
+        print("RESULT " + json.dumps(result))
+        return
+    report: dict[str, Any] = {"preset": a.preset, "command": " ".join(sys.argv)}
+    for part in ("job", "fixed"):
+        proc = subprocess.run(
+            [sys.executable, __file__, "--preset", a.preset, "--steps", str(a.steps), "--part", part],
+            capture_output=True,
+            text=True,
+        )
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        report[part] = json.loads(lines[-1][7:]) if lines else {"error": proc.stderr[-4000:]}
+    job, fixed = report["job"], report["fixed"]
+    if "memory" in job and "memory" in fixed:
+        a_all, b_all = job["memory"]["live_at_peak_all"], fixed["memory"]["live_at_peak_all"]
+        diff = {k: a_all.get(k, 0) - b_all.get(k, 0) for k in set(a_all) | set(b_all)}
+        report["peak_diff_job_minus_fixed"] = sorted(
+            ({"where": k, "bytes": v} for k, v in diff.items() if v), key=lambda d: -abs(d["bytes"])
+        )[:30]
+        for part_report in (job, fixed):
+            part_report["memory"].pop("live_at_peak_all")
+    a.out.mkdir(parents=True, exist_ok=True)
+    path = a.out / f"job-profile-{a.preset}.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k not in ("job", "fixed")}, indent=1)[:6000])
+    print(
+        json.dumps(job.get("timed_mean"), indent=1),
+        job.get("max_memory_allocated"),
+        fixed.get("max_memory_allocated_as_benched"),
+    )
+    print(job.get("host_profile", job.get("error", ""))[-4000:])
+    print(fixed.get("error", ""))
+
+
+if __name__ == "__main__":
+    main()
