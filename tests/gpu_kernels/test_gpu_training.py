@@ -162,6 +162,62 @@ def recipe_smoke(steps: int) -> dict[str, Any]:
     return out
 
 
+def run_ahead_check(steps: int) -> dict[str, Any]:
+    """The captured job path queues each step before reading the previous one's loss, except
+    where a checkpoint, validation or limit is due. A checkpoint written with a step in flight
+    would hold a later step's weights: the run resumed from it would follow the uninterrupted
+    curve one step ahead. So: the resumed run and a run without run-ahead must both follow the
+    uninterrupted run's curve, which did run ahead."""
+    from dataclasses import replace
+
+    from worker.engine.checkpoint import checkpoint_dir
+    from worker.engine.recipe import LoRAFinetuneRecipe, train
+    from worker.engine.types import NullCallbacks, StepMetrics
+
+    class Curve(NullCallbacks):
+        def __init__(self) -> None:
+            self.losses: dict[int, float] = {}
+
+        def on_step(self, metrics: StepMetrics) -> None:
+            self.losses[metrics.step] = metrics.train_loss
+
+    cfg = pirate_config(
+        steps, batch_size=4, lr_scheduler="constant", pack=True, checkpoint_every=4, learning_rate=5e-3
+    )
+    decide = LoRAFinetuneRecipe._may_run_ahead
+    decisions: list[bool] = []
+
+    def counted(self: Any, *args: Any) -> bool:
+        decisions.append(decide(self, *args))
+        return decisions[-1]
+
+    full, resumed, plain = Curve(), Curve(), Curve()
+    LoRAFinetuneRecipe._may_run_ahead = counted  # type: ignore[method-assign,assignment]
+    try:
+        train(cfg, full)
+        resume = checkpoint_dir(cfg.output_dir, 8)
+        train(replace(cfg, output_dir=cfg.output_dir.parent / "resumed", resume_from=resume), resumed)
+        LoRAFinetuneRecipe._may_run_ahead = lambda self, *args: False  # type: ignore[method-assign]
+        train(replace(cfg, output_dir=cfg.output_dir.parent / "plain"), plain)
+    finally:
+        LoRAFinetuneRecipe._may_run_ahead = decide  # type: ignore[method-assign]
+
+    def worst(curve: Curve) -> float:
+        return max(abs(curve.losses[k] - full.losses[k]) / abs(full.losses[k]) for k in curve.losses)
+
+    later = range(9, steps + 1)
+    step_change = min(abs(full.losses[k] - full.losses[k - 1]) / abs(full.losses[k - 1]) for k in later)
+    return {
+        "steps": steps,
+        "ran_ahead": sum(decisions),
+        "decisions": len(decisions),
+        "full": full.losses,
+        "resumed_rel": worst(resumed),
+        "plain_rel": worst(plain),
+        "smallest_step_change_after_resume": step_change,
+    }
+
+
 def multi_gpu_check(steps: int, n_gpus: int) -> dict[str, Any]:
     """The job path on n_gpus GPUs (torchrun, as a worker runs an n_gpus job) against one GPU:
     the same packed rows and global batch, so the same loss curve within bf16 tolerance; every
@@ -324,6 +380,17 @@ def test_recipe_final_loss_agrees_on_both_paths(record_property: Recorder) -> No
     record_property("recipe", res)
     assert math.isfinite(res["compiled"]["final_train_loss"])
     assert res["rel_diff"] <= 0.03
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_run_ahead_keeps_checkpoints_and_curve(record_property: Recorder) -> None:
+    res = run_ahead_check(12)
+    record_property("run_ahead", res)
+    assert res["ran_ahead"] >= 6  # most steps ran ahead (not those before a checkpoint)
+    assert sorted(res["full"]) == list(range(1, 13))
+    assert res["resumed_rel"] <= 5e-3, res
+    assert res["plain_rel"] <= 5e-3, res
 
 
 @pytest.mark.gpu

@@ -19,6 +19,7 @@ import logging
 import math
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
@@ -89,6 +90,16 @@ def find_checkpoint(path: Path) -> Path:
     raise ConfigError("resume_from", f"resume_from {path} holds no checkpoint ({TRAINING_STATE} not found)")
 
 
+@dataclass
+class _Launched:
+    """A captured step queued on the GPU whose loss and gradient norm are not read yet."""
+
+    micro: list[Batch]
+    started: float  # monotonic time this step's own time starts (its report's step_seconds)
+    values: torch.Tensor  # (2,) fp32 loss, grad norm: pinned host memory, valid once `done` ran
+    done: torch.cuda.Event | None  # recorded after the copy into `values` (None off CUDA)
+
+
 class LoRAFinetuneRecipe:
     def __init__(
         self, config: TrainConfig, callbacks: TrainingCallbacks, *, loaded: LoadedModel | None = None
@@ -101,6 +112,8 @@ class LoRAFinetuneRecipe:
         self._last_checkpoint_step = -1
         self._last_checkpoint_time = time.monotonic()
         self.dist = distributed.SINGLE
+        self._launches = 0
+        self._readback: list[torch.Tensor] = []
 
     # ------------------------------------------------------------------ setup
 
@@ -194,6 +207,8 @@ class LoRAFinetuneRecipe:
         self.step_fn: CapturedTrainStep | None = None
         if captured:
             self.step_fn = self._captured_step()
+            if self.on_cuda:
+                self._readback = [torch.empty(2, pin_memory=True) for _ in range(2)]
 
         n_params = sum(p.numel() for p in self.params)
         self.callbacks.on_event(
@@ -439,12 +454,16 @@ class LoRAFinetuneRecipe:
         """The learning rate of the next step, on the host (never read back from the device)."""
         return self.config.learning_rate * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
 
-    def _captured_train_step(self, host: HostStep) -> tuple[torch.Tensor, torch.Tensor]:
+    def _lr_after_this_step(self) -> float:
+        """The learning rate of the step after the current one (the schedule has not moved yet)."""
+        return self.config.learning_rate * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch + 1)
+
+    def _captured_train_step(self, host: HostStep, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.step_fn is not None
         group = self.optimizer.param_groups[0]
         if group["lr"] is not self.step_fn.lr:  # an older LRScheduler assigns a float: undo it
             group["lr"] = self.step_fn.lr
-        self.step_fn.set_lr(self._current_lr())
+        self.step_fn.set_lr(lr)
         self.step_fn.load_step(host)
         out = self.step_fn.run()
         return out["loss"], out["grad_norm"]
@@ -457,26 +476,41 @@ class LoRAFinetuneRecipe:
         valid_loss: float | None = None
         # the next step's batches, built while the GPU runs the current one
         upcoming: tuple[list[Batch], HostStep | None] | None = None
+        # the next captured step, already queued on the GPU behind the current one (run-ahead)
+        ahead: _Launched | None = None
         while state.step < self.total_steps:
-            if self.callbacks.should_stop():
+            stop = self.callbacks.should_stop()
+            if stop and ahead is None:
                 self.callbacks.on_event("info", f"Stop requested: stopping after step {state.step}")
                 path = self.save_checkpoint()
                 return self._result(path, valid_loss, stopped=True)
             t0 = time.monotonic()
             epoch_before = state.micro_batches // self.batches_per_epoch
-            micro, host = upcoming or self._prepare(state.micro_batches)
             step = state.step + 1
             lr = self._current_lr()
-            if host is not None:
-                loss_t, norm_t = self._captured_train_step(host)
+            if self.step_fn is not None:
+                if ahead is not None:
+                    launched, ahead = ahead, None
+                else:
+                    launched = self._launch(*(upcoming or self._prepare(state.micro_batches)), lr, t0)
+                micro = launched.micro
                 slots = self._slots()
                 nxt = state.micro_batches + len(micro)
                 upcoming = self._prepare(nxt) if nxt < self.total_micro_batches else None
+                if upcoming is not None and not stop and self._may_run_ahead(step, epoch_before, nxt):
+                    # Queue the next step before reading this one's loss: the GPU goes on while
+                    # the host checks, reports and prepares (a step in flight is never checkpointed).
+                    ahead = self._launch(*upcoming, self._lr_after_this_step(), t0)
+                    upcoming = None
+                loss, grad_norm = self._read(launched)
+                step_started = launched.started
             else:
+                micro, _ = upcoming or self._prepare(state.micro_batches)
                 loss_t, norm_t = self._train_step(micro)
                 slots = sum(b.input_ids.numel() for b in micro)
-            # the one host read of the step (it waits for the GPU)
-            loss, grad_norm = torch.stack([loss_t.float(), norm_t.float().to(loss_t.device)]).tolist()
+                # the one host read of the step (it waits for the GPU)
+                loss, grad_norm = torch.stack([loss_t.float(), norm_t.float().to(loss_t.device)]).tolist()
+                step_started = t0
             tokens = sum(b.num_tokens for b in micro)
             # A diverged run stops with its last checkpoint intact (on the eager path before the
             # optimizer applies the step). The step that blew up is still reported, so the loss
@@ -484,12 +518,12 @@ class LoRAFinetuneRecipe:
             try:
                 findings = self.health.check_step(step, loss)
             except DivergedError:
-                metrics = self._step_metrics(step, loss, lr, grad_norm, tokens, time.monotonic() - t0)
-                self.callbacks.on_step(metrics)
+                seconds = time.monotonic() - step_started
+                self.callbacks.on_step(self._step_metrics(step, loss, lr, grad_norm, tokens, seconds))
                 raise
             if not math.isfinite(grad_norm):
                 raise NonFiniteError(step, "gradient norm")
-            if host is None:
+            if self.step_fn is None:
                 self._optimizer_step()
             else:  # the graph stepped the optimizer; the schedule moves on the host
                 self.scheduler.step()
@@ -502,9 +536,7 @@ class LoRAFinetuneRecipe:
 
             valid_loss = None
             last = step == self.total_steps
-            # validation loss at every epoch end, every eval_every steps and at the end
-            due = last or epoch_end or bool(cfg.eval_every and step % cfg.eval_every == 0)
-            if self.valid_data is not None and due:
+            if self.valid_data is not None and self._eval_due(step, epoch_end):
                 valid_loss = self.evaluate()
                 if valid_loss is not None:
                     findings += self.health.check_eval(step, valid_loss)
@@ -512,14 +544,17 @@ class LoRAFinetuneRecipe:
                 findings += self.health.check_progress(step)
             now = time.monotonic()
             per_step = (now - run_start) / steps_this_run
-            metrics = self._step_metrics(step, loss, lr, grad_norm, tokens, now - t0, valid_loss)
+            metrics = self._step_metrics(step, loss, lr, grad_norm, tokens, now - step_started, valid_loss)
             metrics.eta_seconds = per_step * (self.total_steps - step)
             metrics.padding_fraction = 1.0 - tokens / slots if slots else 0.0
+            if ahead is not None:  # the queued step's time counts from here (steps tile the run)
+                ahead.started = now
             self.callbacks.on_step(metrics)
             self._report(findings)
-            if not last and self._checkpoint_due(step, epoch_before):
-                self.save_checkpoint()
-            self._check_limits(last)
+            if ahead is None:  # with a step in flight, a due checkpoint or limit waits for it
+                if not last and self._checkpoint_due(step, epoch_before):
+                    self.save_checkpoint()
+                self._check_limits(last)
 
         self.save_checkpoint()
         adapter = cfg.output_dir / ADAPTER_DIR
@@ -528,6 +563,45 @@ class LoRAFinetuneRecipe:
         # Events reach the service's users: name the adapter relative to the run, never a host path.
         self.callbacks.on_event("info", f"Adapter exported to {ADAPTER_DIR}/ (PEFT format)")
         return self._result(adapter, valid_loss, stopped=False)
+
+    def _eval_due(self, step: int, epoch_end: bool) -> bool:
+        """Validation loss at every epoch end, every eval_every steps and at the end."""
+        every = self.config.eval_every
+        return step == self.total_steps or epoch_end or bool(every and step % every == 0)
+
+    def _may_run_ahead(self, step: int, epoch_before: int, micro_after: int) -> bool:
+        """May the step after `step` be queued before `step`'s results are read? Only where
+        nothing between the two needs the weights of `step` alone: no checkpoint, validation or
+        limit is due, and a single process (ranks must take the same decisions)."""
+        if self.dist.active or step >= self.total_steps:
+            return False
+        epoch_end = micro_after // self.batches_per_epoch > epoch_before
+        if self.valid_data is not None and self._eval_due(step, epoch_end):
+            return False
+        return not self._checkpoint_due(step, epoch_before, micro_after) and self._limit_reason() is None
+
+    def _launch(self, micro: list[Batch], host: HostStep | None, lr: float, started: float) -> _Launched:
+        """Queue one captured step on the GPU and its (loss, grad norm) read-back; nothing waits."""
+        assert host is not None
+        loss_t, norm_t = self._captured_train_step(host, lr)
+        values = torch.stack([loss_t.float(), norm_t.float().to(loss_t.device)])  # (2,) fp32
+        if values.device.type != "cuda":
+            return _Launched(micro, started, values, None)
+        # two pinned buffers in turn: a queued step's copy never overwrites the unread one
+        self._launches += 1
+        host_values = self._readback[self._launches % 2]
+        host_values.copy_(values, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return _Launched(micro, started, host_values, done)
+
+    @staticmethod
+    def _read(launched: _Launched) -> tuple[float, float]:
+        """The step's loss and gradient norm, waiting for that step only (not one queued after)."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        loss, grad_norm = launched.values.tolist()
+        return loss, grad_norm
 
     def _prepare(self, start: int) -> tuple[list[Batch], HostStep | None]:
         micro = self._micro_batches_at(start)
@@ -538,11 +612,13 @@ class LoRAFinetuneRecipe:
         assert self.step_fn is not None and self.step_fn.shape is not None
         return self.step_fn.shape.slots * self.dist.world_size
 
-    def _checkpoint_due(self, step: int, epoch_before: int) -> bool:
+    def _checkpoint_due(self, step: int, epoch_before: int, micro_after: int | None = None) -> bool:
         """Every `checkpoint_every` steps, at an epoch end, or once `checkpoint_interval_seconds`
-        of training passed since the last checkpoint: a lost worker loses at most that much."""
+        of training passed since the last checkpoint: a lost worker loses at most that much.
+        `micro_after`: the micro-batches done once `step` is (default: the state's count)."""
         cfg = self.config
-        epoch_ended = self.state.micro_batches // self.batches_per_epoch > epoch_before
+        done = self.state.micro_batches if micro_after is None else micro_after
+        epoch_ended = done // self.batches_per_epoch > epoch_before
         interval = cfg.checkpoint_interval_seconds
         return bool(
             (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
@@ -550,7 +626,8 @@ class LoRAFinetuneRecipe:
             or (interval > 0 and time.monotonic() - self._last_checkpoint_time >= interval)
         )
 
-    def _check_limits(self, last: bool) -> None:
+    def _limit_reason(self) -> str | None:
+        """Why the run must stop now (max_tokens or max_wall_seconds exceeded), or None."""
         cfg, state = self.config, self.state
         reason = None
         if cfg.max_tokens is not None and state.trained_tokens > cfg.max_tokens:
@@ -558,6 +635,11 @@ class LoRAFinetuneRecipe:
         elapsed = time.monotonic() - self.started
         if cfg.max_wall_seconds is not None and elapsed > cfg.max_wall_seconds:
             reason = f"max_wall_seconds {cfg.max_wall_seconds:g} exceeded: ran {elapsed:.1f} s"
+        return reason
+
+    def _check_limits(self, last: bool) -> None:
+        state = self.state
+        reason = self._limit_reason()
         # Every rank must leave the loop together (wall time differs slightly between ranks).
         exceeded = distributed.any_rank(reason is not None, self.dist)
         if not exceeded or last:
