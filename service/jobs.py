@@ -36,8 +36,8 @@ from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased
 
+from service.auth import KEY_QUERY
 from service.db.models import Artifact, Checkpoint, File, Job, JobEvent, JobMetric, Tenant, is_id, now_s
-from service.db.session import read_first
 from service.errors import ConflictError, InvalidRequestError, NotFoundError, RateLimitError
 from service.job_status import ACTIVE, TERMINAL
 from service.schemas import JobCreate
@@ -90,17 +90,25 @@ _JOB_OF_TENANT = select(Job).where(Job.id == bindparam("job_id"), Job.tenant_id 
 # The same job as a read-only Core row whose keys are the ORM attribute names (`metadata_`, ...):
 # status polling skips building an ORM object (a few hundred µs a read).
 _JOB_COLUMNS = [attr.columns[0].label(attr.key) for attr in sa_inspect(Job).column_attrs]
-_JOB_ROW_OF_TENANT = select(*_JOB_COLUMNS).where(
-    Job.id == bindparam("job_id"), Job.tenant_id == bindparam("tenant_id")
+
+# Status polling reads the request's API key and the job in one statement, one round trip instead
+# of two (on PostgreSQL about 60 µs of API CPU and 20 µs of server CPU less a read): the key's
+# columns first (`auth.tenant_of_key_row`), then the job's, NULL where the key's tenant has no
+# job `job_id` (also another tenant's job: existence is not revealed).
+KEY_AND_JOB = KEY_QUERY.add_columns(*_JOB_COLUMNS).outerjoin(
+    Job, (Job.tenant_id == Tenant.id) & (Job.id == bindparam("job_id"))
 )
 
 
-async def read_job_row(*, tenant_id: str, job_id: str) -> Any:
-    """`get_job` for the status-polling hot path (`db.session.read_first`): a row with the same
-    attribute names, or 404."""
-    params = {"job_id": job_id, "tenant_id": tenant_id}
-    row = await read_first(_JOB_ROW_OF_TENANT, params) if is_id(job_id) else None
-    if row is None:
+def key_and_job_params(job_id: str) -> dict[str, Any]:
+    """`KEY_AND_JOB`'s job parameter: None (no row) for what is not an id, which PostgreSQL's
+    text could not even hold (a NUL byte)."""
+    return {"job_id": job_id if is_id(job_id) else None}
+
+
+def job_of_row(row: Any, job_id: str) -> Any:
+    """The job part of an authenticated `KEY_AND_JOB` row (attribute names as `Job`'s), or 404."""
+    if row.id is None:
         raise NotFoundError(f"No fine-tuning job found with id {job_id!r}", param="fine_tuning_job_id")
     return row
 
@@ -374,7 +382,7 @@ def training_columns(training: TrainingConfig) -> dict[str, Any]:
 
 
 def stored_training(job: Job | Row[Any]) -> TrainingConfig:
-    """The training configuration of a job row (an ORM job or a `read_job_row` row); a row stored
+    """The training configuration of a job row (an ORM job or a `KEY_AND_JOB` row); a row stored
     before a field existed gets that field's default."""
     return TrainingConfig(**job.hyperparameters, **{name: getattr(job, name) for name in TRAINING_COLUMNS})
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import anyio.from_thread
-from fastapi import APIRouter, Header, Query
+from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import FileResponse, Response
 from sqlalchemy import Row
 
 from service import dry_run, inference, jobs
-from service.auth import CurrentTenant
+from service.auth import BearerScheme, CurrentTenant, authenticate_request
 from service.db.models import Checkpoint, Job, JobEvent
 from service.db.session import SessionDep
 from service.queue import enqueue_job, job_queue
@@ -46,7 +46,7 @@ ZIP_RESPONSE: dict[int | str, dict[str, Any]] = {
 
 
 def job_public(job: Job | Row[Any]) -> JobPublic:
-    """From an ORM job or a `jobs.read_job_row` row (same attribute names)."""
+    """From an ORM job or a `jobs.KEY_AND_JOB` row (same attribute names)."""
     training = jobs.stored_training(job)
     hp = HyperparametersPublic(**training.hyperparameter_block().model_dump())
     options = {**training.options(), "validation_split": training.validation_split or 0.0}
@@ -152,11 +152,15 @@ def list_jobs(
 
 
 @router.get("/{fine_tuning_job_id}", response_model=JobPublic)
-async def retrieve_job(fine_tuning_job_id: str, tenant: CurrentTenant) -> Response:
-    # The status-polling hot path: one read on a bare connection (no session, no commit), the
-    # body serialised once here instead of re-validated by FastAPI.
-    row = await jobs.read_job_row(tenant_id=tenant.id, job_id=fine_tuning_job_id)
-    return Response(job_public(row).model_dump_json(), media_type="application/json")
+async def retrieve_job(fine_tuning_job_id: str, request: Request, _: BearerScheme) -> Response:
+    # The status-polling hot path: the key and the job in one read on a bare connection (no
+    # session, no commit), then the rate limit; the body serialised once here instead of
+    # re-validated by FastAPI.
+    _tenant, row = await authenticate_request(
+        request, jobs.KEY_AND_JOB, jobs.key_and_job_params(fine_tuning_job_id)
+    )
+    job = jobs.job_of_row(row, fine_tuning_job_id)
+    return Response(job_public(job).model_dump_json(), media_type="application/json")
 
 
 @router.post("/{fine_tuning_job_id}/cancel", response_model=JobPublic)

@@ -1,6 +1,7 @@
-"""The status-polling hot path, `GET /v1/fine_tuning/jobs/{id}`: async authentication and an async
-route reading on a bare connection (`service.db.session.run_read`), the per-key rate limit
-awaited on the event loop (`service.ratelimit`), request metrics; on SQLite and PostgreSQL."""
+"""The status-polling hot path, `GET /v1/fine_tuning/jobs/{id}`: an async route reading the API
+key and the job in one statement on a bare connection (`service.db.session.read_first`), the
+per-key rate limit awaited on the event loop (`service.ratelimit`), request metrics; on SQLite and
+PostgreSQL."""
 
 from __future__ import annotations
 
@@ -98,6 +99,34 @@ def test_status_read_refuses_a_revoked_key_at_once(api: ApiClient) -> None:
     r = api.get(url)
     assert assert_error(r, 401)["code"] == "revoked_api_key"
     assert r.headers["www-authenticate"] == "Bearer"
+
+
+def test_status_read_is_one_statement_for_the_key_and_the_job(api: ApiClient, loraq_env: LoraqEnv) -> None:
+    """The key and the job are read together; the key is still checked before the job is shown,
+    so a bad or revoked key is 401 whether or not the job exists, and never 404."""
+    job = api.create_job(api.upload(DATASET))
+    url = f"/v1/fine_tuning/jobs/{job['id']}"
+    if loraq_env.db_url.startswith("sqlite"):  # PostgreSQL reads bypass SQLAlchemy (psycopg async)
+        selects: list[str] = []
+
+        def on_execute(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+            if statement.lstrip().upper().startswith("SELECT"):
+                selects.append(statement)
+
+        event.listen(get_engine(), "before_cursor_execute", on_execute)
+        try:
+            assert api.get(url).json() == job
+        finally:
+            event.remove(get_engine(), "before_cursor_execute", on_execute)
+        assert len(selects) == 1, selects
+    wrong = {"Authorization": "Bearer sk-lq-wrong"}
+    for path in (url, "/v1/fine_tuning/jobs/ftjob-nope", "/v1/fine_tuning/jobs/not%00an-id"):
+        assert_error(api.client.get(path, headers=wrong), 401)
+    assert_error(api.get("/v1/fine_tuning/jobs/not%00an-id"), 404, "fine_tuning_job_id")
+    with session_scope() as s:
+        auth.revoke_key(s, api.key[: auth.PREFIX_CHARS])
+    for path in (url, "/v1/fine_tuning/jobs/ftjob-nope"):
+        assert assert_error(api.get(path), 401)["code"] == "revoked_api_key"
 
 
 def test_status_read_is_rate_limited_and_counted(api: ApiClient, monkeypatch: pytest.MonkeyPatch) -> None:
