@@ -166,13 +166,15 @@ class AsyncReadPool:
       not reused, so a restarted server costs one failed read per idle connection at most.
     - `prepare_threshold=0`: a statement is prepared on its first use on a connection, so the hot
       queries are parsed and planned once per connection.
+    - One cursor per connection, kept with it: building a cursor per read cost about 10 µs of CPU
+      (measured on the 2-core dev box, 75 vs 64 µs a read).
     """
 
     def __init__(self, url: str, size: int = READ_POOL_SIZE) -> None:
         from sqlalchemy.engine import make_url
 
         self.dsn = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-        self.idle: list[Any] = []
+        self.idle: list[Any] = []  # psycopg AsyncCursors, each on its own connection
         self.slots = asyncio.Semaphore(size)
 
     async def first(self, sql: str, params: dict[str, Any]) -> Any | None:
@@ -180,8 +182,8 @@ class AsyncReadPool:
         from psycopg.rows import namedtuple_row
 
         async with self.slots:
-            conn = self.idle.pop() if self.idle else None
-            if conn is None or conn.closed:
+            cur = self.idle.pop() if self.idle else None
+            if cur is None or cur.connection.closed:
                 conn = await psycopg.AsyncConnection.connect(
                     self.dsn,
                     autocommit=True,
@@ -189,18 +191,19 @@ class AsyncReadPool:
                     connect_timeout=PG_CONNECT_TIMEOUT_S,
                     row_factory=namedtuple_row,
                 )
+                cur = conn.cursor()
             try:
-                cur = await conn.execute(sql, params)
+                await cur.execute(sql, params)
                 row = await cur.fetchone()
             except BaseException:
-                await conn.close()
+                await cur.connection.close()
                 raise
-            self.idle.append(conn)
+            self.idle.append(cur)
             return row
 
     async def close(self) -> None:
         while self.idle:
-            await self.idle.pop().close()
+            await self.idle.pop().connection.close()
 
 
 # Async connections belong to the event loop they were opened on: one pool per loop (the API has
