@@ -570,10 +570,12 @@ class LoRAFinetuneRecipe:
         return step == self.total_steps or epoch_end or bool(every and step % every == 0)
 
     def _may_run_ahead(self, step: int, epoch_before: int, micro_after: int) -> bool:
-        """May the step after `step` be queued before `step`'s results are read? Only where
-        nothing between the two needs the weights of `step` alone: no checkpoint, validation or
-        limit is due, and a single process (ranks must take the same decisions)."""
-        if self.dist.active or step >= self.total_steps:
+        """May the step after `step` be queued before `step`'s results are read? Only on a GPU
+        (where queueing is asynchronous; on the CPU it would just run the next step first), in a
+        single process (ranks must take the same decisions), and where nothing between the two
+        needs the weights of `step` alone: no checkpoint, validation or limit is due. Callbacks
+        then see step N's report while step N + 1 runs: they must not read the model."""
+        if not self.on_cuda or self.dist.active or step >= self.total_steps:
             return False
         epoch_end = micro_after // self.batches_per_epoch > epoch_before
         if self.valid_data is not None and self._eval_due(step, epoch_end):
