@@ -56,7 +56,9 @@ def kernel_add_(
     a, bb, sc = lora_a.contiguous(), lora_b.contiguous(), scales.contiguous()
     idx = index.to(torch.int64).contiguous()
     lib = _lib.load()
-    partials = torch.empty(int(lib.loraq_lora_multi_workspace(b * s, k, r)), dtype=torch.float32, device=x.device)
+    partials = torch.empty(
+        int(lib.loraq_lora_multi_workspace(b * s, k, r)), dtype=torch.float32, device=x.device
+    )
     rc = lib.loraq_lora_multi(
         y.data_ptr(), x2.data_ptr(), _lib.dtype_code(x.dtype), b * s, s, k, y.shape[-1],
         a.data_ptr(), bb.data_ptr(), sc.data_ptr(), idx.data_ptr(), n_slots, r, partials.data_ptr(),
@@ -77,7 +79,7 @@ def gathered_add_(
 
 class _LoraMulti(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x: torch.Tensor,
         weight: torch.Tensor,

@@ -16,7 +16,15 @@ import gpu_kernels
 from gpu_kernels.ops import lora_multi
 from gpu_kernels.ops import lora_multi_reference as ref
 from gpu_kernels.ops.lora_reference import lora_linear
-from tests.gpu_kernels.oracle import DTYPES, Recorder, assert_matches_reference, check_errors, randn, rel, shapes
+from tests.gpu_kernels.oracle import (
+    DTYPES,
+    Recorder,
+    assert_matches_reference,
+    check_errors,
+    randn,
+    rel,
+    shapes,
+)
 
 IN, OUT, R_MAX = 24, 40, 8
 RANKS = [0, 2, 8, 5]  # slot 0: the base model alone
@@ -82,9 +90,7 @@ def test_reference_gradients_pass_gradcheck() -> None:
     )
 
 
-def _cuda_stacks(
-    n_in: int, n_out: int, ranks: list[int]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _cuda_stacks(n_in: int, n_out: int, ranks: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp32 CUDA stacks, as serving keeps them (any activation dtype)."""
     a, b, scales, _ = _stacks(torch.Generator().manual_seed(2), n_in, n_out, ranks)
     return a.float().cuda(), b.float().cuda(), scales.float().cuda()
@@ -181,7 +187,10 @@ def test_dispatch_runs_the_compiled_kernel_on_cuda(monkeypatch: pytest.MonkeyPat
     x = randn(4, 1, IN, dtype=torch.bfloat16)
     w = randn(OUT, IN, dtype=torch.bfloat16)
     idx = torch.tensor([1, 2, 0, 3], device="cuda")
-    with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with (
+        torch.inference_mode(),
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof,
+    ):
         y = gpu_kernels.lora_linear_multi(x, w, None, a, b, scales, idx)
         torch.cuda.synchronize()
     names = [e.name for e in prof.events()]
