@@ -156,6 +156,36 @@ def decode_replay_ms(batch: Any) -> float | None:
     return round(start.elapsed_time(end) / 20, 3)
 
 
+def lora_op_timings() -> list[dict[str, Any]]:
+    """Microseconds of the LoRA term alone (y already holds the base GEMM's output) by the compiled
+    kernel and by the gathered GEMMs, on llama-1b's shapes, 8 slots of rank 16: what decides
+    gpu_kernels.ops.lora_multi.KERNEL_MAX_TOKENS."""
+    from gpu_kernels.ops import lora_multi
+
+    rows = []
+    for b, s in ((32, 1), (8, 64), (1, 256), (32, 256)):
+        for k, n in ((2048, 2048), (2048, 8192), (8192, 2048)):
+            a = torch.randn(9, RANK, k, device="cuda") * 0.02
+            bb = torch.randn(9, n, RANK, device="cuda") * 0.02
+            scales = torch.full((9,), 2.0, device="cuda")
+            x = torch.randn(b, s, k, device="cuda", dtype=torch.bfloat16)
+            y = torch.zeros(b, s, n, device="cuda", dtype=torch.bfloat16)
+            index = torch.arange(b, device="cuda") % 8 + 1
+            row: dict[str, Any] = {"rows": b, "seq": s, "in": k, "out": n}
+            for name, add in (("kernel", lora_multi.kernel_add_), ("gathered", lora_multi.gathered_add_)):
+                for _ in range(3):
+                    add(y, x, a, bb, scales, index)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(50):
+                    add(y, x, a, bb, scales, index)
+                end.record()
+                end.synchronize()
+                row[f"{name}_us"] = round(start.elapsed_time(end) / 50 * 1e3, 1)
+            rows.append(row)
+    return rows
+
+
 def dtype(args: argparse.Namespace) -> torch.dtype:
     return torch.bfloat16 if args.device == "cuda" else torch.float32  # as load_serving_model
 
@@ -239,7 +269,9 @@ def hf_side(args: argparse.Namespace, prompts: list[list[int]], slots_of: list[i
     from worker.engine.models import load_base_model
 
     reset_peak()
-    loaded = load_base_model(args.model, store=Path(tempfile.mkdtemp()), device=args.device, dtype=dtype(args))
+    loaded = load_base_model(
+        args.model, store=Path(tempfile.mkdtemp()), device=args.device, dtype=dtype(args)
+    )
     base = loaded.model
     shapes = target_shapes(base)
     root = Path(tempfile.mkdtemp())
@@ -337,13 +369,16 @@ def main() -> int:
         **run_header(device),
         "model": args.model, "streams": args.streams, "adapters": args.adapters,
         "prompt_tokens": args.prompt, "new_tokens": args.new, "rank": RANK, "alpha": ALPHA,
-        "targets": TARGETS, "dtype": str(dtype(args)).removeprefix("torch."), "decoding": "greedy, every row forced to new_tokens",
+        "targets": TARGETS, "dtype": str(dtype(args)).removeprefix("torch."),
+        "decoding": "greedy, every row forced to new_tokens",
     }  # fmt: skip
     result.update(loraq_side(args, prompts, slots_of))
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     result["hf_peft"] = hf_side(args, prompts, slots_of)
+    if args.device == "cuda":
+        result["lora_op_us"] = lora_op_timings()
     ours, theirs = result["loraq"].pop("tokens"), result["hf_peft"].pop("tokens")
     result["greedy_agreement"] = agreement(ours, theirs)
     ratio = round(result["loraq"]["tok_s"] / result["hf_peft"]["tok_s"], 2)

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Multi-adapter serving check on a CUDA host:
+#   1. build the kernels;
+#   2. correctness: `pytest -m gpu` of the multi-adapter LoRA op (compiled kernel vs reference,
+#      fp32 + bf16, edge and large shapes, graph replay, dispatch) and of the serving engine on
+#      CUDA (KV cache + CUDA graphs vs transformers on the CPU);
+#   3. compute-sanitizer memcheck of the op's small shapes (`gpu and not slow`);
+#   4. bench/serve_bench.py: Loraq serving vs HF generate + PEFT, 32 streams over 8 adapters.
+# Usage: scripts/serve_check.sh [OUTDIR]   (logs and JSON land in OUTDIR, default bench/results)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-bench/results}"
+mkdir -p "$out"
+py="${PYTHON:-python3}"
+status=0
+gpu=$($py -c "import torch; print(torch.cuda.get_device_name(0).split()[-1].lower().replace('/', '-'))" 2>/dev/null || echo gpu)
+date=$(date -u +%F)
+
+echo "== build"
+$py -m gpu_kernels.build ${LORAQ_KERNEL_CACHE:+--cache-dir "$LORAQ_KERNEL_CACHE"} || exit 1
+
+echo "== correctness: pytest -m gpu (multi-adapter LoRA op, serving engine)"
+$py -m pytest -q -p no:cacheprovider -m gpu tests/gpu_kernels/test_op_lora_multi.py \
+  tests/gpu_kernels/test_gpu_serving.py --gpu-results "$out/serve-check-tests.json" 2>&1 | tee "$out/serve-check-tests.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== compute-sanitizer memcheck (test_op_lora_multi.py, gpu and not slow)"
+if command -v compute-sanitizer >/dev/null; then
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool memcheck \
+    --error-exitcode 3 --print-limit 20 $py -m pytest -q -p no:cacheprovider -m "gpu and not slow" \
+    tests/gpu_kernels/test_op_lora_multi.py >"$out/serve-check-sanitizer.txt" 2>&1
+  rc=$?
+  echo "sanitizer exit code $rc ($(tail -n 1 "$out/serve-check-sanitizer.txt"))"
+  [ "$rc" -eq 0 ] || status=1
+else
+  echo "compute-sanitizer not found: skipped"
+fi
+
+echo "== serving benchmark"
+$py bench/serve_bench.py --out "$out/serve-$gpu-$date.json" >"$out/serve-bench.txt" 2>&1 || status=1
+tail -n 60 "$out/serve-bench.txt"
+exit $status
