@@ -4,8 +4,9 @@
 #   2. correctness: `pytest -m gpu` of the multi-adapter LoRA op (compiled kernel vs reference,
 #      fp32 + bf16, edge and large shapes, graph replay, dispatch) and of the serving engine on
 #      CUDA (KV cache + CUDA graphs vs transformers on the CPU);
-#   3. compute-sanitizer memcheck of the op's small shapes (`gpu and not slow`);
-#   4. bench/serve_bench.py: Loraq serving vs HF generate + PEFT, 32 streams over 8 adapters.
+#   3. bench/serve_bench.py: Loraq serving vs HF generate + PEFT, 32 streams over 8 adapters;
+#   4. compute-sanitizer memcheck of the op's small shapes (`gpu and not slow`), last: it is the
+#      slowest part, and SANITIZER_TIMEOUT bounds it.
 # Usage: scripts/serve_check.sh [OUTDIR]   (logs and JSON land in OUTDIR, default bench/results)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,9 +21,13 @@ echo "== build"
 $py -m gpu_kernels.build ${LORAQ_KERNEL_CACHE:+--cache-dir "$LORAQ_KERNEL_CACHE"} || exit 1
 
 echo "== correctness: pytest -m gpu (multi-adapter LoRA op, serving engine)"
-$py -m pytest -q -p no:cacheprovider -m gpu tests/gpu_kernels/test_op_lora_multi.py \
+$py -m pytest -q -p no:cacheprovider --timeout 300 -m gpu tests/gpu_kernels/test_op_lora_multi.py \
   tests/gpu_kernels/test_gpu_serving.py --gpu-results "$out/serve-check-tests.json" 2>&1 | tee "$out/serve-check-tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== serving benchmark"
+timeout "${BENCH_TIMEOUT:-400}" $py bench/serve_bench.py --out "$out/serve-$gpu-$date.json" >"$out/serve-bench.txt" 2>&1 || status=1
+tail -n 80 "$out/serve-bench.txt"
 
 echo "== compute-sanitizer memcheck (test_op_lora_multi.py, gpu and not slow)"
 if command -v compute-sanitizer >/dev/null; then
@@ -36,7 +41,4 @@ else
   echo "compute-sanitizer not found: skipped"
 fi
 
-echo "== serving benchmark"
-$py bench/serve_bench.py --out "$out/serve-$gpu-$date.json" >"$out/serve-bench.txt" 2>&1 || status=1
-tail -n 60 "$out/serve-bench.txt"
 exit $status
