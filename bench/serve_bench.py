@@ -92,7 +92,7 @@ def sync() -> None:
 
 def reset_peak() -> None:
     if torch.cuda.is_available():
-        reset_peak()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def peak_gib() -> float | None:
