@@ -21,8 +21,11 @@ Reported: aggregate generated tokens/s (generated tokens counted on the outputs 
 the first admit or the generate call to the last token), their ratio, time to first token (each
 row's first token; HF's from a streamer: the whole batch's first decode step), peak GPU memory of
 each side (each side alone on the GPU), ours' per-step profile (prefill, step wall times, the
-decode graph's replay on its own), and the greedy agreement of the two sides' tokens (bf16: they
-part ways at near-ties; the fraction of equal tokens and the common prefix lengths).
+decode graph's replay on its own), and the greedy agreement of the two sides' tokens: in bf16,
+where a random-init model's flat logits make near-ties common and the two part ways at the first
+one, and again with both bases in fp32 (`--fp32-check-new` tokens), where they should not (the
+fraction of equal tokens and the common prefix lengths). `lora_op_us`: the LoRA term alone by the
+kernel and by the gathered GEMMs on llama-1b's shapes (what sets KERNEL_MAX_TOKENS).
 
 Usage: python bench/serve_bench.py [--out bench/results/serve-<gpu>-<date>.json]
 """
@@ -83,6 +86,41 @@ def adapter_config(preset: str) -> dict[str, Any]:
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def decode_profile(served: Any, batch: Any, top: int = 12) -> dict[str, Any]:
+    """Where a decode step's GPU time goes: one eager run of the captured shape under the
+    profiler, the kernels' summed time and count, and the `top` kernels by time."""
+    kv = batch.kv
+    if kv is None or not kv.graphs or not torch.cuda.is_available():
+        return {}
+    bb, lb = next(iter(kv.graphs))
+    try:
+        with (
+            torch.inference_mode(),
+            torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof,
+        ):
+            served.decoder._decode_body(kv, bb, lb)
+            sync()
+    except Exception as exc:  # the figures above stand without it
+        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    finally:
+        served.rows.index = None
+    kernels = [e for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0]
+    total_us = sum(e.device_time_total for e in kernels)
+    ranked = sorted(kernels, key=lambda e: -e.device_time_total)[:top]
+    return {
+        "shape": [bb, lb],
+        "kernel_time_us": round(total_us, 1),
+        "kernel_launches": sum(e.count for e in kernels),
+        "top": [{"name": e.key[:120], "us": round(e.device_time_total, 1), "count": e.count} for e in ranked],
+    }
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def sync() -> None:
@@ -190,14 +228,13 @@ def dtype(args: argparse.Namespace) -> torch.dtype:
     return torch.bfloat16 if args.device == "cuda" else torch.float32  # as load_serving_model
 
 
-def loraq_side(args: argparse.Namespace, prompts: list[list[int]], slots_of: list[int]) -> dict[str, Any]:
-    import gpu_kernels
-    from worker.engine.serving import Adapter, DecodeBatch, GenRequest, load_serving_model
+def served_with_adapters(args: argparse.Namespace, dt: torch.dtype) -> tuple[Any, list[int]]:
+    """The ServingModel of args.model in `dt` on args.device with the adapters loaded; their slots."""
+    from worker.engine.models import load_base_model
+    from worker.engine.serving import Adapter, ServingModel
 
-    reset_peak()
-    served = load_serving_model(
-        args.model, store=Path(tempfile.mkdtemp()), max_adapters=args.adapters, device=args.device
-    )
+    loaded = load_base_model(args.model, store=Path(tempfile.mkdtemp()), device=args.device, dtype=dt)
+    served = ServingModel(loaded, args.adapters)
     assert served.decoder is not None, "llama-1b runs our KV-cache engine"
     shapes = {
         path: (layer.base.in_features, layer.base.out_features)
@@ -209,18 +246,49 @@ def loraq_side(args: argparse.Namespace, prompts: list[list[int]], slots_of: lis
         served.adapter_slot(f"a{i}", lambda i=i: Adapter(config, adapter_tensors(shapes, i)))
         for i in range(args.adapters)
     ]
+    return served, slots
 
-    def reqs(new: int) -> list[GenRequest]:
-        return [
-            GenRequest(p, max_tokens=new, slot=slots[s], temperature=0, ignore_eos=True)
-            for p, s in zip(prompts, slots_of, strict=True)
-        ]
+
+def requests_for(prompts: list[list[int]], slots_of: list[int], slots: list[int], new: int) -> list[Any]:
+    from worker.engine.serving import GenRequest
+
+    return [
+        GenRequest(p, max_tokens=new, slot=slots[s], temperature=0, ignore_eos=True)
+        for p, s in zip(prompts, slots_of, strict=True)
+    ]
+
+
+def loraq_tokens(
+    args: argparse.Namespace, prompts: list[list[int]], slots_of: list[int], dt: torch.dtype, new: int
+) -> list[list[int]]:
+    """Our greedy tokens for the requests, the base in `dt` (the correctness check in fp32)."""
+    from worker.engine.serving import DecodeBatch
+
+    served, slots = served_with_adapters(args, dt)
+    result = run_loraq(
+        served, requests_for(prompts, slots_of, slots, new), admit_each=False, batch=DecodeBatch()
+    )
+    tokens: list[list[int]] = result["tokens"]
+    return tokens
+
+
+def loraq_side(args: argparse.Namespace, prompts: list[list[int]], slots_of: list[int]) -> dict[str, Any]:
+    import gpu_kernels
+    from worker.engine.serving import DecodeBatch
+
+    reset_peak()
+    served, slots = served_with_adapters(args, dtype(args))
+    assert served.decoder is not None
+
+    def reqs(new: int) -> list[Any]:
+        return requests_for(prompts, slots_of, slots, new)
 
     out: dict[str, Any] = {"kernels": gpu_kernels.available().reason}
     batch = DecodeBatch()
     run_loraq(served, reqs(8), admit_each=False, batch=batch)  # warm-up: lazy inits, graph capture
     main = run_loraq(served, reqs(args.new), admit_each=False, batch=batch)
     main["decode_graph_replay_ms"] = decode_replay_ms(batch)
+    main["decode_profile"] = decode_profile(served, batch)
     main["graph_failure"] = served.decoder.graph_failure
     main["peak_mem_gib"] = peak_gib()
     out["loraq"] = main
@@ -262,16 +330,16 @@ class _FirstToken:
         pass
 
 
-def hf_side(args: argparse.Namespace, prompts: list[list[int]], slots_of: list[int]) -> dict[str, Any]:
+def hf_side(
+    args: argparse.Namespace, prompts: list[list[int]], slots_of: list[int], dt: torch.dtype, new: int
+) -> dict[str, Any]:
     from peft import PeftModel
     from safetensors.torch import save_file
 
     from worker.engine.models import load_base_model
 
     reset_peak()
-    loaded = load_base_model(
-        args.model, store=Path(tempfile.mkdtemp()), device=args.device, dtype=dtype(args)
-    )
+    loaded = load_base_model(args.model, store=Path(tempfile.mkdtemp()), device=args.device, dtype=dt)
     base = loaded.model
     shapes = target_shapes(base)
     root = Path(tempfile.mkdtemp())
@@ -304,7 +372,7 @@ def hf_side(args: argparse.Namespace, prompts: list[list[int]], slots_of: list[i
     sync()
     streamer = _FirstToken()
     t0 = time.perf_counter()
-    out = generate(args.new, streamer)
+    out = generate(new, streamer)
     sync()
     wall = time.perf_counter() - t0
     new_tokens = out[:, ids.shape[1] :]
@@ -355,6 +423,9 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--new", type=int, default=256)
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--fp32-check-new", type=int, default=48, help="tokens of the fp32 agreement check (0: none)"
+    )
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (tiny-llama)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -373,14 +444,19 @@ def main() -> int:
         "decoding": "greedy, every row forced to new_tokens",
     }  # fmt: skip
     result.update(loraq_side(args, prompts, slots_of))
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    result["hf_peft"] = hf_side(args, prompts, slots_of)
+    free_memory()
+    result["hf_peft"] = hf_side(args, prompts, slots_of, dtype(args), args.new)
     if args.device == "cuda":
         result["lora_op_us"] = lora_op_timings()
     ours, theirs = result["loraq"].pop("tokens"), result["hf_peft"].pop("tokens")
     result["greedy_agreement"] = agreement(ours, theirs)
+    if args.fp32_check_new:
+        # the same requests with both bases in fp32: bf16 near-ties aside, the two compute one function
+        free_memory()
+        ours32 = loraq_tokens(args, prompts, slots_of, torch.float32, args.fp32_check_new)
+        free_memory()
+        theirs32 = hf_side(args, prompts, slots_of, torch.float32, args.fp32_check_new)["tokens"]
+        result["fp32_greedy_agreement"] = {"new_tokens": args.fp32_check_new, **agreement(ours32, theirs32)}
     ratio = round(result["loraq"]["tok_s"] / result["hf_peft"]["tok_s"], 2)
     result["ratio_vs_hf_peft"] = ratio
     result["goals"] = {"ratio_vs_hf_peft": GOAL, "measured": ratio, "met": ratio >= GOAL}

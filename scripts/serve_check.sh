@@ -14,7 +14,8 @@ out="${1:-bench/results}"
 mkdir -p "$out"
 py="${PYTHON:-python3}"
 status=0
-gpu=$($py -c "import torch; print(torch.cuda.get_device_name(0).split()[-1].lower().replace('/', '-'))" 2>/dev/null || echo gpu)
+# the GPU's model in the file name: "NVIDIA H100 80GB HBM3" -> h100
+gpu=$($py -c "import re, torch; print(re.search(r'\b[A-Z]+\d{2,4}\b', torch.cuda.get_device_name(0)).group().lower())" 2>/dev/null || echo gpu)
 date=$(date -u +%F)
 
 echo "== build"
