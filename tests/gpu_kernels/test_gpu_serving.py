@@ -63,6 +63,26 @@ def test_graphed_kv_engine_on_cuda_equals_transformers_on_cpu(tmp_path: Path) ->
     assert len({r.text for r in answers[0][0].values()}) >= 4  # the adapters change the answers
 
 
+def test_served_steps_launch_the_compiled_lora_kernel(tmp_path: Path) -> None:
+    """A served model's weights require grad; its prefill and decode steps (inference mode) still
+    run csrc/lora_multi.cu's kernels, not the plain-torch reference."""
+    tiny = load_base_model("tiny-llama", store=TEST_MODEL_STORE)
+    served = ServingModel(
+        LoadedModel(copy.deepcopy(tiny.model).cuda(), tiny.tokenizer, "tiny-llama", True), 1
+    )
+    assert any(p.requires_grad for p in served.model.parameters())
+    adapter = make_adapter(tiny, tmp_path / "a", seed=1, cfg=LoraConfig(r=4))
+    slot = served.adapter_slot("a", lambda: adapter)
+    batch = DecodeBatch()
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        served.admit(batch, [(0, GenRequest(served.prompt_ids(PROMPTS[0]), 3, slot=slot, temperature=0))])
+        served.step(batch)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    assert any("shrink_kernel" in n for n in names) and any("expand_kernel" in n for n in names)
+
+
 def test_decode_steps_are_captured_and_replayed() -> None:
     """After one eager run of a shape, its decode step is a CUDA graph: replays read new tokens."""
     tiny = load_base_model("tiny-llama", store=TEST_MODEL_STORE)

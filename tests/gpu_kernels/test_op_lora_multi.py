@@ -174,9 +174,11 @@ def test_scale_zero_rows_are_the_bare_base_exactly() -> None:
 
 
 @pytest.mark.gpu
-def test_dispatch_runs_the_compiled_kernel_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("parameter", [False, True], ids=["tensor", "parameter"])
+def test_dispatch_runs_the_compiled_kernel_on_cuda(monkeypatch: pytest.MonkeyPatch, parameter: bool) -> None:
     """On CUDA tensors gpu_kernels.lora_linear_multi launches csrc/lora_multi.cu's kernels (seen
-    by the profiler), not the plain-torch reference."""
+    by the profiler), not the plain-torch reference, also when the weight is a module's parameter
+    (requires grad) and no gradient is recorded: how a served model calls it."""
     gpu_kernels.require_compiled()
 
     def no_reference(*args: object) -> torch.Tensor:
@@ -186,6 +188,8 @@ def test_dispatch_runs_the_compiled_kernel_on_cuda(monkeypatch: pytest.MonkeyPat
     a, b, scales = _cuda_stacks(IN, OUT, RANKS)
     x = randn(4, 1, IN, dtype=torch.bfloat16)
     w = randn(OUT, IN, dtype=torch.bfloat16)
+    if parameter:
+        w = torch.nn.Parameter(w)
     idx = torch.tensor([1, 2, 0, 3], device="cuda")
     with (
         torch.inference_mode(),
