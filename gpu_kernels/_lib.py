@@ -41,6 +41,8 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
         _i32,
         [*[_p, _i64, _i64, _i64] * 3, _p, _p, _i64, _i64, _p, _i32, _i64, _i32, _i32, _i32, _i32, _p],
     ),
+    "loraq_lora_multi_workspace": (_i64, [_i64, _i64, _i32]),
+    "loraq_lora_multi": (_i32, [_p, _p, _i32, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _i64, _i32, _p, _p]),
     "loraq_error_string": (ctypes.c_char_p, [_i32]),
 }
 

@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 
 from gpu_kernels import _lib, reference
+from gpu_kernels.ops import lora_multi
 
 Backend = Literal["auto", "reference"]
 _backend: Backend = "auto"
@@ -118,10 +119,22 @@ def lora_linear_multi(
     index: torch.Tensor,
 ) -> torch.Tensor:
     """Serving: row b of x (B, S, in) gets adapter index[b] of the stacks; (B, S, out). On CUDA the
-    segmented (SGMV) form runs, on CPU the gathered reference. See reference.lora_linear_multi."""
-    if _backend != "reference" and x.is_cuda:
-        from gpu_kernels.ops import lora_multi
-
+    compiled multi-adapter kernel (gpu_kernels.ops.lora_multi; gradient for x only, so the reference
+    runs when a gradient of the weights or factors is being recorded; a served model's weights
+    require grad but serving runs under inference_mode), elsewhere the gathered reference. Neither
+    syncs with the host. See reference.lora_linear_multi."""
+    if (
+        _compiled(x, weight, bias, lora_a, lora_b, scales, index)
+        and _kernel_dtype(x)
+        and x.dtype == weight.dtype
+        and x.dim() == 3
+        and lora_a.dtype == lora_b.dtype == scales.dtype == torch.float32
+        and 1 <= lora_a.shape[1] <= lora_multi.MAX_RANK
+        and not (
+            torch.is_grad_enabled()
+            and any(t is not None and t.requires_grad for t in (weight, bias, lora_a, lora_b))
+        )
+    ):
         return lora_multi.lora_linear_multi(x, weight, bias, lora_a, lora_b, scales, index)
     return reference.lora_linear_multi(x, weight, bias, lora_a, lora_b, scales, index)
 

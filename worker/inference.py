@@ -251,44 +251,63 @@ class InferenceWorker:
 
     # -- chat requests: admission into a base model's batch, then one decode step at a time
     def _admit_waiting(self) -> None:
+        """Admit what is waiting, base model by base model: a model's requests join its batch in
+        one `admit` call (one prefill for all of them, so requests arriving together get their
+        first tokens together), up to `inference_max_batch` rows. The rest keep their order."""
         from worker.engine.serving import DecodeBatch
 
-        still: list[Pending] = []
+        groups: dict[str, list[Pending]] = {}
         for p in self.waiting:
-            base = p.raw["base"]
+            groups.setdefault(p.raw["base"], []).append(p)
+        still: set[int] = set()  # id() of the requests that wait on
+        for base, group in groups.items():
             batch = self.batches.setdefault(base, DecodeBatch())
             try:
                 model = self.model(base)
             except ModelsBusy:
-                still.append(p)  # every loaded model is decoding: wait for one to drain
+                still.update(id(p) for p in group)  # every loaded model is decoding: wait for one to drain
                 continue
             except Exception as exc:
-                self._fail(p, exc)
+                for p in group:
+                    self._fail(p, exc)
                 continue
-            if (batch.rows and not model.joins) or len(batch.rows) >= self.settings.inference_max_batch:
-                still.append(p)
+            joining: list[tuple[Pending, GenRequest]] = []
+            for p in group:
+                if (batch.rows and not model.joins) or len(batch.rows) + len(
+                    joining
+                ) >= self.settings.inference_max_batch:
+                    still.add(id(p))
+                    continue
+                try:
+                    gen = self._prepare(model, batch, p, {g.slot for _, g in joining})
+                except Exception as exc:
+                    self._fail(p, exc)
+                    continue
+                if gen is None:  # every adapter slot is used by rows still decoding or joining
+                    still.add(id(p))
+                    continue
+                joining.append((p, gen))
+            if not joining:
                 continue
             try:
-                gen = self._prepare(model, batch, p)
-                if gen is None:  # every adapter slot is used by rows still decoding
-                    still.append(p)
-                    continue
-                model.admit(batch, [(p, gen)])
+                model.admit(batch, list(joining))
             except Exception as exc:
-                self._fail(p, exc)
+                for p, _ in joining:
+                    self._fail(p, exc)
                 continue
-            self._push(p, {"type": "start", "prompt_tokens": len(gen.prompt_ids)})
-        self.waiting = still
+            for p, gen in joining:
+                self._push(p, {"type": "start", "prompt_tokens": len(gen.prompt_ids)})
+        self.waiting = [p for p in self.waiting if id(p) in still]
 
-    def _prepare(self, model: ServingModel, batch: Any, p: Pending) -> GenRequest | None:
+    def _prepare(self, model: ServingModel, batch: Any, p: Pending, joining: set[int]) -> GenRequest | None:
         """The request's decoding parameters, its adapter loaded into a slot; None when no slot is
-        free of the rows decoding now."""
+        free of the rows decoding now and of `joining`, the slots of the requests being admitted."""
         from worker.engine.serving import GenRequest
 
         slot = 0
         key = p.raw.get("adapter_key")
         if key:
-            in_use = set(batch.slots.tolist()) if batch.rows else set()
+            in_use = (set(batch.slots.tolist()) if batch.rows else set()) | joining
             if key not in model.loaded_adapters and len(in_use - {0}) >= self.settings.inference_max_adapters:
                 return None
             sha256 = str(p.raw["adapter_sha256"])

@@ -67,9 +67,15 @@ def peft_greedy(tiny: LoadedModel, adapter_dir: Path | None, prompt_ids: list[in
     return new[: new.index(eos)] if eos in new else new
 
 
-@pytest.fixture(scope="module")
-def served(tiny: LoadedModel) -> ServingModel:
-    return ServingModel(LoadedModel(copy.deepcopy(tiny.model), tiny.tokenizer, "tiny-llama", True), 2)
+@pytest.fixture(scope="module", params=["kv", "transformers"])
+def served(tiny: LoadedModel, request: pytest.FixtureRequest) -> ServingModel:
+    """Both engines: our KV cache (what Llama-shaped bases run) and transformers' forward over a
+    DynamicCache (what other architectures run)."""
+    model = ServingModel(LoadedModel(copy.deepcopy(tiny.model), tiny.tokenizer, "tiny-llama", True), 2)
+    assert model.decoder is not None  # tiny-llama is Llama-shaped
+    if request.param == "transformers":
+        model.decoder = None
+    return model
 
 
 def test_mixed_adapter_batch_equals_peft_for_each_row(
@@ -163,6 +169,32 @@ def test_stop_strings_cut_the_text_and_are_never_streamed(served: ServingModel) 
     ]
     assert cut.text == full[: full.index(stop)] and cut.finish_reason == "stop"
     assert "".join(deltas) == cut.text
+
+
+class _EosIs:
+    """The served tokenizer with another EOS id."""
+
+    def __init__(self, tokenizer: object, eos: int) -> None:
+        self._tokenizer, self.eos_token_id = tokenizer, eos
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._tokenizer, name)
+
+
+def test_ignore_eos_generates_max_tokens(served: ServingModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Benchmarks force every request to its full length: EOS is then an ordinary token."""
+    ids = served.prompt_ids(PROMPTS[0])
+    greedy = served.generate([GenRequest(ids, 12, temperature=0)])[0]
+    batch = DecodeBatch()
+    served.admit(batch, [(0, GenRequest(ids, 12, temperature=0))])
+    assert batch.logits is not None
+    first = int(batch.logits[0].argmax())  # made the EOS below: greedy decoding ends at once
+    monkeypatch.setattr(served, "tokenizer", _EosIs(served.tokenizer, first))
+    free = served.generate([GenRequest(ids, 12, temperature=0)])[0]
+    forced = served.generate([GenRequest(ids, 12, temperature=0, ignore_eos=True)])[0]
+    assert (free.completion_tokens, free.finish_reason) == (0, "stop")
+    assert (forced.completion_tokens, forced.finish_reason) == (12, "length")
+    assert forced.text == greedy.text
 
 
 def test_text_stream_holds_back_partial_stop_strings(tiny: LoadedModel) -> None:

@@ -10,13 +10,18 @@ batch mixes requests for different adapters of the base, as Punica's SGMV and S-
 Adapters are loaded into slots on demand and evicted least-recently-used. Ranks differ between
 adapters: the stacks are zero-padded to the largest rank loaded, which adds exact zeros.
 
-Decoding is continuous batching over a `DecodeBatch`: `admit` prefills new requests (left-padded)
-and merges them into the running batch (the shorter KV cache left-padded, masked), `step` samples
-one token per row and runs the rows still going one position further against the shared
-`DynamicCache`; finished rows leave the batch (cache rows dropped), so a long request does not
-make short ones pay and a new request does not wait for a batch to drain. `generate` runs a list
-of requests to completion. Text is detokenized incrementally with stop strings held back until
-they can no longer match.
+Decoding is continuous batching over a `DecodeBatch`: `admit` prefills new requests and merges
+them into the running batch, `step` samples one token per row and runs the rows still going one
+position further; finished rows leave the batch, so a long request does not make short ones pay
+and a new request does not wait for a batch to drain. `generate` runs a list of requests to
+completion. Text is detokenized incrementally with stop strings held back until they can no
+longer match. Two engines run the model:
+- Llama-shaped bases (worker.engine.kv_decode): a preallocated KV cache per batch, prefill straight
+  into it, and decode steps with no host sync inside, replayed from CUDA graphs on a GPU;
+- any other base: transformers' forward over a `DynamicCache` (left-padded prefill, a joining
+  request's shorter cache left-padded and masked).
+A step reads the sampled tokens back once (detokenization and stop checks need them); nothing
+else in a step waits for the GPU.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from transformers import DynamicCache, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
 import gpu_kernels
+from worker.engine.kv_decode import KVCache, LlamaDecoder
 from worker.engine.lora import PEFT_PREFIX, _decoder_linear_names
 from worker.engine.models import LoadedModel
 from worker.engine.types import RequestError
@@ -138,6 +144,7 @@ class GenRequest:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # keep generating past EOS up to max_tokens (benchmarks)
 
 
 @dataclass
@@ -213,7 +220,7 @@ def sample(logits: torch.Tensor, requests: list[GenRequest], generators: list[to
 class ServingModel:
     """One base model, LoRA slots on every decoder linear layer, an LRU of loaded adapters."""
 
-    def __init__(self, loaded: LoadedModel, max_adapters: int) -> None:
+    def __init__(self, loaded: LoadedModel, max_adapters: int, *, cuda_graphs: bool = True) -> None:
         if max_adapters < 1:
             raise ValueError(f"max_adapters must be >= 1, got {max_adapters}")
         self.loaded = loaded
@@ -233,11 +240,20 @@ class ServingModel:
         self._slots: OrderedDict[str, int] = OrderedDict()  # adapter key -> slot, oldest first
         self._free = list(range(max_adapters, 0, -1))
         self.max_context = int(getattr(self.model.config, "max_position_embeddings", 2048))
+        # Llama-shaped bases decode over our own KV cache (see the module docstring)
+        self.decoder = (
+            LlamaDecoder(self.model, self._set_slots, graphs=cuda_graphs)
+            if LlamaDecoder.supports(self.model)
+            else None
+        )
         # Requests can join a batch mid-decode when every cache layer is a plain full-attention
         # one (a sliding-window layer cannot be left-padded); otherwise they wait for it to drain.
-        self.joins = all(
+        self.joins = self.decoder is not None or all(
             type(layer) is DynamicLayer for layer in DynamicCache(config=self.model.config).layers
         )
+
+    def _set_slots(self, slots: torch.Tensor) -> None:
+        self.rows.index = slots
 
     @property
     def loaded_adapters(self) -> list[str]:
@@ -310,6 +326,9 @@ class ServingModel:
             return
         for _, req in requests:
             self.check_fits(len(req.prompt_ids), req.max_tokens)
+        if self.decoder is not None:
+            self._admit_kv(batch, requests, self.decoder)
+            return
         eos = self.tokenizer.eos_token_id
         pad = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos)
         # Left-padded prefill: every row's last prompt token sits in the last column.
@@ -324,12 +343,39 @@ class ServingModel:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (n, width)
         slots = torch.tensor([r.slot for _, r in requests], device=self.device)
         cache = DynamicCache(config=self.model.config)
-        out = self._forward(slots, input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache)
-        rows = [
+        out = self._forward(
+            slots, any(r.slot for _, r in requests),
+            input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+        )  # fmt: skip
+        batch.merge(self._rows(requests), cache, mask, positions[:, -1] + 1, slots, out.logits[:, -1, :])
+
+    def _rows(self, requests: list[tuple[Any, GenRequest]]) -> list[_Row]:
+        return [
             _Row(key, r, TextStream(self.tokenizer, r.stop), torch.Generator().manual_seed(_seed(r.seed)))
             for key, r in requests
         ]
-        batch.merge(rows, cache, mask, positions[:, -1] + 1, slots, out.logits[:, -1, :])
+
+    def _admit_kv(
+        self, batch: DecodeBatch, requests: list[tuple[Any, GenRequest]], dec: LlamaDecoder
+    ) -> None:
+        """Prefill `requests` into cache rows after the batch's rows (the cache grown if needed)."""
+        pad = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
+        rows = self._rows(requests)
+        everyone = [*batch.rows, *rows]
+        need = max(len(r.req.prompt_ids) + r.req.max_tokens for r in everyone)
+        batch.kv = dec.ensure(batch.kv, len(everyone), need)
+        start = len(batch.rows)
+        try:
+            logits = dec.prefill(
+                batch.kv, start, [r.prompt_ids for _, r in requests], [r.slot for _, r in requests], pad
+            )
+        finally:
+            self.rows.index = None
+        slots = torch.tensor([r.slot for _, r in requests], device=self.device)
+        batch.positions += [len(r.prompt_ids) for _, r in requests]
+        batch.slots = slots if batch.slots is None else torch.cat([batch.slots, slots])
+        batch.logits = logits if batch.logits is None else torch.cat([batch.logits, logits])
+        batch.rows += rows
 
     @torch.inference_mode()
     def step(
@@ -344,7 +390,7 @@ class ServingModel:
         done: dict[Any, GenResult] = {}
         keep: list[int] = []
         for i, (row, tok) in enumerate(zip(batch.rows, tokens, strict=True)):
-            if tok == eos:
+            if tok == eos and not row.req.ignore_eos:
                 reason = "stop"
                 emit(row.key, row.stream.finish())
             else:
@@ -358,11 +404,21 @@ class ServingModel:
             else:
                 keep.append(i)
         batch.keep(keep)
-        if batch.rows:
+        if batch.rows and self.decoder is not None:
+            assert batch.kv is not None
+            try:
+                batch.logits = self.decoder.decode(
+                    batch.kv, [tokens[i] for i in keep], batch.positions, [r.req.slot for r in batch.rows]
+                )
+            finally:
+                self.rows.index = None
+            batch.positions = [p + 1 for p in batch.positions]
+        elif batch.rows:
             assert batch.mask is not None and batch.next_pos is not None and batch.slots is not None
             batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(keep), 1)], dim=1)
             out = self._forward(
                 batch.slots,
+                any(row.req.slot for row in batch.rows),
                 input_ids=torch.tensor([tokens[i] for i in keep], device=self.device)[:, None],
                 attention_mask=batch.mask,
                 position_ids=batch.next_pos[:, None],
@@ -372,10 +428,12 @@ class ServingModel:
             batch.logits = out.logits[:, -1, :]
         return done
 
-    def _forward(self, slots: torch.Tensor, *, cache: DynamicCache | None, **inputs: torch.Tensor) -> Any:
+    def _forward(
+        self, slots: torch.Tensor, lora: bool, *, cache: DynamicCache | None, **inputs: torch.Tensor
+    ) -> Any:
         """The model on `inputs` with row b using adapter slot slots[b] (no LoRA work at all when
-        every row is the base model)."""
-        self.rows.index = slots if bool((slots != 0).any()) else None
+        `lora` is False: every row is the base model, known on the host)."""
+        self.rows.index = slots if lora else None
         try:
             return self.model(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)
         finally:
@@ -393,11 +451,14 @@ class _Row:
 
 @dataclass
 class DecodeBatch:
-    """Rows decoding together and their shared state: one KV cache (B, heads, L, head_dim) per layer,
-    the attention mask (B, L), each row's next position and adapter slot, and the logits (B, V)
-    of each row's latest position (what `ServingModel.step` samples next)."""
+    """Rows decoding together and their shared state: each row's adapter slot and the logits (B, V)
+    of each row's latest position (what `ServingModel.step` samples next), and either our KV cache
+    (`kv`, rows in batch order, each row's next position in `positions`) or transformers' (`cache`,
+    (B, heads, L, head_dim) per layer, with the attention mask (B, L) and `next_pos`)."""
 
     rows: list[_Row] = field(default_factory=list)
+    kv: KVCache | None = None  # kept when the batch drains: its buffers and CUDA graphs are reused
+    positions: list[int] = field(default_factory=list)
     cache: DynamicCache | None = None
     mask: torch.Tensor | None = None
     next_pos: torch.Tensor | None = None
@@ -409,14 +470,20 @@ class DecodeBatch:
         if len(indices) == len(self.rows):
             return
         self.rows = [self.rows[i] for i in indices]
+        self.positions = [self.positions[i] for i in indices] if self.kv is not None else []
         if not indices:
             self.cache = self.mask = self.next_pos = self.slots = self.logits = None
             return
-        assert self.cache is not None and self.mask is not None and self.slots is not None
+        assert self.slots is not None
+        index = torch.tensor(indices, device=self.slots.device)
+        self.slots = self.slots[index]  # the logits are replaced by the step that called this
+        if self.kv is not None:
+            self.kv.keep(indices)
+            return
+        assert self.cache is not None and self.mask is not None
         assert self.next_pos is not None
-        index = torch.tensor(indices, device=self.mask.device)
         self.cache.batch_select_indices(index)
-        self.mask, self.next_pos, self.slots = self.mask[index], self.next_pos[index], self.slots[index]
+        self.mask, self.next_pos = self.mask[index], self.next_pos[index]
 
     def merge(
         self,
@@ -467,7 +534,7 @@ def _seed(seed: int | None) -> int:
 
 
 def load_serving_model(
-    name: str, *, store: Path, max_adapters: int, device: str | None = None
+    name: str, *, store: Path, max_adapters: int, device: str | None = None, cuda_graphs: bool = True
 ) -> ServingModel:
     """The base model `name` on `device` (default: CUDA in bf16 when present, else CPU fp32),
     ready to serve adapters."""
@@ -476,4 +543,4 @@ def load_serving_model(
     use_cuda = device == "cuda" or (device is None and torch.cuda.is_available())
     dtype = torch.bfloat16 if use_cuda else torch.float32
     loaded = load_base_model(name, store=store, device="cuda" if use_cuda else "cpu", dtype=dtype)
-    return ServingModel(loaded, max_adapters)
+    return ServingModel(loaded, max_adapters, cuda_graphs=cuda_graphs)
