@@ -47,3 +47,13 @@ def test_monitor_reads_the_device_flag_only_when_due() -> None:
     assert monitor.check(1, force=True) == 2
     with pytest.raises(ValueError):
         gpu_kernels.NonFiniteMonitor("cpu", every=0)
+
+
+def test_graph_is_dropped_only_when_measurably_slower() -> None:
+    from gpu_kernels.graph import GRAPH_MARGIN, graph_is_slower
+
+    assert not graph_is_slower(241.91, 241.75)  # timing noise keeps the graph
+    assert not graph_is_slower(100.0 * (1 + GRAPH_MARGIN), 100.0)
+    assert graph_is_slower(100.0 * (1 + 2 * GRAPH_MARGIN), 100.0)
+    assert graph_is_slower(250.0, 100.0)  # cuDNN attention inside a graph, measured 2.5x
+    assert not graph_is_slower(90.0, 100.0)
