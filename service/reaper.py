@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service import jobs
-from service.db.session import session_scope
+from service.db.session import WORKER_APPLICATION, end_idle_transactions, session_scope, set_lock_timeout
 from service.queue import enqueue_job
 from service.settings import get_settings
 
@@ -81,6 +81,9 @@ def held_job_ids(client: Any, queues: set[str]) -> set[str]:
     return held
 
 
+ROW_LOCK_TIMEOUT_S = 2.0  # how long releasing a job waits for its row
+
+
 class Reaper:
     """One tick at a time; keeps, between ticks, when each queued job was first seen missing."""
 
@@ -126,6 +129,19 @@ class Reaper:
         timeout, max_attempts = settings.heartbeat_timeout_seconds, settings.max_attempts
         with session_scope() as session:
             stale = jobs.stale_running_jobs(session, older_than=now - timeout)
+            # A worker frozen mid-transaction holds its job's row lock for as long as it is frozen:
+            # end its session, or the job could never be re-queued.
+            ended = (
+                end_idle_transactions(session, application_name=WORKER_APPLICATION, idle_seconds=timeout)
+                if stale
+                else []
+            )
+        if ended:
+            log.warning(
+                "reaper: ended worker database sessions %s, idle in a transaction for over %gs",
+                ended,
+                timeout,
+            )
         for job_id, token, attempt in stale:
             silent = f"its worker sent no heartbeat for {timeout:g}s (attempt {attempt} of {max_attempts})"
             if release_attempt(job_id, token, attempt, silent, result):
@@ -157,19 +173,27 @@ class Reaper:
 def release_attempt(job_id: str, token: str, attempt: int, why: str, result: TickResult) -> bool:
     """A running attempt whose worker is gone: back to `queued` and re-sent while attempts are
     left (True once sent), else `failed` with code `worker_lost`. Both are fenced on the token."""
+    from sqlalchemy.exc import OperationalError
+
     max_attempts = get_settings().max_attempts
-    with session_scope() as session:
-        if attempt >= max_attempts:
-            reason = f"Job failed: {why}; no attempts left"
-            if jobs.fail_stale(session, job_id=job_id, attempt_token=token, reason=reason):
-                result.failed.append(job_id)
-            return False
-        requeued = jobs.requeue(
-            session,
-            job_id=job_id,
-            attempt_token=token,
-            reason=f"{why}; the next attempt resumes from its last checkpoint, if it saved one",
-        )
+    try:
+        with session_scope() as session:
+            # a row lock held elsewhere costs this job one tick, never the reaper's thread
+            set_lock_timeout(session, ROW_LOCK_TIMEOUT_S)
+            if attempt >= max_attempts:
+                reason = f"Job failed: {why}; no attempts left"
+                if jobs.fail_stale(session, job_id=job_id, attempt_token=token, reason=reason):
+                    result.failed.append(job_id)
+                return False
+            requeued = jobs.requeue(
+                session,
+                job_id=job_id,
+                attempt_token=token,
+                reason=f"{why}; the next attempt resumes from its last checkpoint, if it saved one",
+            )
+    except OperationalError as e:
+        log.warning("reaper: job %s not released this tick (%s)", job_id, str(e).splitlines()[0])
+        return False
     if not requeued:
         return False
     result.requeued.append(job_id)  # committed: a worker that takes the message finds it queued

@@ -45,6 +45,14 @@ def _stop_running_job(**_: object) -> None:
 
 
 @worker_init.connect
+def _name_database_sessions(**_: object) -> None:
+    # A worker frozen mid-transaction is found (and its row locks freed) by this name: reaper.py.
+    from service.db.session import WORKER_APPLICATION, set_application_name
+
+    set_application_name(WORKER_APPLICATION)
+
+
+@worker_init.connect
 def _configure_kernels(**_: object) -> None:
     # Before the metrics below: their registry entry says which kernel path runs.
     from worker.kernels import configure_kernels

@@ -27,6 +27,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Literal
 
+from sqlalchemy.exc import OperationalError
+
 from service import files, jobs, storage
 from service.db.session import session_scope
 from service.settings import Settings, get_settings
@@ -150,8 +152,11 @@ class JobCallbacks:
         now = time.monotonic()
         if now - self._cancel_checked_at >= CANCEL_CACHE_SECONDS:
             self._cancel_checked_at = now
-            with session_scope() as session:
-                self.cancel_requested = jobs.is_cancel_requested(session, job_id=self.claim.job_id)
+            try:
+                with session_scope() as session:
+                    self.cancel_requested = jobs.is_cancel_requested(session, job_id=self.claim.job_id)
+            except OperationalError:  # a lost connection: asked again at the next check
+                log.warning("job %s: cancel check failed", self.claim.job_id, exc_info=True)
         return self.cancel_requested
 
     # -- helpers
@@ -163,6 +168,11 @@ class JobCallbacks:
         try:
             with session_scope() as session:
                 jobs.record_metrics(session, claim=self.claim, rows=rows)
+        except OperationalError:  # a lost connection (a frozen worker's, ended by the reaper)
+            self._buffer = rows + self._buffer  # kept for the next flush; the heartbeat fences
+            log.warning(
+                "job %s: metrics not written, kept for the next flush", self.claim.job_id, exc_info=True
+            )
         except jobs.StaleAttemptError:
             self.fenced = True
             log.warning(

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from typing import Annotated, Any
 
 from fastapi import Depends
-from sqlalchemy import Engine, Select, create_engine, event
+from sqlalchemy import Engine, Select, create_engine, event, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.settings import Settings, get_settings
@@ -30,6 +30,13 @@ READ_POOL_SIZE = 10  # async read connections per API process (per event loop)
 
 _lock = threading.Lock()
 _engines: dict[str, Engine] = {}
+
+# PostgreSQL's application_name for this process's connections (pg_stat_activity). Worker
+# processes use WORKER_APPLICATION: the reaper may end a worker session that sits inside a
+# transaction past the heartbeat timeout (a frozen worker holding its job's row lock), and only
+# those (end_idle_transactions).
+WORKER_APPLICATION = "loraq-worker"
+_application_name = "loraq"
 _factories: dict[str, sessionmaker[Session]] = {}
 
 
@@ -57,8 +64,42 @@ def make_engine(url: str) -> Engine:
         pool_pre_ping=True,
         pool_size=10,
         max_overflow=30,
-        connect_args={"connect_timeout": PG_CONNECT_TIMEOUT_S},
+        connect_args={"connect_timeout": PG_CONNECT_TIMEOUT_S, "application_name": _application_name},
     )
+
+
+def set_application_name(name: str) -> None:
+    """Name this process's PostgreSQL connections from now on (pooled ones are closed)."""
+    global _application_name
+    _application_name = name
+    dispose_engines()
+
+
+def set_lock_timeout(session: Session, seconds: float) -> None:
+    """On PostgreSQL, this transaction waits at most `seconds` for a row lock, then fails
+    (OperationalError) instead of waiting for ever. A no-op on SQLite."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text(f"SET LOCAL lock_timeout = '{int(seconds * 1000)}ms'"))
+
+
+def end_idle_transactions(session: Session, *, application_name: str, idle_seconds: float) -> list[int]:
+    """End (pg_terminate_backend) this database's sessions named `application_name` that have sat
+    idle inside a transaction for over `idle_seconds`, releasing their locks; their pids. Such a
+    session belongs to a process that stopped mid-transaction (SIGSTOP, a hung host): its own
+    transactions last milliseconds. A no-op on SQLite (a file lock ends with its process)."""
+    if session.get_bind().dialect.name != "postgresql":
+        return []
+    rows = session.execute(
+        text(
+            # the call sits in the select list: it runs only for the rows the filter kept
+            "SELECT pid, pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND application_name = :name "
+            "AND state = 'idle in transaction' AND pid <> pg_backend_pid() "
+            "AND state_change < now() - make_interval(secs => :idle)"
+        ),
+        {"name": application_name, "idle": idle_seconds},
+    ).all()
+    return [int(r[0]) for r in rows]
 
 
 _default_url: tuple[Settings, str] | None = None

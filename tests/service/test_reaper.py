@@ -217,3 +217,50 @@ def test_the_api_runs_the_loop(env: Env, monkeypatch: pytest.MonkeyPatch) -> Non
             time.sleep(0.1)
     assert env.job(job_id).status == "queued"
     assert env.messages() == [job_id]
+
+
+def test_a_frozen_worker_holding_its_job_row_is_ended_and_the_job_requeued(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker frozen inside a transaction (SIGSTOP between its heartbeat UPDATE and COMMIT)
+    holds the job's row lock while frozen. The reaper must neither hang on that lock nor wait for
+    the worker: it ends sessions of worker processes idle in a transaction past the heartbeat
+    timeout. Another program's session holding the lock is never ended: that job waits, and the
+    tick still returns."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    from service.db.session import WORKER_APPLICATION, default_url
+    from service.settings import get_settings
+
+    url = default_url()
+    if not url.startswith("postgresql"):
+        pytest.skip("row locks held by another process: PostgreSQL")
+    monkeypatch.setenv("LORAQ_HEARTBEAT_TIMEOUT_SECONDS", "1")
+    get_settings.cache_clear()
+    dsn = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    job_id = env.new_job()
+    env.redis.delete(env.queue)
+    env.claim(job_id, heartbeat_age=5)
+
+    def hold_row(application_name: str) -> psycopg.Connection:
+        conn = psycopg.connect(dsn, application_name=application_name)
+        conn.execute("UPDATE jobs SET heartbeat_at = heartbeat_at WHERE id = %s", (job_id,))
+        return conn  # the transaction stays open: the row stays locked
+
+    other = hold_row("some-admin-tool")
+    time.sleep(1.2)
+    started = time.monotonic()
+    assert Reaper().tick().requeued == []  # the lock is not a worker's: the job waits
+    assert time.monotonic() - started < 10
+    assert env.job(job_id).status == "running"
+    other.rollback()
+    other.close()
+
+    frozen = hold_row(WORKER_APPLICATION)
+    time.sleep(1.2)
+    assert Reaper().tick().requeued == [job_id]
+    assert env.job(job_id).status == "queued"
+    with pytest.raises(psycopg.OperationalError):  # its session was ended
+        frozen.execute("SELECT 1")
+    frozen.close()
