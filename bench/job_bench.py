@@ -74,18 +74,12 @@ class _Collector:
         return False
 
 
-def job_cell(
-    preset: str, batch: int, seq: int, steps: int, pack: bool = True, n_gpus: int = 1
-) -> dict[str, Any]:
-    import torch
-
-    from worker.engine.distributed import run_torchrun
-    from worker.engine.recipe import train
+def job_config(preset: str, batch: int, seq: int, steps: int, tmp: Path, pack: bool = True) -> Any:
+    """The job's TrainConfig (warm-up steps + `steps` timed ones), its files under `tmp`."""
     from worker.engine.types import LoraConfig, TrainConfig
 
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    tmp = Path(tempfile.mkdtemp())
-    config = TrainConfig(
+    return TrainConfig(
         model=preset,
         train_file=DATASET,
         output_dir=tmp / "out",
@@ -100,6 +94,18 @@ def job_cell(
         pack=pack,
         device="cuda",
     )
+
+
+def job_cell(
+    preset: str, batch: int, seq: int, steps: int, pack: bool = True, n_gpus: int = 1
+) -> dict[str, Any]:
+    import torch
+
+    from worker.engine.distributed import run_torchrun
+    from worker.engine.recipe import train
+
+    tmp = Path(tempfile.mkdtemp())
+    config = job_config(preset, batch, seq, steps, tmp, pack)
     rec = _Collector()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.time()

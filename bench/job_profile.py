@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from job_bench import CHECKPOINT_EVERY, DATASET, JOB_SHAPES, JOB_WARMUP  # noqa: E402
+from job_bench import JOB_SHAPES, JOB_WARMUP, job_config  # noqa: E402
 
 REPO_DIRS = ("/worker/", "/gpu_kernels/", "/bench/", "/service/")
 
@@ -91,7 +91,6 @@ def part_job(preset: str, steps: int) -> dict[str, Any]:
 
     from worker.engine import train_step as ts_mod
     from worker.engine.recipe import train
-    from worker.engine.types import LoraConfig, TrainConfig
 
     batch, seq, _, _ = JOB_SHAPES[preset]
     torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
@@ -128,23 +127,7 @@ def part_job(preset: str, steps: int) -> dict[str, Any]:
         def should_stop(self) -> bool:
             return False
 
-    tmp = Path(tempfile.mkdtemp())
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    config = TrainConfig(
-        model=preset,
-        train_file=DATASET,
-        output_dir=tmp / "out",
-        model_store=tmp / "models",
-        lora=LoraConfig(r=16, alpha=32, dropout=0.0, target_modules=targets),
-        max_seq_len=seq,
-        batch_size=batch,
-        max_steps=JOB_WARMUP + steps,
-        learning_rate=1e-4,
-        lr_scheduler="cosine",
-        checkpoint_every=CHECKPOINT_EVERY,
-        pack=True,
-        device="cuda",
-    )
+    config = job_config(preset, batch, seq, steps, Path(tempfile.mkdtemp()))
     torch.cuda.reset_peak_memory_stats()
     train(config, Collector())
     torch.cuda.synchronize()

@@ -450,13 +450,11 @@ class LoRAFinetuneRecipe:
         host.trainable_tokens = sum(b.num_trainable_tokens for b in micro)
         return host
 
-    def _current_lr(self) -> float:
-        """The learning rate of the next step, on the host (never read back from the device)."""
-        return self.config.learning_rate * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
-
-    def _lr_after_this_step(self) -> float:
-        """The learning rate of the step after the current one (the schedule has not moved yet)."""
-        return self.config.learning_rate * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch + 1)
+    def _current_lr(self, steps_ahead: int = 0) -> float:
+        """The learning rate of the next step (`steps_ahead` later: of a step queued before the
+        schedule moves), on the host (never read back from the device)."""
+        epoch = self.scheduler.last_epoch + steps_ahead
+        return self.config.learning_rate * self.scheduler.lr_lambdas[0](epoch)
 
     def _captured_train_step(self, host: HostStep, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.step_fn is not None
@@ -500,7 +498,7 @@ class LoRAFinetuneRecipe:
                 if upcoming is not None and not stop and self._may_run_ahead(step, epoch_before, nxt):
                     # Queue the next step before reading this one's loss: the GPU goes on while
                     # the host checks, reports and prepares (a step in flight is never checkpointed).
-                    ahead = self._launch(*upcoming, self._lr_after_this_step(), t0)
+                    ahead = self._launch(*upcoming, self._current_lr(steps_ahead=1), t0)
                     upcoming = None
                 loss, grad_norm = self._read(launched)
                 step_started = launched.started
@@ -552,7 +550,7 @@ class LoRAFinetuneRecipe:
             self.callbacks.on_step(metrics)
             self._report(findings)
             if ahead is None:  # with a step in flight, a due checkpoint or limit waits for it
-                if not last and self._checkpoint_due(step, epoch_before):
+                if not last and self._checkpoint_due(step, epoch_end):
                     self.save_checkpoint()
                 self._check_limits(last)
 
@@ -580,7 +578,7 @@ class LoRAFinetuneRecipe:
         epoch_end = micro_after // self.batches_per_epoch > epoch_before
         if self.valid_data is not None and self._eval_due(step, epoch_end):
             return False
-        return not self._checkpoint_due(step, epoch_before, micro_after) and self._limit_reason() is None
+        return not self._checkpoint_due(step, epoch_end) and self._limit_reason() is None
 
     def _launch(self, micro: list[Batch], host: HostStep | None, lr: float, started: float) -> _Launched:
         """Queue one captured step on the GPU and its (loss, grad norm) read-back; nothing waits."""
@@ -614,17 +612,14 @@ class LoRAFinetuneRecipe:
         assert self.step_fn is not None and self.step_fn.shape is not None
         return self.step_fn.shape.slots * self.dist.world_size
 
-    def _checkpoint_due(self, step: int, epoch_before: int, micro_after: int | None = None) -> bool:
+    def _checkpoint_due(self, step: int, epoch_end: bool) -> bool:
         """Every `checkpoint_every` steps, at an epoch end, or once `checkpoint_interval_seconds`
-        of training passed since the last checkpoint: a lost worker loses at most that much.
-        `micro_after`: the micro-batches done once `step` is (default: the state's count)."""
+        of training passed since the last checkpoint: a lost worker loses at most that much."""
         cfg = self.config
-        done = self.state.micro_batches if micro_after is None else micro_after
-        epoch_ended = done // self.batches_per_epoch > epoch_before
         interval = cfg.checkpoint_interval_seconds
         return bool(
             (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
-            or (cfg.checkpoint_each_epoch and epoch_ended)
+            or (cfg.checkpoint_each_epoch and epoch_end)
             or (interval > 0 and time.monotonic() - self._last_checkpoint_time >= interval)
         )
 
