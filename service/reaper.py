@@ -127,15 +127,13 @@ class Reaper:
     def _reap(self, now: float, result: TickResult) -> None:
         settings = get_settings()
         timeout, max_attempts = settings.heartbeat_timeout_seconds, settings.max_attempts
+        ended: list[int] = []
         with session_scope() as session:
             stale = jobs.stale_running_jobs(session, older_than=now - timeout)
-            # A worker frozen mid-transaction holds its job's row lock for as long as it is frozen:
-            # end its session, or the job could never be re-queued.
-            ended = (
-                end_idle_transactions(session, application_name=WORKER_APPLICATION, idle_seconds=timeout)
-                if stale
-                else []
-            )
+            if stale:  # a worker frozen mid-transaction holds its job's row lock: end its session
+                ended = end_idle_transactions(
+                    session, application_name=WORKER_APPLICATION, idle_seconds=timeout
+                )
         if ended:
             log.warning(
                 "reaper: ended worker database sessions %s, idle in a transaction for over %gs",

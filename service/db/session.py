@@ -30,6 +30,7 @@ READ_POOL_SIZE = 10  # async read connections per API process (per event loop)
 
 _lock = threading.Lock()
 _engines: dict[str, Engine] = {}
+_factories: dict[str, sessionmaker[Session]] = {}
 
 # PostgreSQL's application_name for this process's connections (pg_stat_activity). Worker
 # processes use WORKER_APPLICATION: the reaper may end a worker session that sits inside a
@@ -37,7 +38,6 @@ _engines: dict[str, Engine] = {}
 # those (end_idle_transactions).
 WORKER_APPLICATION = "loraq-worker"
 _application_name = "loraq"
-_factories: dict[str, sessionmaker[Session]] = {}
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
