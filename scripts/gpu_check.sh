@@ -5,8 +5,8 @@
 #      reference (fp32 + bf16, edge and large shapes: test_op_<op>.py), a graphed step vs eager,
 #      tiny-llama 50 steps and the recipe on the compiled vs the reference path, the packed job
 #      step in bf16 (each example in a packed row vs alone, isolation) (test_gpu_training.py);
-#   3. compute-sanitizer memcheck of `pytest -m "gpu and not slow"` (the small shapes of every op
-#      and the packed step on tiny-llama);
+#   3. compute-sanitizer memcheck of `pytest -m "gpu and not slow and not no_memcheck"` (the small
+#      shapes of every op and the packed step on tiny-llama; no graph capture, no profiler);
 #   4. measuring: op timings, compiled vs eager torch (scripts/gpu_check.py bench).
 # Usage: scripts/gpu_check.sh [OUTDIR]   (logs and JSON land in OUTDIR, default bench/results)
 # Needs pytest and pytest-timeout next to the CUDA torch (pip install pytest pytest-timeout).
@@ -27,7 +27,7 @@ $py -m pytest -q -p no:cacheprovider -m gpu tests/gpu_kernels --gpu-results "$ou
   2>&1 | tee "$out/gpu-check-tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
-echo "== compute-sanitizer memcheck (pytest -m 'gpu and not slow': small shapes, packed step)"
+echo "== compute-sanitizer memcheck (pytest -m 'gpu and not slow and not no_memcheck')"
 if command -v compute-sanitizer >/dev/null; then
   # One sanitizer process per test file, SANITIZER_JOBS at a time: memcheck is bound by the host
   # CPU, so the files run side by side on one GPU. No caching allocator: every tensor is its own
@@ -36,7 +36,7 @@ if command -v compute-sanitizer >/dev/null; then
   ls tests/gpu_kernels/test_*.py | xargs -P "${SANITIZER_JOBS:-8}" -I{} sh -c '
     name=$(basename {} .py)
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZER_TIMEOUT:-900}" compute-sanitizer --tool memcheck \
-      --error-exitcode 3 --print-limit 20 $py -m pytest -q -p no:cacheprovider -m "gpu and not slow" {} \
+      --error-exitcode 3 --print-limit 20 $py -m pytest -q -p no:cacheprovider -m "gpu and not slow and not no_memcheck" {} \
       >"$out/sanitizer-$name.txt" 2>&1
     rc=$?
     [ "$rc" -eq 5 ] && rc=0  # pytest: no test of the file selected

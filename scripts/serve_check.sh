@@ -30,13 +30,13 @@ echo "== serving benchmark"
 timeout "${BENCH_TIMEOUT:-400}" $py bench/serve_bench.py --out "$out/serve-$gpu-$date.json" >"$out/serve-bench.txt" 2>&1 || status=1
 tail -n 80 "$out/serve-bench.txt"
 
-# Left out under memcheck: graph capture (it needs the caching allocator, which memcheck runs
-# without) and the profiler-based dispatch test (the profiler sees no kernel under the sanitizer).
-echo "== compute-sanitizer memcheck (test_op_lora_multi.py, gpu and not slow, no graph/profiler tests)"
+# Left out under memcheck (marker no_memcheck): graph capture (it needs the caching allocator,
+# which memcheck runs without) and the profiler-based dispatch test.
+echo "== compute-sanitizer memcheck (test_op_lora_multi.py, gpu and not slow and not no_memcheck)"
 if command -v compute-sanitizer >/dev/null; then
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool memcheck \
-    --error-exitcode 3 --print-limit 20 $py -m pytest -q -p no:cacheprovider -m "gpu and not slow" \
-    -k "not cuda_graph and not dispatch" tests/gpu_kernels/test_op_lora_multi.py >"$out/serve-check-sanitizer.txt" 2>&1
+    --error-exitcode 3 --print-limit 20 $py -m pytest -q -p no:cacheprovider -m "gpu and not slow and not no_memcheck" \
+    tests/gpu_kernels/test_op_lora_multi.py >"$out/serve-check-sanitizer.txt" 2>&1
   rc=$?
   echo "sanitizer exit code $rc ($(tail -n 1 "$out/serve-check-sanitizer.txt"))"
   [ "$rc" -eq 0 ] || status=1

@@ -18,7 +18,7 @@ from worker.engine.models import LoadedModel, load_base_model
 from worker.engine.serving import DecodeBatch, GenRequest, GenResult, ServingModel
 from worker.engine.types import LoraConfig
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.no_memcheck]  # every test here captures graphs or profiles
 
 
 def _run(

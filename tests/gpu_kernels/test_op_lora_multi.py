@@ -174,6 +174,7 @@ def test_scale_zero_rows_are_the_bare_base_exactly() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.no_memcheck
 @pytest.mark.parametrize("parameter", [False, True], ids=["tensor", "parameter"])
 def test_dispatch_runs_the_compiled_kernel_on_cuda(monkeypatch: pytest.MonkeyPatch, parameter: bool) -> None:
     """On CUDA tensors gpu_kernels.lora_linear_multi launches csrc/lora_multi.cu's kernels (seen
@@ -204,6 +205,7 @@ def test_dispatch_runs_the_compiled_kernel_on_cuda(monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.gpu
+@pytest.mark.no_memcheck
 def test_kernel_replays_in_a_cuda_graph() -> None:
     """The op inside a captured graph follows new inputs and new slots written into its static
     buffers (no host sync, no allocation at replay)."""
