@@ -287,15 +287,18 @@ def test_running_limit_holds_when_jobs_start_on_two_workers(stack: Stack) -> Non
         "max_seq_len": 128,
     }
     try:
-        first, second = (api.post("/fine_tuning/jobs", json=body).json()["id"] for _ in range(2))
+        ids = [api.post("/fine_tuning/jobs", json=body).json()["id"] for _ in range(2)]
+        # Either job may win the slot: the two workers race to start them.
         deadline = time.monotonic() + 120
-        seen_waiting = None
+        seen_waiting, first, second = None, "", ""
         while time.monotonic() < deadline:
-            a, b = (api.get(f"/fine_tuning/jobs/{j}").json() for j in (first, second))
+            jobs = {j: api.get(f"/fine_tuning/jobs/{j}").json() for j in ids}
+            a, b = jobs.values()
             assert not (a["status"] == "running" and b["status"] == "running"), (a, b)
-            if a["status"] == "running" and b["status"] == "queued" and b["waiting_for"]:
-                seen_waiting = b["waiting_for"]
-            if seen_waiting and a["status"] in TERMINAL:
+            for run, wait in ((a, b), (b, a)):
+                if run["status"] == "running" and wait["status"] == "queued" and wait["waiting_for"]:
+                    seen_waiting, first, second = wait["waiting_for"], run["id"], wait["id"]
+            if seen_waiting and jobs[first]["status"] in TERMINAL:
                 break
             time.sleep(0.05)
         assert seen_waiting and "running-job slot" in seen_waiting and "its limit is 1" in seen_waiting, (

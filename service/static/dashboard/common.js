@@ -124,8 +124,12 @@ const loraq = {
     return () => { stopped = true; };
   },
 
+  // HTML-escapes text for innerHTML. A NUL (a model under training can emit one) becomes U+FFFD:
+  // the HTML parser would silently drop it, and the user should see that something was there.
   esc(s) {
-    return String(s ?? "").replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
+    return String(s ?? "")
+      .replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]))
+      .replace(/\0/g, "\uFFFD");
   },
   time(unix) { return unix ? new Date(unix * 1000).toLocaleString() : "–"; },
   // The time of day for today's events, the date and time for older ones.
