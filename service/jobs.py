@@ -40,7 +40,7 @@ from service.auth import KEY_QUERY
 from service.db.models import Artifact, Checkpoint, File, Job, JobEvent, JobMetric, Tenant, is_id, now_s
 from service.errors import ConflictError, InvalidRequestError, NotFoundError, RateLimitError
 from service.job_status import ACTIVE, TERMINAL
-from service.schemas import JobCreate
+from service.schemas import JobCreate, StoredCheckpointMetrics
 from service.settings import get_settings
 from service.step_metrics import StepRow, event_data
 from worker.engine.training_config import MAX_SEED, TrainingConfig, resolve_auto
@@ -202,6 +202,11 @@ def checkpoints_by_step(session: Session, *, job_id: str) -> list[Checkpoint]:
     return list(
         session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step))
     )
+
+
+def checkpoint_metrics(ckpt: Checkpoint) -> StoredCheckpointMetrics:
+    """A checkpoint row's stored metrics and samples (a row stored without them has its step only)."""
+    return StoredCheckpointMetrics.model_validate({"step": ckpt.step, **(ckpt.metrics or {})})
 
 
 def get_checkpoint(session: Session, *, tenant_id: str, job_id: str, checkpoint_id: str) -> Checkpoint:
@@ -838,7 +843,13 @@ def record_metrics(session: Session, *, claim: Claim, rows: list[StepMetrics]) -
 
 
 def register_checkpoint(
-    session: Session, *, claim: Claim, step: int, storage_key: str, sha256: str, metrics: dict[str, Any]
+    session: Session,
+    *,
+    claim: Claim,
+    step: int,
+    storage_key: str,
+    sha256: str,
+    metrics: StoredCheckpointMetrics,
 ) -> Checkpoint:
     """Record a checkpoint zip already in the store. A step registered again (a resumed attempt
     repeating it) updates the row in place: checkpoint ids stay valid across resumes."""
@@ -847,13 +858,14 @@ def register_checkpoint(
     ckpt = session.scalar(
         select(Checkpoint).where(Checkpoint.job_id == claim.job_id, Checkpoint.step == step)
     )
+    record = metrics.model_dump()
     if ckpt is None:
         ckpt = Checkpoint(
-            job_id=claim.job_id, step=step, storage_key=storage_key, sha256=sha256, metrics=metrics
+            job_id=claim.job_id, step=step, storage_key=storage_key, sha256=sha256, metrics=record
         )
         session.add(ckpt)
     else:
-        ckpt.storage_key, ckpt.sha256, ckpt.metrics = storage_key, sha256, metrics
+        ckpt.storage_key, ckpt.sha256, ckpt.metrics = storage_key, sha256, record
     session.flush()
     add_event(session, job_id=claim.job_id, level="info", message=f"Checkpoint created at step {step}")
     return ckpt

@@ -180,13 +180,31 @@ class EventsPublic(BaseModel):
     has_more: bool
 
 
+class CheckpointMetrics(BaseModel):
+    """A checkpoint's numbers, named as OpenAI's checkpoint object names them. Losses are of the
+    last step the checkpoint holds; the validation loss is over the whole held-out set, so it is
+    also the `full_valid_loss`. Unknown keys in a stored record (its samples) are ignored."""
+
+    step: int
+    train_loss: float | None = None
+    valid_loss: float | None = None
+    full_valid_loss: float | None = None
+
+
+class StoredCheckpointMetrics(CheckpointMetrics):
+    """What the store keeps with a checkpoint: its metrics and the greedy answers to the job's
+    eval_prompts at that step (shown on the dashboard, not in the OpenAI object)."""
+
+    samples: list[str] = Field(default_factory=list)
+
+
 class CheckpointPublic(BaseModel):
     id: str
     object: Literal["fine_tuning.job.checkpoint"] = "fine_tuning.job.checkpoint"
     created_at: int
     fine_tuned_model_checkpoint: str
     fine_tuning_job_id: str
-    metrics: dict[str, float | None]
+    metrics: CheckpointMetrics
     step_number: int
 
 

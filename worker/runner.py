@@ -31,6 +31,7 @@ from sqlalchemy.exc import OperationalError
 
 from service import files, jobs, storage
 from service.db.session import session_scope
+from service.schemas import StoredCheckpointMetrics
 from service.settings import Settings, get_settings
 from service.step_metrics import metrics_csv
 from worker import metrics as worker_metrics
@@ -133,9 +134,7 @@ class JobCallbacks:
             return
         key = f"{self.checkpoint_dir_key}/step-{checkpoint.step:06d}.zip"
         stored = storage.put_dir_zip(checkpoint.path, key)
-        metrics = _metrics_summary(self.last_metrics)
-        if checkpoint.samples:  # kept with the checkpoint; the OpenAI object shows numbers only
-            metrics["samples"] = checkpoint.samples
+        metrics = checkpoint_metrics(checkpoint, self.last_metrics)
         with session_scope() as session:
             jobs.register_checkpoint(
                 session,
@@ -211,15 +210,16 @@ class Heartbeat:
                 return
 
 
-def _metrics_summary(m: StepMetrics | None) -> dict[str, Any]:
-    if m is None:
-        return {}
-    return {
-        "step": m.step,
-        "train_loss": m.train_loss,
-        "valid_loss": m.valid_loss,
-        "full_valid_loss": m.valid_loss,
-    }
+def checkpoint_metrics(checkpoint: CheckpointInfo, last: StepMetrics | None) -> StoredCheckpointMetrics:
+    """The checkpoint's record: the losses of its step (the last one reported) and its samples."""
+    losses = last if last is not None and last.step == checkpoint.step else None
+    return StoredCheckpointMetrics(
+        step=checkpoint.step,
+        train_loss=losses.train_loss if losses else None,
+        valid_loss=losses.valid_loss if losses else None,
+        full_valid_loss=losses.valid_loss if losses else None,
+        samples=checkpoint.samples,
+    )
 
 
 def attempt_dir(settings: Settings, claim: jobs.Claim) -> Path:

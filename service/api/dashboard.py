@@ -200,11 +200,9 @@ def job_metrics(
 def job_samples(job_id: str, tenant: CurrentTenant, session: SessionDep) -> SamplesPublic:
     """The job's eval_prompts and, per checkpoint (by step), the greedy answer to each."""
     job = tenant_job(session, tenant.id, job_id)
-    data = [
-        CheckpointSamplesPublic(step=c.step, samples=c.metrics["samples"])
-        for c in job_service.checkpoints_by_step(session, job_id=job.id)
-        if (c.metrics or {}).get("samples")
-    ]
+    checkpoints = job_service.checkpoints_by_step(session, job_id=job.id)
+    stored = [job_service.checkpoint_metrics(c) for c in checkpoints]
+    data = [CheckpointSamplesPublic(step=m.step, samples=m.samples) for m in stored if m.samples]
     return SamplesPublic(prompts=job.eval_prompts or [], data=data)
 
 

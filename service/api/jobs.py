@@ -15,6 +15,7 @@ from service.db.models import Checkpoint, Job, JobEvent
 from service.db.session import SessionDep
 from service.queue import enqueue_job, job_queue
 from service.schemas import (
+    CheckpointMetrics,
     CheckpointPublic,
     CheckpointsPublic,
     DryRunPublic,
@@ -105,7 +106,7 @@ def checkpoint_public(ckpt: Checkpoint, job: Job) -> CheckpointPublic:
         created_at=ckpt.created_at,
         fine_tuned_model_checkpoint=f"ft:{job.model}:{suffix}:{job.id}:ckpt-step-{ckpt.step}",
         fine_tuning_job_id=job.id,
-        metrics={k: v for k, v in (ckpt.metrics or {}).items() if isinstance(v, int | float) or v is None},
+        metrics=CheckpointMetrics.model_validate(jobs.checkpoint_metrics(ckpt).model_dump()),
         step_number=ckpt.step,
     )
 

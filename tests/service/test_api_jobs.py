@@ -15,6 +15,7 @@ import redis
 
 from service import files, jobs, storage
 from service.db.session import session_scope
+from service.schemas import StoredCheckpointMetrics
 from tests.conftest import DATASET, ApiClient, LoraqEnv, job_body
 from tests.servers import shared_redis_url
 from tests.service.test_api_files import assert_error
@@ -182,7 +183,7 @@ def run_job_to_success(api: ApiClient, job_id: str, steps: int = 3) -> None:
             step=2,
             storage_key=ckpt.key,
             sha256=ckpt.sha256,
-            metrics={"step": 2, "train_loss": 2.8},
+            metrics=StoredCheckpointMetrics(step=2, train_loss=2.8),
         )
     adapter = storage.put_bytes(f"jobs/{job_id}/adapter.zip", b"adapter-zip")
     with session_scope() as s:
@@ -241,7 +242,7 @@ def test_finished_job_events_checkpoints_results_adapter_and_models(api: ApiClie
     (ck,) = ckpts["data"]
     assert ck["object"] == "fine_tuning.job.checkpoint" and ck["id"].startswith("ftckpt-")
     assert (ck["step_number"], ck["fine_tuning_job_id"]) == (2, jid)
-    assert ck["metrics"]["train_loss"] == 2.8
+    assert ck["metrics"] == {"step": 2, "train_loss": 2.8, "valid_loss": None, "full_valid_loss": None}
     assert ck["fine_tuned_model_checkpoint"] == f"ft:tiny-llama:t:{jid}:ckpt-step-2"
     assert api.get(f"/v1/fine_tuning/jobs/{jid}/checkpoints/{ck['id']}/adapter").content == b"checkpoint-zip"
 

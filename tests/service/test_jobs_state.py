@@ -13,7 +13,7 @@ from service import files, jobs, storage
 from service.db.models import Artifact, File, Job, JobEvent, JobMetric
 from service.db.session import session_scope
 from service.errors import InvalidRequestError, NotFoundError
-from service.schemas import JobCreate
+from service.schemas import JobCreate, StoredCheckpointMetrics
 from tests.conftest import DATASET, LoraqEnv, job_body, make_tenant_key, store_file
 from worker.engine.types import StepMetrics
 
@@ -132,7 +132,9 @@ def test_stale_attempt_is_fenced_out_after_requeue(tenant: str) -> None:
     with pytest.raises(jobs.StaleAttemptError), session_scope() as s:
         jobs.record_metrics(s, claim=old, rows=[step(3, loss=99.0)])
     with pytest.raises(jobs.StaleAttemptError), session_scope() as s:
-        jobs.register_checkpoint(s, claim=old, step=3, storage_key="x", sha256="0" * 64, metrics={})
+        jobs.register_checkpoint(
+            s, claim=old, step=3, storage_key="x", sha256="0" * 64, metrics=StoredCheckpointMetrics(step=3)
+        )
     with session_scope() as s:
         assert jobs.finish(s, claim=old, status="succeeded", fine_tuned_model="ft:x") is False
         assert jobs.requeue(s, job_id=job_id, attempt_token=old.attempt_token, reason="again") is False
@@ -184,9 +186,9 @@ def test_checkpoint_becomes_the_resume_point_of_the_next_attempt(tenant: str) ->
     c = claim(job_id)
     assert c is not None
     with session_scope() as s:
-        jobs.register_checkpoint(s, claim=c, step=2, storage_key="jobs/a/2.zip", sha256="a" * 64, metrics={})
-        jobs.register_checkpoint(s, claim=c, step=4, storage_key="jobs/a/4.zip", sha256="b" * 64, metrics={})
-        jobs.register_checkpoint(s, claim=c, step=4, storage_key="jobs/a/4b.zip", sha256="c" * 64, metrics={})
+        for step, key in ((2, "jobs/a/2.zip"), (4, "jobs/a/4.zip"), (4, "jobs/a/4b.zip")):
+            metrics = StoredCheckpointMetrics(step=step)
+            jobs.register_checkpoint(s, claim=c, step=step, storage_key=key, sha256="a" * 64, metrics=metrics)
         assert jobs.requeue(s, job_id=job_id, attempt_token=c.attempt_token, reason="worker lost")
     again = claim(job_id)
     assert again is not None and again.resume_checkpoint == "jobs/a/4b.zip"

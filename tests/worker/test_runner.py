@@ -74,9 +74,11 @@ def test_job_succeeds_with_artifacts_checkpoints_and_metrics(worker_env: WorkerE
 
     # Checkpoints every 2 steps, zipped into the store with a sha256 that matches the bytes.
     assert [c.step for c in ckpts] == [2, 4]
+    losses = {e.data["step"]: e.data["train_loss"] for e in events(job_id, "metrics") if e.data}
     for c in ckpts:
         assert c.sha256 == sha256_of(c.storage_key)
-        assert c.metrics["step"] == c.step
+        # the checkpoint's own step's loss, as OpenAI's checkpoint object names it
+        assert c.metrics["step"] == c.step and c.metrics["train_loss"] == losses[c.step]
     # The adapter artifact and the results CSV, each with its digest.
     assert arts["adapter"].sha256 == sha256_of(arts["adapter"].storage_key)
     assert arts["adapter"].bytes == storage.default_store().size(arts["adapter"].storage_key)
