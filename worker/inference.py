@@ -19,7 +19,6 @@ import os
 import socket
 import threading
 import time
-import zipfile
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -204,17 +203,10 @@ class InferenceWorker:
         return self.models[name]
 
     def read_adapter(self, key: str, sha256: str) -> Adapter:
-        from safetensors.torch import load as load_safetensors
-
         from service.storage import FileStore
-        from worker.engine.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
         from worker.engine.serving import Adapter
 
-        path = FileStore(self.settings.artifact_dir).verify(key, sha256)
-        with zipfile.ZipFile(path) as zf:
-            config = json.loads(zf.read(ADAPTER_CONFIG))
-            tensors = load_safetensors(zf.read(ADAPTER_WEIGHTS))
-        return Adapter(config=config, tensors=tensors)
+        return Adapter.from_zip(FileStore(self.settings.artifact_dir).verify(key, sha256))
 
     def tokenizer(self, name: str) -> Any:
         """A loaded model's tokenizer, else the tokenizer alone (cached; no weights loaded)."""

@@ -1,36 +1,62 @@
-"""Serving the real SmolLM2-135M-Instruct (pulled GGUF, dequantized) on the CPU: a batch mixing an
-adapter's rows and the base's rows answers, greedily, exactly what transformers + PEFT answer for
-each prompt alone."""
+"""Serving the real SmolLM2-135M-Instruct (pulled GGUF, dequantized) on the CPU with an adapter it
+was fine-tuned into: a short job on the pirate data, stored as the worker stores it (the adapter
+zip), read back as the inference worker reads it. A batch mixing that adapter's rows and the base's
+rows answers, greedily and token for token, what transformers + PEFT answer for each prompt alone
+with the same zip extracted."""
 
 from __future__ import annotations
 
 import copy
+import zipfile
 from pathlib import Path
 
 import pytest
 
-from tests.engine.test_serving import PROMPTS, make_adapter, peft_greedy
+from service.storage import FileStore
+from tests.engine.test_serving import PROMPTS, peft_greedy
 from worker.engine.models import LoadedModel, load_base_model
-from worker.engine.serving import GenRequest, ServingModel
-from worker.engine.types import LoraConfig
+from worker.engine.recipe import train
+from worker.engine.serving import Adapter, GenRequest, ServingModel
+from worker.engine.types import LoraConfig, NullCallbacks, TrainConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
+DATA = Path(__file__).resolve().parents[1] / "data" / "pirate"
 NEW_TOKENS = 12
 
 
-def test_smollm2_mixed_batch_equals_peft(pulled_store: Path, tmp_path: Path) -> None:
+def test_smollm2_fine_tuned_adapter_in_a_mixed_batch_equals_peft(pulled_store: Path, tmp_path: Path) -> None:
     base = load_base_model("smollm2-135m-instruct", store=pulled_store)
-    adapter = make_adapter(base, tmp_path / "a", seed=3, cfg=LoraConfig(r=8, alpha=16), b_std=0.02)
+    # Three steps at a high rate: enough that the adapter's greedy answers leave the base's.
+    config = TrainConfig(
+        model="smollm2-135m-instruct",
+        train_file=DATA / "train.jsonl",
+        output_dir=tmp_path / "run",
+        model_store=pulled_store,
+        lora=LoraConfig(r=8, alpha=16.0),
+        max_seq_len=128,
+        batch_size=4,
+        max_steps=3,
+        learning_rate=3e-3,
+        device="cpu",
+    )
+    tuned = LoadedModel(copy.deepcopy(base.model), base.tokenizer, base.name, False)
+    adapter_dir = train(config, NullCallbacks(), loaded=tuned).adapter_dir
+    stored = FileStore(tmp_path / "artifacts").put_dir_zip(adapter_dir, "job/adapter.zip")
+    zipped = FileStore(tmp_path / "artifacts").verify(stored.key, stored.sha256)
+    with zipfile.ZipFile(zipped) as zf:
+        zf.extractall(tmp_path / "downloaded")
+
     served = ServingModel(LoadedModel(copy.deepcopy(base.model), base.tokenizer, base.name, False), 2)
-    slot = served.adapter_slot("a", lambda: adapter)
+    slot = served.adapter_slot("ft", lambda: Adapter.from_zip(zipped))
     rows = [(slot, 0), (0, 0), (slot, 1), (0, 2), (slot, 2)]
     requests = [GenRequest(served.prompt_ids(PROMPTS[p]), NEW_TOKENS, slot=s, temperature=0) for s, p in rows]
     results = served.generate(requests)
-    tuned_differs = False
     for (s, _), req, res in zip(rows, requests, results, strict=True):
-        expected = peft_greedy(base, tmp_path / "a" if s else None, req.prompt_ids, NEW_TOKENS)
+        expected = peft_greedy(base, tmp_path / "downloaded" if s else None, req.prompt_ids, NEW_TOKENS)
+        assert res.token_ids == expected
         assert res.text == base.tokenizer.decode(expected, skip_special_tokens=True)
         assert res.completion_tokens == len(expected)
-        tuned_differs |= bool(s) and res.text != results[1].text
-    assert tuned_differs
+    # the fine-tune changed what the model says (else the comparison above proves little)
+    pairs = [(results[0], results[1]), (results[4], results[3])]  # (tuned, base) on prompts 0 and 2
+    assert any(tuned.token_ids != plain.token_ids for tuned, plain in pairs)

@@ -26,8 +26,10 @@ else in a step waits for the GPU.
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import zipfile
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -118,6 +120,18 @@ class Adapter:
     config: dict[str, Any]
     tensors: dict[str, torch.Tensor]
 
+    @classmethod
+    def from_zip(cls, path: Path) -> Adapter:
+        """An adapter as a job stores it (the zip `loraq jobs download` gives)."""
+        from safetensors.torch import load as load_safetensors
+
+        from worker.engine.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+        with zipfile.ZipFile(path) as zf:
+            config = json.loads(zf.read(ADAPTER_CONFIG))
+            tensors = load_safetensors(zf.read(ADAPTER_WEIGHTS))
+        return cls(config=config, tensors=tensors)
+
     @property
     def scale(self) -> float:
         r, alpha = int(self.config["r"]), float(self.config["lora_alpha"])
@@ -152,6 +166,7 @@ class GenResult:
     text: str
     completion_tokens: int
     finish_reason: str  # "stop" (EOS or a stop string) | "length"
+    token_ids: list[int]  # the generated tokens, EOS excluded (what the tests compare with PEFT)
 
 
 class TextStream:
@@ -400,7 +415,7 @@ class ServingModel:
                 if reason == "length":
                     emit(row.key, row.stream.finish())
             if reason:
-                done[row.key] = GenResult(row.stream.sent, row.count, reason)
+                done[row.key] = GenResult(row.stream.sent, row.count, reason, list(row.stream.ids))
             else:
                 keep.append(i)
         batch.keep(keep)
