@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from worker.engine.models import LoadedModel, load_base_model
+from worker.engine.types import LoraConfig, TrainConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # A data dir whose model store (`<data dir>/models`, as Settings.model_store) caches the pulled model.
@@ -36,6 +37,26 @@ def loaded_after(code: str, modules: tuple[str, ...]) -> list[str]:
 
 
 TEST_MODEL_STORE = TEST_DATA_DIR / "models"
+PIRATE_DATA = REPO_ROOT / "tests" / "data" / "pirate"
+
+
+def smollm2_pirate_config(
+    store: Path, output_dir: Path, *, max_steps: int, learning_rate: float
+) -> TrainConfig:
+    """A short CPU fine-tune of the real SmolLM2 on the pirate data (r=8, 4 rows of <= 128 tokens)."""
+    return TrainConfig(
+        model="smollm2-135m-instruct",
+        train_file=PIRATE_DATA / "train.jsonl",
+        output_dir=output_dir,
+        model_store=store,
+        lora=LoraConfig(r=8, alpha=16.0),
+        max_seq_len=128,
+        batch_size=4,
+        max_steps=max_steps,
+        learning_rate=learning_rate,
+        device="cpu",
+    )
+
 
 WriteJsonl = Callable[..., Path]
 

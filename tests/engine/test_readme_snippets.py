@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.conftest import TEST_DATA_DIR
+from tests.engine.conftest import TEST_DATA_DIR, smollm2_pirate_config
 from worker.engine.models import load_base_model
 from worker.engine.recipe import train
-from worker.engine.types import LoraConfig, NullCallbacks, TrainConfig
+from worker.engine.types import NullCallbacks
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data" / "pirate"
@@ -66,18 +66,7 @@ def test_use_your_adapter_snippets_run(pulled_store: Path, tmp_path: Path) -> No
 
     # A real adapter: two steps on the pirate data.
     loaded = load_base_model("smollm2-135m-instruct", store=pulled_store)
-    config = TrainConfig(
-        model="smollm2-135m-instruct",
-        train_file=DATA / "train.jsonl",
-        output_dir=tmp_path / "run",
-        model_store=pulled_store,
-        lora=LoraConfig(r=8, alpha=16.0),
-        max_seq_len=128,
-        batch_size=4,
-        max_steps=2,
-        learning_rate=1e-3,
-        device="cpu",
-    )
+    config = smollm2_pirate_config(pulled_store, tmp_path / "run", max_steps=2, learning_rate=1e-3)
     adapter = train(config, NullCallbacks(), loaded=loaded).adapter_dir
     assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == HUB_ID
 

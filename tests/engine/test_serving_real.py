@@ -13,33 +13,22 @@ from pathlib import Path
 import pytest
 
 from service.storage import FileStore
+from tests.engine.conftest import smollm2_pirate_config
 from tests.engine.test_serving import PROMPTS, peft_greedy
 from worker.engine.models import LoadedModel, load_base_model
 from worker.engine.recipe import train
 from worker.engine.serving import Adapter, GenRequest, ServingModel
-from worker.engine.types import LoraConfig, NullCallbacks, TrainConfig
+from worker.engine.types import NullCallbacks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "pirate"
 NEW_TOKENS = 12
 
 
 def test_smollm2_fine_tuned_adapter_in_a_mixed_batch_equals_peft(pulled_store: Path, tmp_path: Path) -> None:
     base = load_base_model("smollm2-135m-instruct", store=pulled_store)
     # Three steps at a high rate: enough that the adapter's greedy answers leave the base's.
-    config = TrainConfig(
-        model="smollm2-135m-instruct",
-        train_file=DATA / "train.jsonl",
-        output_dir=tmp_path / "run",
-        model_store=pulled_store,
-        lora=LoraConfig(r=8, alpha=16.0),
-        max_seq_len=128,
-        batch_size=4,
-        max_steps=3,
-        learning_rate=3e-3,
-        device="cpu",
-    )
+    config = smollm2_pirate_config(pulled_store, tmp_path / "run", max_steps=3, learning_rate=3e-3)
     tuned = LoadedModel(copy.deepcopy(base.model), base.tokenizer, base.name, False)
     adapter_dir = train(config, NullCallbacks(), loaded=tuned).adapter_dir
     stored = FileStore(tmp_path / "artifacts").put_dir_zip(adapter_dir, "job/adapter.zip")
