@@ -28,7 +28,6 @@ from worker.engine.recipe import train
 from worker.engine.types import NullCallbacks
 
 ROOT = Path(__file__).resolve().parents[2]
-DATA = ROOT / "tests" / "data" / "pirate"
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
