@@ -118,7 +118,10 @@ async def sse_chunks(
         body = ChatCompletionChunk(
             id=completion.id, created=created, model=model, choices=choices, usage=usage
         )
-        return f"data: {body.model_dump_json(exclude_none=False)}\n\n"
+        # as OpenAI: with include_usage every chunk has "usage" (null until the last one);
+        # without it the field is absent
+        omit = None if include_usage else {"usage"}
+        return f"data: {body.model_dump_json(exclude_none=False, exclude=omit)}\n\n"
 
     try:
         yield chunk([ChunkChoice(delta=ChunkDelta(role="assistant", content=""))])

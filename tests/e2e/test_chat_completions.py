@@ -9,6 +9,7 @@ PEFT generate from the adapter zip downloaded through the API, token for token.
 from __future__ import annotations
 
 import io
+import json
 import secrets
 import zipfile
 from pathlib import Path
@@ -85,14 +86,31 @@ def test_openai_client_non_streamed_and_streamed(e2e: Service, trained: dict[str
     assert chunks[-1].choices == [] and chunks[-1].usage == reply.usage
 
 
-def test_sse_wire_format_ends_with_done(e2e: Service, trained: dict[str, Any]) -> None:
+def sse_lines(e2e: Service, key: str, **extra: Any) -> list[str]:
     body = {"model": "tiny-llama", "messages": ask("hi"), "max_tokens": 4, "stream": True, "seed": 3}
-    headers = {"Authorization": f"Bearer {trained['key']}"}
-    with httpx.stream("POST", e2e.url + "/v1/chat/completions", json=body, headers=headers, timeout=60) as r:
+    headers = {"Authorization": f"Bearer {key}"}
+    with httpx.stream(
+        "POST", e2e.url + "/v1/chat/completions", json=body | extra, headers=headers, timeout=60
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line]
     assert all(line.startswith("data: ") for line in lines)
-    assert lines[-1] == "data: [DONE]" and '"finish_reason":"length"' in lines[-2]
+    assert lines[-1] == "data: [DONE]"
+    return lines
+
+
+def test_sse_wire_format_ends_with_done(e2e: Service, trained: dict[str, Any]) -> None:
+    lines = sse_lines(e2e, trained["key"])
+    assert '"finish_reason":"length"' in lines[-2]
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert all("usage" not in c for c in chunks)  # OpenAI sends no usage field unless asked
+
+    lines = sse_lines(e2e, trained["key"], stream_options={"include_usage": True})
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert all(c["usage"] is None for c in chunks[:-1])  # present, null, on every other chunk
+    last = chunks[-1]
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4
+    assert last["usage"]["total_tokens"] == last["usage"]["prompt_tokens"] + 4
 
 
 def test_base_checkpoint_and_fine_tuned_models_answer(e2e: Service, trained: dict[str, Any]) -> None:
