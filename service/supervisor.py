@@ -190,9 +190,11 @@ class Supervisor:
         if self._stopping.is_set():
             return
         self._stopping.set()
-        # Reverse start order: API and worker first, Redis last (the worker acks into it).
-        for child in reversed(self.children):
-            _terminate_group(child, self.grace)
+        # The first child started (the private Redis, when there is one) stops last: the workers
+        # ack into it. The others stop together, so stopping takes the slowest one's time, not
+        # the sum of theirs.
+        _terminate_groups(self.children[1:], self.grace)
+        _terminate_groups(self.children[:1], self.grace)
         for path in (self.pid_file, self.restarts_file):
             if path is not None:
                 path.unlink(missing_ok=True)
@@ -205,13 +207,17 @@ def _write_json(path: Path, data: dict[str, int]) -> None:
     tmp.replace(path)
 
 
-def _terminate_group(child: Child, grace: float) -> None:
-    """SIGTERM the child's process group, then SIGKILL what is left after `grace` seconds."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(child.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        child.proc.wait(timeout=grace)
-    # The group may hold grandchildren (uvicorn reloader, celery pool) even after the leader exits.
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(child.pid, signal.SIGKILL)
-    child.proc.wait()
+def _terminate_groups(children: list[Child], grace: float) -> None:
+    """SIGTERM each child's process group, then SIGKILL what is left `grace` seconds later."""
+    for child in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for child in children:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    # A group may hold grandchildren (uvicorn reloader, celery pool) even after the leader exits.
+    for child in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+        child.proc.wait()
