@@ -33,7 +33,15 @@ from typing import IO, TYPE_CHECKING
 import httpx
 
 from service.settings import Settings
-from service.supervisor import RESTARTS_FILE, Child, CrashLoopError, Supervisor, free_port
+from service.supervisor import (
+    RESTARTS_FILE,
+    Child,
+    CrashLoopError,
+    Supervisor,
+    describe_exit,
+    free_port,
+    log_tail,
+)
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -136,7 +144,8 @@ def _wait_until(ready: Callable[[], bool], child: Child, what: str, timeout: flo
     while time.monotonic() < deadline:
         if child.proc.poll() is not None:
             raise UpError(
-                f"{what} exited with code {child.proc.returncode} while starting; see {child.log_path}"
+                f"{what} {describe_exit(child.proc.returncode)} while starting; the end of its log "
+                f"{child.log_path}:\n{log_tail(child.log_path)}"
             )
         if ready():
             return

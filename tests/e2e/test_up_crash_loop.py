@@ -98,10 +98,20 @@ def test_a_crash_looping_redis_stops_up_naming_it_and_leaves_nothing_behind(tmp_
     with (data_dir / "up.lock").open("a+") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         fcntl.flock(fh, fcntl.LOCK_UN)
+    env = clean_env(LORAQ_DATA_DIR=str(data_dir), LORAQ_PORT=str(free_port()))
+    # A start on the damaged manifest fails at once, showing why: the end of redis's log.
+    refused = subprocess.run(
+        [sys.executable, "-m", "service.cli", "up"], env=env, cwd=ROOT, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    said = refused.stdout + refused.stderr
+    assert refused.returncode == 1, said
+    assert f"redis-server exited with code 1 while starting; the end of its log {log}:" in said
+    assert "Invalid AOF manifest file format" in said
+    assert processes_of(data_dir) == []
     # The operator restores the manifest; the next start on the same data dir comes up.
     manifest.write_bytes(intact)
     out_path = tmp_path / "second.out"
-    env = clean_env(LORAQ_DATA_DIR=str(data_dir), LORAQ_PORT=str(free_port()))
     with out_path.open("wb") as out_file:
         second = subprocess.Popen(
             [sys.executable, "-m", "service.cli", "up"], env=env, cwd=ROOT, stdout=out_file,
