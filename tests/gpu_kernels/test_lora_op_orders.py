@@ -8,11 +8,22 @@ checks, and of the "kernel" order, is test_op_lora.py.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import pytest
 import torch
 
 from gpu_kernels import reference
 from gpu_kernels.ops import lora as lora_ops
+from gpu_kernels.ops.lora import RankUpdate
+
+
+@pytest.fixture
+def rank_update() -> Iterator[Callable[[RankUpdate], None]]:
+    """Sets the order through the op's own switch (what gpu_kernels.configure calls); restores it."""
+    before = lora_ops.get_rank_update()
+    yield lora_ops.set_rank_update
+    lora_ops.set_rank_update(before)
 
 
 def _case(
@@ -38,9 +49,13 @@ def _case(
 @pytest.mark.parametrize("order", ["epilogue", "cublas"])
 @pytest.mark.parametrize(("widths", "ranks", "bias"), [([37], [4], False), ([40, 12, 12], [4, 3, 5], True)])
 def test_lora_op_matches_reference(
-    order: str, widths: list[int], ranks: list[int], bias: bool, monkeypatch: pytest.MonkeyPatch
+    order: RankUpdate,
+    widths: list[int],
+    ranks: list[int],
+    bias: bool,
+    rank_update: Callable[[RankUpdate], None],
 ) -> None:
-    monkeypatch.setattr(lora_ops, "_RANK_UPDATE", order)
+    rank_update(order)
     scales = [0.5, 2.0, 1.5][: len(widths)]
     x, w, b, dy, ab = _case(widths, ranks, bias)
     grads = []
@@ -54,20 +69,24 @@ def test_lora_op_matches_reference(
         torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-10)
 
 
-def test_epilogue_order_is_used_only_when_the_gemm_keeps_the_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(lora_ops, "_RANK_UPDATE", "epilogue")
+def test_epilogue_order_is_used_only_when_the_gemm_keeps_the_dtype(
+    rank_update: Callable[[RankUpdate], None],
+) -> None:
+    rank_update("epilogue")
     x = torch.zeros(2, 4, dtype=torch.bfloat16)
     assert lora_ops._accumulates_in_epilogue(x, torch.zeros(3, 4, dtype=torch.bfloat16))
     assert not lora_ops._accumulates_in_epilogue(x, torch.zeros(3, 4))  # fp32 weight: F.linear path
     assert not lora_ops._accumulates_in_epilogue(x, torch.zeros(3, 4, dtype=torch.bfloat16), torch.zeros(3))
     with torch.autocast("cpu", dtype=torch.float16):  # autocast would cast: addmm_ would not
         assert not lora_ops._accumulates_in_epilogue(x, torch.zeros(3, 4, dtype=torch.bfloat16))
-    monkeypatch.setattr(lora_ops, "_RANK_UPDATE", "cublas")
+    rank_update("cublas")
     assert not lora_ops._accumulates_in_epilogue(x, torch.zeros(3, 4, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("order", ["epilogue", "cublas"])
-def test_lora_op_with_dropout_matches_the_masked_formula(order: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lora_op_with_dropout_matches_the_masked_formula(
+    order: RankUpdate, rank_update: Callable[[RankUpdate], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The dropout path with the compiled mask stood in by its reference twin (test_op_lora.py shows
     the kernel's mask equals reference.dropout_mask exactly): y = x·Wᵀ + b + Σ s_j·(drop(x)·A_jᵀ)·B_jᵀ,
     where forward and backward must draw the same mask."""
@@ -78,7 +97,7 @@ def test_lora_op_with_dropout_matches_the_masked_formula(order: str, monkeypatch
         masks.append(keep)
         return torch.where(keep, x / (1.0 - p), 0.0)
 
-    monkeypatch.setattr(lora_ops, "_RANK_UPDATE", order)
+    rank_update(order)
     monkeypatch.setattr(lora_ops, "dropout", hash_dropout)
     p, scales = 0.3, [0.5, 2.0, 1.5]
     x, w, b, dy, ab = _case([40, 12, 12], [4, 3, 5], True)
