@@ -226,8 +226,11 @@ class ModelPublic(BaseModel):
     # id its adapters name as their base.
     random: bool = False
     description: str | None = None
-    # In the model store now; a catalog model that is not is downloaded on its first job.
+    # In the model store now. A base model that is not local is downloaded by its first job when
+    # `auto_pull` (LORAQ_AUTO_PULL); without it such a job is refused at submit until
+    # `loraq models pull`. `auto_pull` is null for fine-tuned models, which are never pulled.
     local: bool = True
+    auto_pull: bool | None = None
     use: Literal["fine-tuning", "tests", "benchmarks"] | None = None
     upstream: str | None = None
 

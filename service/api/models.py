@@ -18,7 +18,8 @@ BASE_OWNER = "loraq"
 
 
 def all_models(session: SessionDep, tenant_id: str) -> list[ModelPublic]:
-    catalog = catalog_models(get_settings().model_store)
+    settings = get_settings()
+    catalog = catalog_models(settings.model_store)
     base = [
         ModelPublic(
             id=m.name,
@@ -27,6 +28,7 @@ def all_models(session: SessionDep, tenant_id: str) -> list[ModelPublic]:
             random=m.random,
             description=m.description,
             local=m.pulled,
+            auto_pull=settings.auto_pull,
             use=m.use,
             upstream=m.upstream,
         )

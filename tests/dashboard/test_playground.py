@@ -2,8 +2,9 @@
 `loraq inference`): the Playground on a succeeded job (base and fine-tuned answers side by side,
 streamed, a checkpoint picked), the eval_prompts samples per checkpoint, Compare runs from the
 jobs list (overlaid loss curves, differing hyperparameters highlighted, the table inside its card
-at 1400 px), and the New-job page's LoRA/extension fields and dry run. Screenshots go to
-test-artifacts/."""
+at 1400 px), and the New-job page: every training field (the Advanced ones built from the API's
+schema), its dry run and the server's 400 naming a field, and the model list's labels.
+Screenshots go to test-artifacts/."""
 
 from __future__ import annotations
 
@@ -15,10 +16,25 @@ import pytest
 from tests.dashboard.test_browser import JOB_TIMEOUT_MS, api, jsonl, page  # noqa: F401 - fixture
 from tests.e2e.datasets import chat_lines
 from tests.e2e.procs import Service
+from worker.engine.training_config import Placement, TrainingOptions
 
 pytestmark = pytest.mark.browser
 
 EVAL_PROMPTS = ["What do bees make?", "Name a primary colour."]
+# The training fields the New-job page has its own controls for; the rest are its Advanced fields.
+BASIC_FIELDS = {"lora", "max_seq_len", "seed", "eval_prompts", "queue"}
+# Advanced fields the test sets (as typed on the page, then as the job must carry them).
+ADVANCED = {
+    "packing": ("false", False),
+    "lr_scheduler": ("linear", "linear"),
+    "warmup_ratio": ("0.1", 0.1),
+    "weight_decay": ("0.01", 0.01),
+    "grad_accum": ("2", 2),
+    "max_grad_norm": ("0.5", 0.5),
+    "eval_every": ("3", 3),
+    "checkpoint_every": ("2", 2),
+    "validation_split": ("0.2", 0.2),
+}
 
 
 def chat(svc: Service, model: str, prompt: str, max_tokens: int) -> str:
@@ -27,7 +43,7 @@ def chat(svc: Service, model: str, prompt: str, max_tokens: int) -> str:
     return str(api(svc, "POST", "/v1/chat/completions", json=body)["choices"][0]["message"]["content"])
 
 
-def test_playground_samples_compare_and_new_job_fields(
+def test_playground_samples_and_compare(
     stack: Service,
     page: Any,  # noqa: F811 - the fixture imported above
     artifacts_dir: Path,
@@ -123,8 +139,43 @@ def test_playground_samples_compare_and_new_job_fields(
     assert tokens == sorted(tokens) and tokens[-1] > 8
     page.screenshot(path=str(artifacts_dir / "dashboard-compare.png"), full_page=True)
 
-    # 4. New job: LoRA shape, max_seq_len and eval prompts; a dry run first.
+
+def test_new_job_page_sets_every_training_field(
+    stack: Service,
+    page: Any,  # noqa: F811 - the fixture imported above
+    artifacts_dir: Path,
+) -> None:
+    from playwright.sync_api import expect
+
+    svc = stack
+    svc.start_inference()  # a dry run's files are tokenized by an inference worker
+    page.add_init_script(f"localStorage.setItem('loraq.apiKey', {svc.key!r})")
     page.goto(svc.url + "/new")
+
+    # 1. A model that is not local says what its job would do: with auto-pull (this stack's
+    # default) it downloads it; with LORAQ_AUTO_PULL=0 (the server's listing says so,
+    # tests/service/test_models_local.py) the job is refused until `loraq models pull`.
+    smollm2 = page.locator("#model option[value='smollm2-135m-instruct']")
+    expect(smollm2).to_have_text("smollm2-135m-instruct (not local: downloaded on first use)")
+    page.route("**/v1/models", lambda route: route.fulfill(json=no_auto_pull(route.fetch().json())))
+    page.reload()
+    expect(smollm2).to_have_text("smollm2-135m-instruct (not local: run `loraq models pull` first)")
+    page.unroute("**/v1/models")
+    page.reload()
+
+    # 2. The Advanced section (collapsed) holds every other training field, described by the schema.
+    advanced = page.locator("#advanced")
+    expect(advanced).to_have_attribute("data-loaded", "true", timeout=30_000)
+    assert advanced.evaluate("d => d.open") is False
+    rendered = page.locator("#advancedfields label").evaluate_all("ls => ls.map((l) => l.dataset.field)")
+    assert set(rendered) == (set(TrainingOptions.model_fields) | set(Placement.model_fields)) - BASIC_FIELDS
+    warmup = page.locator('#advancedfields label[data-field="warmup_ratio"]')
+    expect(warmup).to_contain_text(f"[0, 1) · {TrainingOptions.model_fields['warmup_ratio'].description}")
+    expect(page.locator("#warmup_ratio")).to_have_attribute("placeholder", "default: 0")
+    expect(page.locator("#grad_accum")).to_have_attribute("max", "4096")
+    expect(page.locator("#n_epochs")).to_have_attribute("max", "1000")  # the basic fields' bounds too
+
+    # 3. Every field set; the dry run sends them all (packing changes its steps).
     expect(page.locator("#model option[value='tiny-llama']")).to_have_count(1)
     page.select_option("#model", "tiny-llama")  # the form defaults to the real smollm2-135m-instruct
     page.set_input_files("#trainfile", jsonl("train.jsonl", chat_lines(10)))
@@ -137,21 +188,42 @@ def test_playground_samples_compare_and_new_job_fields(
     page.fill("#lora_target_modules", "q_proj, v_proj")
     page.check("#lora_use_rslora")
     page.fill("#eval_prompts", "Hello?\nWhat is frozen water called?")
-    page.click("#dryrun")
+    page.click("#advanced summary")
+    for name, (typed, _) in ADVANCED.items():
+        if page.locator(f"#{name}").evaluate("el => el.tagName") == "SELECT":
+            page.select_option(f"#{name}", typed)
+        else:
+            page.fill(f"#{name}", typed)
+    with page.expect_request(lambda r: r.method == "POST" and r.url.endswith("/v1/fine_tuning/jobs")) as dry:
+        page.click("#dryrun")
+    sent_dry = dry.value.post_data_json
+    assert sent_dry["dry_run"] is True and {name: sent_dry[name] for name in ADVANCED} == sent(ADVANCED)
+    assert "n_gpus" not in sent_dry  # left empty: the server's default
     expect(page.locator("#plan")).to_be_visible(timeout=30_000)
-    train_id = page.evaluate("uploaded.train.file.id")
-    hp = {"n_epochs": 3, "batch_size": 4}
     same = {
         "model": "tiny-llama",
-        "training_file": train_id,
-        "hyperparameters": hp,
+        "training_file": page.evaluate("uploaded.train.file.id"),
+        "hyperparameters": {"n_epochs": 3, "batch_size": 4},
         "max_seq_len": 256,
         "dry_run": True,
     }
-    expect(page.locator("#plansteps")).to_have_text(
-        str(api(svc, "POST", "/v1/fine_tuning/jobs", json=same)["steps"])
-    )
+    steps = api(svc, "POST", "/v1/fine_tuning/jobs", json={**same, **sent(ADVANCED)})["steps"]
+    assert steps != api(svc, "POST", "/v1/fine_tuning/jobs", json=same)["steps"]
+    expect(page.locator("#plansteps")).to_have_text(str(steps))
     page.screenshot(path=str(artifacts_dir / "dashboard-new-job-dry-run.png"), full_page=True)
+
+    # 4. Out of range: the server's 400 names the field, whose control is marked (Advanced reopened).
+    page.fill("#warmup_ratio", "1.5")
+    advanced.evaluate("d => { d.open = false; }")
+    page.click("#submit")
+    expect(page.locator("#submiterror")).to_contain_text("invalid value for 'warmup_ratio'")
+    expect(page.locator("#submiterror")).to_contain_text("(warmup_ratio)")
+    expect(page.locator("#warmup_ratio")).to_have_attribute("aria-invalid", "true")
+    assert advanced.evaluate("d => d.open") is True
+    assert page.url.endswith("/new")
+
+    # 5. Submitted: the job carries every field set, and the server's default for those left empty.
+    page.fill("#warmup_ratio", "0.1")
     page.click("#submit")
     page.wait_for_url("**/jobs/ftjob-*")
     created = api(svc, "GET", f"/v1/fine_tuning/jobs/{page.url.rstrip('/').split('/')[-1]}")
@@ -161,3 +233,16 @@ def test_playground_samples_compare_and_new_job_fields(
         "Hello?",
         "What is frozen water called?",
     ]
+    assert {name: created[name] for name in ADVANCED} == sent(ADVANCED)
+    assert created["n_gpus"] == Placement.model_fields["n_gpus"].default  # left empty: not sent
+
+
+def sent(fields: dict[str, tuple[str, Any]]) -> dict[str, Any]:
+    return {name: value for name, (_, value) in fields.items()}
+
+
+def no_auto_pull(models: dict[str, Any]) -> dict[str, Any]:
+    """The model list as a server with LORAQ_AUTO_PULL=0 serves it."""
+    # fine-tuned models carry no auto_pull (null): they are never pulled
+    data = [m if m["auto_pull"] is None else {**m, "auto_pull": False} for m in models["data"]]
+    return {**models, "data": data}

@@ -20,6 +20,18 @@ def test_the_model_list_says_which_base_models_are_local(api: ApiClient) -> None
     assert listed["smollm2-135m-instruct"]["local"] is False  # a fresh data dir: never pulled
     assert listed["tiny-llama"]["local"] is True  # random-init presets are built on the worker
     assert api.get("/v1/models/smollm2-135m-instruct").json()["local"] is False
+    # and that a job would download it (LORAQ_AUTO_PULL is on by default)
+    assert listed["smollm2-135m-instruct"]["auto_pull"] is True
+
+
+def test_without_auto_pull_the_model_list_says_so(api: ApiClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAQ_AUTO_PULL", "0")
+    get_settings.cache_clear()
+    listed = models(api)
+    # the dashboard labels such a model "pull it first", not "downloaded on first use"
+    assert listed["smollm2-135m-instruct"]["local"] is False
+    assert listed["smollm2-135m-instruct"]["auto_pull"] is False
+    assert api.get("/v1/models/smollm2-135m-instruct").json()["auto_pull"] is False
 
 
 def test_with_auto_pull_a_job_on_a_model_not_local_is_accepted(api: ApiClient) -> None:

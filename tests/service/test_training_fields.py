@@ -186,3 +186,14 @@ def test_placement_field_api(api: ApiClient, unserved_ok: None, path: Path_) -> 
         assert (
             jobs.get_job(session, tenant_id=api.tenant_id, job_id=job["id"]).__dict__[path[0]] == job[path[0]]
         )
+
+
+def test_eval_prompts_are_at_most_16(api: ApiClient) -> None:
+    # The walk above takes the limit from the schema; issue 14 fixes it at 16 (a number, not the constant).
+    body = {"model": "tiny-llama", "training_file": api.upload(DATASET)}
+    ok = api.post("/v1/fine_tuning/jobs", json={**body, "eval_prompts": [f"q{i}?" for i in range(16)]})
+    assert ok.status_code == 200, ok.text
+    assert len(ok.json()["eval_prompts"]) == 16
+    over = api.post("/v1/fine_tuning/jobs", json={**body, "eval_prompts": [f"q{i}?" for i in range(17)]})
+    assert over.status_code == 400, over.text
+    assert over.json()["error"]["param"] == "eval_prompts"

@@ -55,6 +55,7 @@ const loraq = {
       const err = body && body.error ? body.error : { message: `HTTP ${resp.status}` };
       const e = new Error(err.param ? `${err.message} (${err.param})` : err.message);
       e.status = resp.status;
+      e.param = err.param || null; // the field a 400 names, for the page to mark
       throw e;
     }
     return body;

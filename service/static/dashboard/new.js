@@ -1,10 +1,30 @@
 // New job: upload the JSONL through /v1/files, show the dashboard's validation summary of the
 // stored file (examples, tokens, bad lines with their numbers), optionally a dry run (steps,
 // tokens, estimates), then POST /v1/fine_tuning/jobs with the LoRA shape and extension fields.
+// The Advanced section is built from the job request's JSON schema in /openapi.json, so its
+// fields, defaults, ranges and descriptions are the API's own (worker/engine/training_config.py).
 "use strict";
 
 const uploaded = { train: null, valid: null }; // {id, summary}
 const DEFAULT_MODEL = "smollm2-135m-instruct";
+// Top-level fields of the job request that are not training settings, or that have their own
+// control above; every other field of the request is an Advanced field.
+const NOT_ADVANCED = new Set([
+  "model", "training_file", "validation_file", "hyperparameters", "method", "suffix", "metadata",
+  "integrations", "dry_run", "seed", "max_seq_len", "lora", "queue", "eval_prompts",
+]);
+// The controls above whose bounds come from the schema: input id -> [schema name, field].
+const BOUNDED = {
+  n_epochs: ["Hyperparameters", "n_epochs"],
+  batch_size: ["Hyperparameters", "batch_size"],
+  learning_rate_multiplier: ["Hyperparameters", "learning_rate_multiplier"],
+  seed: ["JobCreate", "seed"],
+  max_seq_len: ["JobCreate", "max_seq_len"],
+  lora_r: ["LoraConfig", "r"],
+  lora_alpha: ["LoraConfig", "alpha"],
+  lora_dropout: ["LoraConfig", "dropout"],
+};
+const advanced = []; // names of the Advanced fields the page rendered
 
 function summaryHtml(label, file, s) {
   const bad = s.bad_lines.map((b) => `<li>line ${b.line}: ${loraq.esc(b.reason)}</li>`).join("");
@@ -63,6 +83,18 @@ function showError(message) {
   el.hidden = !message;
 }
 
+// Marks the control of the field a 400 names (opening Advanced if it is there), or clears the mark.
+function markInvalid(param) {
+  for (const el of document.querySelectorAll("[aria-invalid]")) el.removeAttribute("aria-invalid");
+  const id = (param || "").replace(/^hyperparameters\./, "").replace(".", "_");
+  const el = id && document.getElementById(id);
+  if (!el || !el.closest("#newjob")) return;
+  const section = el.closest("details");
+  if (section) section.open = true;
+  el.setAttribute("aria-invalid", "true");
+  el.focus();
+}
+
 function intField(id) {
   const v = document.getElementById(id).value;
   return v === "" ? undefined : Number(v);
@@ -96,12 +128,110 @@ function jobBody() {
   if (queue) body.queue = queue;
   const prompts = document.getElementById("eval_prompts").value.split("\n").map((p) => p.trim()).filter(Boolean);
   if (prompts.length) body.eval_prompts = prompts;
-  return body;
+  return { ...body, ...advancedValues() };
+}
+
+// ---- the Advanced section, from the schema
+
+// The schema of a field's values, without its null alternative.
+function valueSchema(prop) {
+  return (prop.anyOf || [prop]).find((b) => b.type !== "null" && !("const" in b)) || prop;
+}
+
+function bounds(b) {
+  return { lo: b.minimum ?? b.exclusiveMinimum, hi: b.maximum ?? b.exclusiveMaximum };
+}
+
+// "[0, 1)": the range in interval notation, open where the bound is exclusive.
+function rangeText(b) {
+  const { lo, hi } = bounds(b);
+  if (lo === undefined && hi === undefined) return "";
+  const open = lo === undefined || b.exclusiveMinimum !== undefined ? "(" : "[";
+  const close = hi === undefined || b.exclusiveMaximum !== undefined ? ")" : "]";
+  return `${open}${lo ?? "−∞"}, ${hi ?? "∞"}${close}`;
+}
+
+// min/max only guide the spinner (the form has novalidate): the server's 400 is the check.
+function setBounds(input, b) {
+  const { lo, hi } = bounds(b);
+  if (lo !== undefined) input.min = String(lo);
+  else input.removeAttribute("min");
+  if (hi !== undefined) input.max = String(hi);
+  else input.removeAttribute("max");
+}
+
+// A control whose empty value means "the server's default"; null for a shape with no control here.
+function advancedControl(name, prop) {
+  const b = valueSchema(prop);
+  const hint = "default" in prop ? `default: ${prop.default}` : "server default";
+  const choices = b.type === "boolean" ? ["true", "false"] : b.enum;
+  if (choices) {
+    const options = [`<option value="">${loraq.esc(hint)}</option>`]
+      .concat(choices.map((c) => `<option value="${loraq.esc(String(c))}">${loraq.esc(String(c))}</option>`));
+    return `<select id="${loraq.esc(name)}" data-type="${b.type}">${options.join("")}</select>`;
+  }
+  if (b.type === "integer" || b.type === "number") {
+    const step = b.type === "integer" ? "1" : "any";
+    return `<input id="${loraq.esc(name)}" type="number" step="${step}" data-type="${b.type}" placeholder="${loraq.esc(hint)}">`;
+  }
+  return null;
+}
+
+function renderAdvanced(schemas) {
+  const props = schemas.JobCreate.properties;
+  const fields = [];
+  for (const [name, prop] of Object.entries(props)) {
+    if (NOT_ADVANCED.has(name)) continue;
+    const control = advancedControl(name, prop);
+    if (!control) continue;
+    const range = rangeText(valueSchema(prop));
+    const note = [range, prop.description || ""].filter(Boolean).join(" · ");
+    fields.push(`<label data-field="${loraq.esc(name)}"><span>${loraq.esc(name)}</span>${control}<small class="muted">${loraq.esc(note)}</small></label>`);
+    advanced.push(name);
+  }
+  document.getElementById("advancedfields").innerHTML = fields.join("");
+  for (const name of advanced) {
+    const el = document.getElementById(name);
+    if (el.type === "number") setBounds(el, valueSchema(props[name]));
+  }
+}
+
+// The controls above take their bounds and descriptions from the same schema.
+function boundBasicFields(schemas) {
+  for (const [id, [model, field]] of Object.entries(BOUNDED)) {
+    const prop = (schemas[model] && schemas[model].properties[field]) || null;
+    if (!prop) continue;
+    const el = document.getElementById(id);
+    setBounds(el, valueSchema(prop));
+    el.title = [rangeText(valueSchema(prop)), prop.description || ""].filter(Boolean).join(" · ");
+  }
+}
+
+async function loadSchema() {
+  const resp = await fetch("/openapi.json"); // public: the schema holds no data
+  if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
+  const schemas = (await resp.json()).components.schemas;
+  renderAdvanced(schemas);
+  boundBasicFields(schemas);
+  document.getElementById("advanced").dataset.loaded = "true";
+}
+
+// The Advanced fields that are set, typed as the schema says; empty ones are not sent.
+function advancedValues() {
+  const values = {};
+  for (const name of advanced) {
+    const el = document.getElementById(name);
+    if (el.value === "") continue;
+    const type = el.dataset.type;
+    values[name] = type === "boolean" ? el.value === "true" : type === "string" ? el.value : Number(el.value);
+  }
+  return values;
 }
 
 // Dry run: what the job would do (steps, tokens, estimates, bad lines), nothing queued.
 async function dryRun() {
   showError("");
+  markInvalid(null);
   const btn = document.getElementById("dryrun");
   btn.disabled = true;
   try {
@@ -130,6 +260,7 @@ async function dryRun() {
     document.getElementById("plan").hidden = false;
   } catch (e) {
     showError(`Dry run failed: ${e.message}`);
+    markInvalid(e.param);
   } finally {
     btn.disabled = false;
   }
@@ -138,6 +269,7 @@ async function dryRun() {
 async function submit(ev) {
   ev.preventDefault();
   showError("");
+  markInvalid(null);
   const body = jobBody();
   const btn = document.getElementById("submit");
   btn.disabled = true;
@@ -150,8 +282,20 @@ async function submit(ev) {
     location.href = `/jobs/${encodeURIComponent(job.id)}`;
   } catch (e) {
     showError(e.message);
+    markInvalid(e.param);
     btn.disabled = false;
   }
+}
+
+// Random-init models (tests, benchmarks) and models not downloaded yet are labelled as such (the
+// option's value stays the bare name). A model that is not local is downloaded by its first job
+// only where the server pulls on first use (`auto_pull`, LORAQ_AUTO_PULL); else the job is refused.
+function modelLabel(m) {
+  const pull = m.auto_pull === false ? "not local: run `loraq models pull` first" : "not local: downloaded on first use";
+  return [
+    m.use === "tests" ? "random weights, tests only" : m.random ? "random weights" : "",
+    m.local ? "" : pull,
+  ].filter(Boolean).join("; ");
 }
 
 async function loadModels() {
@@ -160,14 +304,8 @@ async function loadModels() {
   // Base models first; fine-tuned ones ("ft:...") cannot be fine-tuned again.
   const base = body.data.filter((m) => !m.id.startsWith("ft:"));
   const names = base.map((m) => m.id);
-  // Random-init models (tests, benchmarks) and models not downloaded yet are labelled as such;
-  // the value stays the bare name.
-  const label = (m) => [
-    m.use === "tests" ? "random weights, tests only" : m.random ? "random weights" : "",
-    m.local ? "" : "not local: downloaded on first use",
-  ].filter(Boolean).join("; ");
   select.innerHTML = base
-    .map((m) => `<option value="${loraq.esc(m.id)}">${loraq.esc(m.id)}${label(m) ? ` (${label(m)})` : ""}</option>`)
+    .map((m) => `<option value="${loraq.esc(m.id)}">${loraq.esc(m.id)}${modelLabel(m) ? ` (${modelLabel(m)})` : ""}</option>`)
     .join("");
   // The real pretrained model by default: a first job on random weights teaches nothing.
   if (names.includes(DEFAULT_MODEL)) select.value = DEFAULT_MODEL;
@@ -175,6 +313,7 @@ async function loadModels() {
 
 document.addEventListener("DOMContentLoaded", () => {
   loadModels().catch((e) => showError(`Could not list models: ${e.message}`));
+  loadSchema().catch((e) => showError(`Could not load the training fields' schema: ${e.message}`));
   document.getElementById("trainfile").onchange = (ev) => uploadAndCheck("train", ev.target);
   document.getElementById("validfile").onchange = (ev) => uploadAndCheck("valid", ev.target);
   document.getElementById("newjob").onsubmit = submit;
