@@ -2,13 +2,14 @@
 
 The API checks what it can itself (model, files, hyperparameters: the same checks as a real
 submit); tokenizing the files needs the model's tokenizer, which only workers load, so an
-inference worker reads and tokenizes them exactly as the job would (worker/inference.py) and
-returns the counts, with the training rows the job will form (packed several examples a row
-unless `packing` is off, one example a row otherwise). From those this module plans the run as
-the engine will: "auto" resolved by the function a worker's claim uses (`resolve_auto`), and
+inference worker reads and tokenizes them exactly as the job would (worker/inference.py): the
+same validation holdout (`validation_split` of the examples when there is no validation file,
+drawn with the job's seed) and the same rows (packed or one example a row), by the engine's own
+`split_datasets`. From those counts this module plans the run with the engine's own arithmetic:
+"auto" resolved by `resolve_auto`, optimizer steps by `plan_steps` (grad_accum micro-batches a
+step), and
 
-    steps per epoch = ceil(rows / batch_size)      steps = n_epochs · steps per epoch
-    trained tokens  = n_epochs · tokens            (padding is never counted)
+    trained tokens = n_epochs · tokens of the trained examples     (padding is never counted)
 
 and adds the estimates of service/estimates.py. Invalid lines come back as `errors` (200, with
 `valid: false`), so a client sees every problem of the file at once.
@@ -16,7 +17,6 @@ and adds the estimates of service/estimates.py. Invalid lines come back as `erro
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -29,14 +29,16 @@ from service.schemas import (
     EstimatePublic,
     HyperparametersPublic,
     JobCreate,
+    TrainingData,
 )
 from service.settings import Settings
-from worker.engine.training_config import resolve_auto
+from worker.engine.training_config import plan_steps, resolve_auto
 
 
 def worker_request(session: Session, *, tenant_id: str, spec: JobCreate) -> dict[str, Any]:
     """Validate like a submit does (404/400 raised here), except that a file which failed
-    validation goes on to the worker, whose report lists its bad lines in the plan."""
+    validation goes on to the worker, whose report lists its bad lines in the plan. The seed is
+    drawn here when the request has none (as a submit draws it), and the plan reports it."""
     training, validation = jobs.check_job_inputs(
         session, tenant_id=tenant_id, spec=spec, refuse_invalid=False
     )
@@ -49,6 +51,8 @@ def worker_request(session: Session, *, tenant_id: str, spec: JobCreate) -> dict
         "validation_file": validation.storage_key if validation is not None else None,
         "max_seq_len": spec.max_seq_len,
         "packing": spec.packing,
+        "validation_split": jobs.validation_split(spec),
+        "seed": jobs.job_seed(spec),
     }
 
 
@@ -62,38 +66,52 @@ def _errors(param: str, report: dict[str, Any] | None) -> list[DryRunError]:
     return [DryRunError(param=param, line=e["line"] or None, message=e["reason"]) for e in report["errors"]]
 
 
-def plan(spec: JobCreate, done: dict[str, Any], settings: Settings) -> DryRunPublic:
-    resolved = resolve_auto(jobs.requested_training(spec))
-    training, validation = done["training_file"], done.get("validation_file")
-    n_epochs, batch_size = int(resolved.n_epochs), int(resolved.batch_size)
-    steps_per_epoch = math.ceil(training["rows"] / batch_size)
-    steps = n_epochs * steps_per_epoch
-    errors = _errors("training_file", training) + _errors("validation_file", validation)
-    if steps > settings.job_max_steps:
-        errors.append(
-            DryRunError(
-                param="hyperparameters",
-                message=f"the run needs {steps} optimizer steps, over this service's limit of "
-                f"{settings.job_max_steps} (fewer epochs or a larger batch_size)",
-            )
+def _step_limit_error(steps: int, settings: Settings) -> list[DryRunError]:
+    if steps <= settings.job_max_steps:
+        return []
+    return [
+        DryRunError(
+            param="hyperparameters",
+            message=f"the run needs {steps} optimizer steps, over this service's limit of "
+            f"{settings.job_max_steps} (fewer epochs or a larger batch_size)",
         )
-    trained_tokens = n_epochs * int(training["tokens"])
+    ]
+
+
+def plan(spec: JobCreate, request: dict[str, Any], done: dict[str, Any], settings: Settings) -> DryRunPublic:
+    """The plan of `request` (from `worker_request`) from the worker's counts `done`."""
+    resolved = resolve_auto(jobs.requested_training(spec))
+    training_file, validation_file = done["training_file"], done.get("validation_file")
+    trained = TrainingData(**{k: done["training"][k] for k in TrainingData.model_fields})
+    n_epochs, batch_size = int(resolved.n_epochs), int(resolved.batch_size)
+    steps = plan_steps(trained.rows, batch_size=batch_size, n_epochs=n_epochs, grad_accum=spec.grad_accum)
+    errors = (
+        _errors("training_file", training_file)
+        + _errors("validation_file", validation_file)
+        + _step_limit_error(steps.steps, settings)
+    )
+    trained_tokens = n_epochs * trained.tokens
     found = estimates.estimates(
         spec.model,
         trained_tokens=trained_tokens,
         batch_size=batch_size,
-        longest_row=training["longest_row"],
+        longest_row=int(done["training"]["longest_row"]),
+        queue=spec.queue or settings.worker_queue,
     )
     return DryRunPublic(
         model=spec.model,
         valid=not errors,
-        training_file=_summary(training),
-        validation_file=_summary(validation) if validation else None,
+        training_file=_summary(training_file),
+        validation_file=_summary(validation_file) if validation_file else None,
         hyperparameters=HyperparametersPublic(**resolved.hyperparameter_block().model_dump()),
         max_seq_len=spec.max_seq_len,
         packing=spec.packing,
-        steps_per_epoch=steps_per_epoch,
-        steps=steps,
+        seed=int(request["seed"]),
+        validation_split=float(request["validation_split"]),
+        training=trained,
+        grad_accum=spec.grad_accum,
+        micro_batches_per_epoch=steps.micro_batches_per_epoch,
+        steps=steps.steps,
         trained_tokens=trained_tokens,
         estimates=[EstimatePublic(**vars(e)) for e in found],
         errors=errors,

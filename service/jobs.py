@@ -300,6 +300,11 @@ def _training_file(
     return file
 
 
+def job_seed(spec: JobCreate) -> int:
+    """The job's seed, or a random one: it draws the LoRA init, the data order and the holdout."""
+    return spec.seed if spec.seed is not None else secrets.randbelow(MAX_SEED)
+
+
 def validation_split(spec: JobCreate) -> float:
     """The share held out: none with a validation file, else the job's or the server's default."""
     if spec.validation_file is not None:
@@ -494,7 +499,7 @@ def create_job(
         queue=queue, n_gpus=spec.n_gpus, served_queues=served_queues, default_queue=settings.worker_queue
     )
 
-    seed = spec.seed if spec.seed is not None else secrets.randbelow(MAX_SEED)
+    seed = job_seed(spec)
     config = requested_training(spec).model_copy(
         update={"seed": seed, "validation_split": validation_split(spec)}
     )

@@ -365,12 +365,24 @@ class ChatCompletionChunk(BaseModel):
 
 
 class DatasetSummary(BaseModel):
+    """A file as read: its valid examples (a job refuses a file with any invalid line)."""
+
     format: str | None
     examples: int
     tokens: int
     trainable_tokens: int
     max_tokens: int  # longest example
-    rows: int  # training rows the job forms (packed: several examples a row)
+
+
+class TrainingData(BaseModel):
+    """What the run trains on in each epoch: the training file's valid examples less those held
+    out for validation, in the rows the job forms (packed: several examples a row)."""
+
+    examples: int
+    tokens: int
+    trainable_tokens: int
+    rows: int
+    held_out_examples: int  # held out for the validation loss (no validation_file, ≥ 100 examples)
 
 
 class DryRunError(BaseModel):
@@ -381,9 +393,11 @@ class DryRunError(BaseModel):
 
 class EstimatePublic(BaseModel):
     worker_class: str
-    peak_gpu_memory_gib: float
-    wall_seconds: float
-    source: str  # the benchmark result the estimate comes from
+    # null, with `unavailable` saying why, where the class has no benchmark row for the model
+    peak_gpu_memory_gib: float | None
+    wall_seconds: float | None
+    source: str | None  # the benchmark result the estimate comes from
+    unavailable: str | None = None
 
 
 class DryRunPublic(BaseModel):
@@ -397,9 +411,15 @@ class DryRunPublic(BaseModel):
     hyperparameters: HyperparametersPublic  # "auto" resolved
     max_seq_len: int
     packing: bool
-    steps_per_epoch: int
-    steps: int
-    trained_tokens: int  # tokens the run trains on: every epoch sees every training token
+    # the seed the holdout is drawn with (the request's, else drawn here): a job submitted with
+    # it holds out the same examples; another seed holds out as many, maybe other ones
+    seed: int
+    validation_split: float  # the share held out (0 with a validation_file)
+    training: TrainingData
+    grad_accum: int
+    micro_batches_per_epoch: int  # batches of batch_size rows per epoch (the last may be short)
+    steps: int  # optimizer steps: grad_accum micro-batches each
+    trained_tokens: int  # tokens the run trains on: every epoch sees every trained token
     estimates: list[EstimatePublic]
     errors: list[DryRunError]
     latency_ms: dict[str, float] = Field(default_factory=dict)  # /readyz: how long each check took

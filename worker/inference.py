@@ -221,25 +221,25 @@ class InferenceWorker:
     # -- a job's dry run: tokenize its files as the job would (service/dry_run.py plans the rest)
     def _dry_run(self, p: Pending) -> None:
         from service.storage import FileStore
-        from worker.engine.data import read_examples, training_rows
+        from worker.engine.data import read_examples
 
         store = FileStore(self.settings.artifact_dir)
         try:
             tokenizer = self.tokenizer(p.raw["base"])
-            max_seq_len, pack = int(p.raw["max_seq_len"]), bool(p.raw.get("packing", True))
+            max_seq_len = int(p.raw["max_seq_len"])
             reports: dict[str, Any] = {"training_file": None, "validation_file": None}
+            examples: dict[str, Any] = {}
             for name in reports:
                 key = p.raw.get(name)  # a store key, or None (no validation file)
                 if key:
-                    examples, report = read_examples(store.path(key), tokenizer, max_seq_len)
-                    rows = training_rows(examples, max_seq_len, pack=pack)  # as the job will form them
-                    longest = max((len(r.input_ids) for r in rows), default=0)
-                    reports[name] = {**asdict(report), "rows": len(rows), "longest_row": longest}
+                    examples[name], report = read_examples(store.path(key), tokenizer, max_seq_len)
+                    reports[name] = asdict(report)
+            training = _trained_part(examples["training_file"], reports["training_file"], tokenizer, p.raw)
         except Exception as exc:
             self._fail(p, exc)
             return
         self.metrics.requests.labels("dry_run").inc()
-        self._push(p, {"type": "done", **reports})
+        self._push(p, {"type": "done", **reports, "training": training})
 
     # -- chat requests: admission into a base model's batch, then one decode step at a time
     def _admit_waiting(self) -> None:
@@ -399,3 +399,33 @@ def run_inference_worker(settings: Settings) -> int:
     worker.serve_forever()
     log.info("inference worker stopped")
     return 0
+
+
+def _trained_part(
+    examples: list[Any], report: dict[str, Any], tokenizer: Any, raw: dict[str, Any]
+) -> dict[str, Any]:
+    """What the job trains on: the training file's valid examples less the validation holdout,
+    formed into rows by the engine's own `split_datasets` (the holdout drawn with the job's seed)."""
+    from worker.engine.data import split_datasets
+
+    if report["format"] is None:  # no valid example: nothing to train on
+        return dict.fromkeys(
+            ["examples", "tokens", "trainable_tokens", "rows", "longest_row", "held_out_examples"], 0
+        )
+    train, held = split_datasets(
+        examples,
+        tokenizer,
+        int(raw["max_seq_len"]),
+        report["format"],
+        pack=bool(raw["packing"]),
+        holdout=float(raw["validation_split"]),
+        seed=int(raw["seed"]),
+    )
+    return {
+        "examples": train.examples,
+        "tokens": train.tokens,
+        "trainable_tokens": train.trainable_tokens,
+        "rows": len(train.rows),
+        "longest_row": max((len(r.input_ids) for r in train.rows), default=0),
+        "held_out_examples": held.examples if held is not None else 0,
+    }

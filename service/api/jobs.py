@@ -121,7 +121,7 @@ def create_job(
     if body.dry_run:  # validate and plan on an inference worker; nothing is stored or queued
         request = dry_run.worker_request(session, tenant_id=tenant.id, spec=body)
         done = anyio.from_thread.run(inference.call, get_settings(), request)
-        return dry_run.plan(body, done, get_settings())
+        return dry_run.plan(body, request, done, get_settings())
     if idempotency_key is not None and (
         seen := jobs.replay(
             session, tenant_id=tenant.id, key=idempotency_key, request_sha256=jobs.request_digest(body)

@@ -38,3 +38,20 @@ def broken_lines() -> bytes:
     good = chat_lines(2).decode().splitlines()
     lines = [good[0], '{"messages": [', good[1], json.dumps({"prompt": "hi", "completion": "there"})]
     return ("\n".join(lines) + "\n").encode()
+
+
+def varied_chat_lines(n: int) -> bytes:
+    """`n` valid examples of many different lengths, so which ones a seeded validation holdout
+    takes changes the tokens and rows that are left to train on."""
+    rows = []
+    for i in range(n):
+        answer = "ARRR! " + " ".join(["yo"] * (i % 11)) + f" Answer number {i}."
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]},
+                    {"role": "assistant", "content": answer},
+                ]
+            }
+        )
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()

@@ -1,6 +1,8 @@
 """`"dry_run": true` on POST /v1/fine_tuning/jobs (and `loraq jobs create --dry-run`) against the
 real processes: the plan's steps and tokens equal what a real tiny-llama run of the same request
-then does, nothing is queued, and a broken file comes back as per-line errors."""
+then does (with a validation file, with the default validation holdout, with grad_accum > 1,
+packed and not), nothing is queued, a broken file comes back as per-line errors, and every
+worker class says its estimate or why there is none."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ import json
 import secrets
 from typing import Any
 
-from tests.e2e.datasets import broken_lines, chat_lines
+import pytest
+
+from tests.e2e.datasets import broken_lines, chat_lines, varied_chat_lines
 from tests.e2e.procs import Service
 
 
@@ -18,48 +22,70 @@ def upload(c: Any, content: bytes) -> str:
     return str(r.json()["id"])
 
 
-def test_dry_run_plan_equals_the_real_run(e2e: Service) -> None:
+# (training examples, validation examples or None, request fields). Without a validation file and
+# from 100 examples on, the job holds out the server's default 5% (worker/engine/data.py); the
+# 120-example cases train on 114 and validate on 6.
+CASES = {
+    "validation file, packed": (10, 3, {"hyperparameters": {"n_epochs": 3}}),  # batch_size "auto"
+    "holdout, grad_accum 3, packed": (120, None, {"hyperparameters": {"n_epochs": 2}, "grad_accum": 3}),
+    "holdout, grad_accum 2, unpacked": (
+        120,
+        None,
+        {"hyperparameters": {"n_epochs": 1, "batch_size": 8}, "grad_accum": 2, "packing": False},
+    ),
+}
+
+
+def _event(events: list[dict[str, Any]], prefix: str) -> str:
+    (message,) = [e["message"] for e in events if e["message"].startswith(prefix)]
+    return str(message)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_dry_run_plan_equals_the_real_run(e2e: Service, case: str) -> None:
+    n_train, n_valid, fields = CASES[case]
     e2e.start_inference()
     key = e2e.new_key(f"dry-{secrets.token_hex(4)}")
     with e2e.client(key) as c:
-        train, valid = upload(c, chat_lines(10)), upload(c, chat_lines(3))
-        body = {
+        body: dict[str, Any] = {
             "model": "tiny-llama",
-            "training_file": train,
-            "validation_file": valid,
-            "hyperparameters": {"n_epochs": 3},  # batch_size "auto"
+            "training_file": upload(c, varied_chat_lines(n_train)),
             "lora": {"r": 4},
             "max_seq_len": 128,
+            **fields,
         }
+        if n_valid is not None:
+            body["validation_file"] = upload(c, chat_lines(n_valid))
         plan = c.post("/fine_tuning/jobs", json={**body, "dry_run": True}).json()
         assert plan["object"] == "fine_tuning.job.dry_run" and plan["valid"] and plan["errors"] == []
         assert c.get("/fine_tuning/jobs").json()["data"] == []  # nothing was created
-        examples = plan["training_file"]["examples"]
-        assert examples == 10 and plan["validation_file"]["examples"] == 3
-        assert 0 < plan["training_file"]["trainable_tokens"] < plan["training_file"]["tokens"]
-        batch = plan["hyperparameters"]["batch_size"]
-        assert plan["hyperparameters"]["n_epochs"] == 3 and isinstance(batch, int)
-        rows = plan["training_file"]["rows"]  # packed (the default): several examples a row
-        assert plan["packing"] and 0 < rows < examples
-        assert plan["steps"] == 3 * plan["steps_per_epoch"] == 3 * -(-rows // batch)
-        assert plan["estimates"] == []  # no benchmark row for tiny-llama
+        trained = plan["training"]
+        held_out = 0 if n_valid is not None else 6  # round(0.05 · 120)
+        assert plan["validation_split"] == (0.0 if n_valid is not None else 0.05)
+        assert plan["training_file"]["examples"] == n_train and trained["held_out_examples"] == held_out
+        assert trained["examples"] == n_train - held_out
+        assert 0 < trained["trainable_tokens"] < trained["tokens"] <= plan["training_file"]["tokens"]
+        if body.get("packing", True):  # several examples a row
+            assert 0 < trained["rows"] < trained["examples"]
+        else:
+            assert trained["rows"] == trained["examples"]
+        assert plan["grad_accum"] == body.get("grad_accum", 1)
 
-        job = c.post("/fine_tuning/jobs", json=body).json()
+        # The plan's seed (drawn for this request) makes the job hold out the same examples.
+        job = c.post("/fine_tuning/jobs", json={**body, "seed": plan["seed"]}).json()
         done = e2e.wait_job(job["id"], {"succeeded"}, key=key)
         events = c.get(f"/fine_tuning/jobs/{job['id']}/events", params={"limit": 1000}).json()["data"]
+    assert done["hyperparameters"] == plan["hyperparameters"]
     assert done["progress"]["total_steps"] == plan["steps"]
     assert sum(e["type"] == "metrics" for e in events) == plan["steps"]
     assert done["trained_tokens"] == plan["trained_tokens"]  # exact: every epoch sees every token
-    assert done["hyperparameters"]["batch_size"] == batch
-
-    # Without packing: one example a row, so more steps, the same tokens.
-    with e2e.client(key) as c:
-        unpacked = c.post("/fine_tuning/jobs", json={**body, "packing": False, "dry_run": True}).json()
-    assert unpacked["training_file"]["rows"] == examples
-    assert (
-        unpacked["steps"] == 3 * -(-examples // batch)
-        and unpacked["trained_tokens"] == plan["trained_tokens"]
+    # the engine's own account of its data (worker/engine/recipe.py), token for token
+    assert _event(events, "Training data:") == (
+        f"Training data: {trained['examples']} examples, {trained['tokens']:,} tokens "
+        f"({trained['trainable_tokens']:,} trainable) in {trained['rows']} rows; {plan['steps']} steps"
     )
+    if held_out:
+        assert _event(events, "Validation:").startswith(f"Validation: {held_out} examples held out")
 
 
 def test_dry_run_lists_invalid_lines_and_estimates_gpu_classes(e2e: Service) -> None:
@@ -84,10 +110,23 @@ def test_dry_run_lists_invalid_lines_and_estimates_gpu_classes(e2e: Service) -> 
             "hyperparameters": {"batch_size": 2},
         }
         plan = c.post("/fine_tuning/jobs", json=big).json()
-        (h100,) = plan["estimates"]
-        assert h100["worker_class"] == "h100" and h100["source"].startswith("bench/results/train-h100-")
+        by_class = {e["worker_class"]: e for e in plan["estimates"]}
+        queue = e2e.env["LORAQ_WORKER_QUEUE"]  # the job's own class: never benchmarked
+        assert sorted(by_class) == sorted(["h100", queue])
+        h100, own = by_class["h100"], by_class[queue]
+        assert h100["source"].startswith("bench/results/train-h100-")
         assert h100["wall_seconds"] == round(plan["trained_tokens"] / 81930, 1)
         assert 2.0 < h100["peak_gpu_memory_gib"] < 12.4  # weights (~2.3 GiB bf16) + a short step
+        assert h100["unavailable"] is None
+        assert own["wall_seconds"] is None and own["peak_gpu_memory_gib"] is None
+        assert "no training benchmark for worker class" in own["unavailable"]
+
+        tiny = c.post("/fine_tuning/jobs", json={**big, "model": "tiny-llama"}).json()
+        h100 = next(e for e in tiny["estimates"] if e["worker_class"] == "h100")
+        assert (
+            h100["peak_gpu_memory_gib"] is None
+            and "no training benchmark of tiny-llama" in h100["unavailable"]
+        )
 
         missing = c.post("/fine_tuning/jobs", json={**big, "training_file": "file-nope"})
         assert missing.status_code == 404 and missing.json()["error"]["param"] == "training_file"
@@ -97,5 +136,5 @@ def test_dry_run_lists_invalid_lines_and_estimates_gpu_classes(e2e: Service) -> 
     cli_plan = json.loads(out.stdout)
     assert (
         cli_plan["object"] == "fine_tuning.job.dry_run"
-        and cli_plan["steps"] == 2 * cli_plan["steps_per_epoch"]
+        and cli_plan["steps"] == 2 * cli_plan["micro_batches_per_epoch"]
     )

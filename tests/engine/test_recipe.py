@@ -15,6 +15,7 @@ from worker.engine.lora import lora_modules
 from worker.engine.models import LoadedModel
 from worker.engine.recipe import LoRAFinetuneRecipe, train
 from worker.engine.schedule import lr_factor, warmup_steps
+from worker.engine.training_config import plan_steps
 from worker.engine.types import ConfigError, DatasetError, LimitExceeded, NonFiniteError, TrainConfig
 
 
@@ -189,6 +190,16 @@ def test_epochs_mode_counts_steps_from_the_data(tmp_path: Path) -> None:
     assert result.steps == 6
     assert rec.steps[-1].epoch == pytest.approx(2.0)
     assert rec.steps[-1].trained_tokens == sum(m.tokens for m in rec.steps)
+
+
+def test_plan_steps_counts_optimizer_steps_of_grad_accum_micro_batches() -> None:
+    # the arithmetic the run above and a dry run (service/dry_run.py) share
+    plan = plan_steps(32, batch_size=4, n_epochs=2, grad_accum=3)
+    assert (plan.micro_batches_per_epoch, plan.micro_batches, plan.steps) == (8, 16, 6)
+    assert (
+        plan_steps(33, batch_size=4, n_epochs=1, grad_accum=1).micro_batches_per_epoch == 9
+    )  # a short last batch
+    assert plan_steps(32, batch_size=4, n_epochs=9, grad_accum=2, max_steps=5).steps == 5
 
 
 def test_max_wall_seconds_limit_checkpoints_then_fails(tmp_path: Path) -> None:

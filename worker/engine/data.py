@@ -38,6 +38,7 @@ from worker.engine.dataset_rules import (
     LineProblem,
     parse_line,
 )
+from worker.engine.training_config import batches_per_epoch
 from worker.engine.types import DatasetError, LineError, ModelError
 
 IGNORE_INDEX = -100
@@ -315,6 +316,16 @@ def holdout_size(examples: int, fraction: float) -> int:
     return min(HOLDOUT_MAX_EXAMPLES, max(1, round(fraction * examples)))
 
 
+def split_holdout(examples: list[Example], fraction: float, seed: int) -> tuple[list[Example], list[Example]]:
+    """(trained, held out): `holdout_size(len(examples), fraction)` examples drawn by `seed`, both
+    in file order."""
+    k = holdout_size(len(examples), fraction)
+    held = set(random.Random(seed).sample(range(len(examples)), k)) if k else set()
+    train = [e for i, e in enumerate(examples) if i not in held]
+    valid = [e for i, e in enumerate(examples) if i in held]
+    return train, valid
+
+
 def load_dataset(
     path: Path,
     tokenizer: PreTrainedTokenizerBase,
@@ -344,16 +355,27 @@ def load_split_dataset(
     if report.errors:
         raise DatasetError(report.errors, file_label=file_label)
     assert report.format is not None
-    k = holdout_size(len(examples), holdout)
-    if k == 0:
-        return _dataset(examples, tokenizer, max_seq_len, pack, report.format), None
-    held = set(random.Random(seed).sample(range(len(examples)), k))
-    train = [e for i, e in enumerate(examples) if i not in held]
-    valid = [e for i, e in enumerate(examples) if i in held]
-    return (
-        _dataset(train, tokenizer, max_seq_len, pack, report.format),
-        _dataset(valid, tokenizer, max_seq_len, pack, report.format),
+    return split_datasets(
+        examples, tokenizer, max_seq_len, report.format, pack=pack, holdout=holdout, seed=seed
     )
+
+
+def split_datasets(
+    examples: list[Example],
+    tokenizer: PreTrainedTokenizerBase,
+    max_seq_len: int,
+    fmt: DatasetFormat,
+    *,
+    pack: bool,
+    holdout: float,
+    seed: int,
+) -> tuple[TokenizedDataset, TokenizedDataset | None]:
+    """A file's valid examples as the run trains and validates on them: the seeded holdout set
+    apart (None when nothing is held out), the rest formed into rows. A job (`load_split_dataset`)
+    and its dry run (worker/inference.py) both come here, so the dry run's counts are the job's."""
+    train, valid = split_holdout(examples, holdout, seed)
+    trained = _dataset(train, tokenizer, max_seq_len, pack, fmt)
+    return trained, (_dataset(valid, tokenizer, max_seq_len, pack, fmt) if valid else None)
 
 
 def _dataset(
@@ -525,7 +547,7 @@ class BatchSampler:
     def __len__(self) -> int:
         """Batches per epoch."""
         n = len(self.dataset)
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        return n // self.batch_size if self.drop_last else batches_per_epoch(n, self.batch_size)
 
     def order(self, epoch: int) -> list[int]:
         """The epoch's row order (cached for the last epoch asked: batch() is called once per step)."""

@@ -54,6 +54,7 @@ from worker.engine.models import LoadedModel, load_base_model
 from worker.engine.sampling import greedy_samples
 from worker.engine.schedule import build_scheduler, warmup_steps
 from worker.engine.train_step import CapturedTrainStep, HostStep, StepShape, host_step
+from worker.engine.training_config import plan_steps
 from worker.engine.types import (
     CheckpointInfo,
     ConfigError,
@@ -156,13 +157,15 @@ class LoRAFinetuneRecipe:
                 seed=cfg.seed,
             )
         self.sampler = BatchSampler(self.train_data, cfg.batch_size, cfg.seed)
-        self.batches_per_epoch = len(self.sampler)
-        if cfg.max_steps is not None:
-            self.total_steps = cfg.max_steps
-            self.total_micro_batches = cfg.max_steps * cfg.grad_accum
-        else:
-            self.total_micro_batches = cfg.n_epochs * self.batches_per_epoch
-            self.total_steps = math.ceil(self.total_micro_batches / cfg.grad_accum)
+        plan = plan_steps(
+            len(self.train_data),
+            batch_size=cfg.batch_size,
+            n_epochs=cfg.n_epochs,
+            grad_accum=cfg.grad_accum,
+            max_steps=cfg.max_steps,
+        )
+        self.batches_per_epoch = plan.micro_batches_per_epoch
+        self.total_micro_batches, self.total_steps = plan.micro_batches, plan.steps
         self.health = HealthMonitor(warmup_steps=warmup_steps(self.total_steps, cfg.warmup_ratio))
         if cfg.step_limit is not None and self.total_steps > cfg.step_limit:
             # Known before the first step: fail now rather than train up to the limit and stop.

@@ -11,13 +11,15 @@ The models below are the one source of each field; the others are views built fr
   as OpenAI lays a job out. The job row stores the same fields (service/jobs.py).
 
 OpenAI's three hyperparameters may be "auto"; `resolve_auto` is the one place that turns them into
-numbers (a job when it is claimed, a dry run's plan, `loraq train`). Pure pydantic and the standard
+numbers (a job when it is claimed, a dry run's plan, `loraq train`), and `plan_steps` the one place
+that turns rows into optimizer steps. Pure pydantic and the standard
 library: the API process imports this module and must not load torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -234,6 +236,33 @@ def resolve_auto(config: TrainingConfig) -> TrainingConfig:
             else config.learning_rate_multiplier,
         }
     )
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How a run of `rows` training rows is cut into steps."""
+
+    micro_batches_per_epoch: int  # batches of batch_size rows per pass (the last may be short)
+    micro_batches: int  # of the whole run
+    steps: int  # optimizer steps of grad_accum micro-batches (the run's last may have fewer)
+
+
+def batches_per_epoch(rows: int, batch_size: int) -> int:
+    """Micro-batches in one pass over `rows` rows: the last batch takes what is left."""
+    return -(-rows // batch_size)
+
+
+def plan_steps(
+    rows: int, *, batch_size: int, n_epochs: int, grad_accum: int, max_steps: int | None = None
+) -> StepPlan:
+    """The engine's step count (worker/engine/recipe.py) and a dry run's (service/dry_run.py) both
+    come from here, so a plan cannot drift from the run. `max_steps` (a local run's) overrides
+    n_epochs."""
+    per_epoch = batches_per_epoch(rows, batch_size)
+    if max_steps is not None:
+        return StepPlan(per_epoch, max_steps * grad_accum, max_steps)
+    micro = n_epochs * per_epoch
+    return StepPlan(per_epoch, micro, -(-micro // grad_accum))
 
 
 def learning_rate(config: TrainingConfig) -> float:

@@ -240,18 +240,20 @@ async function dryRun() {
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify({ ...jobBody(), dry_run: true }),
     });
-    const t = plan.training_file;
-    const est = plan.estimates.map((e) =>
-      `${loraq.esc(e.worker_class)}: ${loraq.num(e.peak_gpu_memory_gib, 3)} GiB peak, ${loraq.duration(e.wall_seconds)}`).join("<br>");
+    const t = plan.training;
+    // a class without a benchmark row for the model says why instead of a figure
+    const est = plan.estimates.map((e) => e.unavailable === null
+      ? `${loraq.esc(e.worker_class)}: ${loraq.num(e.peak_gpu_memory_gib, 3)} GiB peak, ${loraq.duration(e.wall_seconds)}`
+      : `${loraq.esc(e.worker_class)}: <span class="muted">${loraq.esc(e.unavailable)}</span>`).join("<br>");
     document.getElementById("plankv").innerHTML = [
       ["Valid", plan.valid ? "yes" : "no"],
-      ["Examples", loraq.int(t.examples)],
-      ["Tokens", `${loraq.int(t.tokens)} (${loraq.int(t.trainable_tokens)} trainable)`],
+      ["Examples", `${loraq.int(t.examples)} trained, ${loraq.int(t.held_out_examples)} held out for validation`],
+      ["Tokens", `${loraq.int(t.tokens)} (${loraq.int(t.trainable_tokens)} trainable) in ${loraq.int(t.rows)} rows`],
       ["Epochs", plan.hyperparameters.n_epochs],
-      ["Batch size", plan.hyperparameters.batch_size],
-      ["Steps", `<span id="plansteps">${plan.steps}</span> (${plan.steps_per_epoch} per epoch)`],
+      ["Batch size", `${plan.hyperparameters.batch_size} × ${plan.grad_accum} accumulated`],
+      ["Steps", `<span id="plansteps">${plan.steps}</span> (${plan.micro_batches_per_epoch} micro-batches per epoch)`],
       ["Trained tokens", loraq.int(plan.trained_tokens)],
-      ["Estimates", est || '<span class="muted">no benchmark for this model</span>'],
+      ["Estimates", est],
     ].map(([k, v]) => `<dt>${k}</dt><dd>${v}</dd>`).join("");
     const errors = document.getElementById("planerrors");
     errors.innerHTML = plan.errors.map((e) =>
