@@ -28,8 +28,8 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from service_bench import Service, summary_ms, write_report
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.service_bench import Service, summary_ms, write_report
 
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -19,6 +19,10 @@ import math
 import random
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -26,6 +30,9 @@ sys.path.insert(0, str(ROOT))
 MIN_TOKENS, MAX_TOKENS = 20, 2000
 MEDIAN, SIGMA = 300, 0.9
 DEFAULT_OUT = ROOT / "bench" / "data" / "chat-longtail.jsonl"
+
+# one example: {"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]}
+ChatRow = dict[str, list[dict[str, str]]]
 
 
 def target_lengths(n: int, rng: random.Random) -> list[int]:
@@ -39,7 +46,7 @@ def _words(rng: random.Random, vocab: list[str], count: int) -> str:
     return " ".join(rng.choice(vocab) for _ in range(max(1, count)))
 
 
-def generate(n: int, seed: int) -> list[dict[str, object]]:
+def generate(n: int, seed: int) -> list[ChatRow]:
     """n chat examples, each within a few tokens of its drawn length (at least MIN_TOKENS)."""
     from worker.engine.tiny import build_tiny_tokenizer
 
@@ -52,7 +59,7 @@ def generate(n: int, seed: int) -> list[dict[str, object]]:
     overhead = len(_render(tokenizer, "a", "a")) - 2
     sample = _words(rng, vocab, 400)
     per_word = len(tokenizer(sample, add_special_tokens=False)["input_ids"]) / 400
-    rows = []
+    rows: list[ChatRow] = []
     for total in lengths:
         body = max(2, total - overhead)
         prompt_tokens = max(1, round(body * rng.uniform(0.2, 0.7)))
@@ -76,10 +83,10 @@ def generate(n: int, seed: int) -> list[dict[str, object]]:
     return rows
 
 
-def _render(tokenizer: object, prompt: str, answer: str) -> list[int]:
+def _render(tokenizer: PreTrainedTokenizerBase, prompt: str, answer: str) -> list[int]:
     messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False)  # type: ignore[attr-defined]
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def length_stats(lengths: list[int]) -> dict[str, float]:
@@ -115,7 +122,7 @@ def main() -> int:
     from worker.engine.tiny import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
-    lengths = [len(_render(tok, r["messages"][0]["content"], r["messages"][1]["content"])) for r in rows]  # type: ignore[index]
+    lengths = [len(_render(tok, r["messages"][0]["content"], r["messages"][1]["content"])) for r in rows]
     print(json.dumps(length_stats(lengths)))
     return 0
 

@@ -31,9 +31,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-from job_bench import JOB_SHAPES, JOB_WARMUP, job_config  # noqa: E402
+from bench.job_bench import JOB_SHAPES, JOB_WARMUP, job_config  # noqa: E402
 
 REPO_DIRS = ("/worker/", "/gpu_kernels/", "/bench/", "/service/")
 

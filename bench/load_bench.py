@@ -31,8 +31,8 @@ import httpx
 
 from service.job_status import TERMINAL
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from service_bench import Service, summary_ms, write_report
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.service_bench import Service, summary_ms, write_report
 
 MAX_CLIENTS = 64
 MAX_SECONDS = 300.0

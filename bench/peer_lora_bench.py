@@ -14,9 +14,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import train_bench
+from bench import train_bench
 
 
 def main(argv: list[str]) -> int:

@@ -21,7 +21,10 @@ def peft_peer_model(preset: str, max_positions: int) -> tuple[Any, list[Any], An
 
     from worker.engine.catalog import PRESET_SHAPES
 
-    cfg = LlamaConfig(**PRESET_SHAPES[preset].config_kwargs(), attn_implementation="sdpa")
+    # attn_implementation reaches PreTrainedConfig through **kwargs: transformers 5's LlamaConfig
+    # (a dataclass) does not name it in its signature
+    kwargs = {**PRESET_SHAPES[preset].config_kwargs(), "attn_implementation": "sdpa"}
+    cfg = LlamaConfig(**kwargs)
     cfg.max_position_embeddings = max_positions
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)

@@ -39,6 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +47,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-from peers import TARGETS  # noqa: E402
-from train_bench import run_header  # noqa: E402
+from bench.peers import TARGETS  # noqa: E402
+from bench.train_bench import run_header  # noqa: E402
 
 RANK, ALPHA = 16, 32
 GOAL = 5.0  # aggregate tokens/s of loraq over hf_peft
@@ -242,10 +242,11 @@ def served_with_adapters(args: argparse.Namespace, dt: torch.dtype) -> tuple[Any
         if path.rsplit(".", 1)[-1] in TARGETS
     }
     config = adapter_config(args.model)
-    slots = [
-        served.adapter_slot(f"a{i}", lambda i=i: Adapter(config, adapter_tensors(shapes, i)))
-        for i in range(args.adapters)
-    ]
+
+    def loader(i: int) -> Callable[[], Adapter]:
+        return lambda: Adapter(config, adapter_tensors(shapes, i))
+
+    slots = [served.adapter_slot(f"a{i}", loader(i)) for i in range(args.adapters)]
     return served, slots
 
 

@@ -14,6 +14,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,11 @@ def time_ms(fn: Callable[[], Any], iters: int = 20) -> float:
         times.append(s.elapsed_time(e))
     times.sort()
     return times[len(times) // 2]
+
+
+def backward_of(fn: Callable[[], torch.Tensor], grad: torch.Tensor) -> Callable[[], None]:
+    """`fn().backward(grad)` as a callable to time, bound to this `fn` and `grad`."""
+    return lambda: fn().backward(grad)
 
 
 def ceilings() -> dict[str, float]:
@@ -88,10 +94,8 @@ def bench_ops() -> list[dict[str, Any]]:
         u = torch.randn(m_, r_, device="cuda", dtype=bf)
         v = torch.randn(r_, n_, device="cuda")
         vb = v.to(bf)
-        t_ours = time_ms(
-            lambda out=out, u=u, v=v, n_=n_, r_=r_: lora.rank_update_(out, 0, n_, u, 0, r_, v, 0.5)
-        )
-        t_blas = time_ms(lambda out=out, u=u, vb=vb: out.addmm_(u, vb, alpha=0.5))
+        t_ours = time_ms(partial(lora.rank_update_, out, 0, n_, u, 0, r_, v, 0.5))
+        t_blas = time_ms(partial(out.addmm_, u, vb, alpha=0.5))
         gbs = 2 * out.numel() * 2 / t_ours / 1e6
         rows.append(
             {
@@ -114,7 +118,9 @@ def bench_ops() -> list[dict[str, Any]]:
         b = torch.randn(n, 16, device="cuda").requires_grad_()
         gy = torch.randn(m, n, device="cuda", dtype=bf)
 
-        def peft_like(x=x, w=w, a=a, b=b):  # type: ignore[no-untyped-def]
+        def peft_like(
+            x: torch.Tensor = x, w: torch.Tensor = w, a: torch.Tensor = a, b: torch.Tensor = b
+        ) -> torch.Tensor:
             # what HF+PEFT runs under bf16 autocast: base + B(A(x)) * s with full-size temporaries
             with torch.autocast("cuda", dtype=bf):
                 return (
@@ -124,13 +130,13 @@ def bench_ops() -> list[dict[str, Any]]:
 
         add(
             f"lora fwd M{m} K{k} N{n} ({label})",
-            lambda x=x, w=w, a=a, b=b: lora.lora_linear(x, w, None, a, b, 2.0),
+            partial(lora.lora_linear, x, w, None, a, b, 2.0),
             peft_like,
         )
         add(
             f"lora fwd+bwd M{m} K{k} N{n} ({label})",
-            lambda x=x, w=w, a=a, b=b, gy=gy: lora.lora_linear(x, w, None, a, b, 2.0).backward(gy),
-            lambda gy=gy, f=peft_like: f().backward(gy),
+            backward_of(partial(lora.lora_linear, x, w, None, a, b, 2.0), gy),
+            backward_of(peft_like, gy),
         )
     x = torch.randn(m, 2048, device="cuda", dtype=bf, requires_grad=True)
     w = torch.randn(3072, 2048, device="cuda", dtype=bf) * 0.02
@@ -155,7 +161,7 @@ def bench_ops() -> list[dict[str, Any]]:
     wn = torch.ones(2048, device="cuda", dtype=bf)
     gyn = torch.randn(m, 2048, device="cuda", dtype=bf)
 
-    def hf_rms(x=xn):  # type: ignore[no-untyped-def]
+    def hf_rms(x: torch.Tensor = xn) -> torch.Tensor:
         xf = x.float()
         return wn * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(bf)
 
@@ -221,20 +227,36 @@ def bench_attention(
         cos, sin = rope_tables(b, s, d, bf)
         gy = torch.randn(b, s, heads * d, device="cuda", dtype=bf)
 
-        def ours(qkv=qkv, cos=cos, sin=sin, heads=heads, kv=kv, b=b, s=s):  # type: ignore[no-untyped-def]
+        def ours(
+            qkv: torch.Tensor = qkv,
+            cos: torch.Tensor = cos,
+            sin: torch.Tensor = sin,
+            heads: int = heads,
+            kv: int = kv,
+            b: int = b,
+            s: int = s,
+        ) -> torch.Tensor:
             q, k, v = rope.rope_qkv(qkv, cos, sin, heads, kv)
             o = sdpa(q, k, v, is_causal=True, enable_gqa=True)
             return o.transpose(1, 2).reshape(b, s, -1)
 
-        def hf(qkv=qkv, cos=cos, sin=sin, heads=heads, kv=kv, b=b, s=s, d=d):  # type: ignore[no-untyped-def]
+        def hf(
+            qkv: torch.Tensor = qkv,
+            cos: torch.Tensor = cos,
+            sin: torch.Tensor = sin,
+            heads: int = heads,
+            kv: int = kv,
+            b: int = b,
+            s: int = s,
+            d: int = d,
+        ) -> torch.Tensor:
             q, k, v = (t.transpose(1, 2) for t in qkv.view(b, s, -1, d).split([heads, kv, kv], dim=2))
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             o = sdpa(q, k, v, is_causal=True, enable_gqa=True)
             return o.transpose(1, 2).reshape(b, s, -1).contiguous()
 
         label = f"B{b} S{s} H{heads} G{kv} D{d}"
-        add(f"rope+sdpa fwd+bwd {label}", lambda ours=ours, gy=gy: ours().backward(gy),
-            lambda hf=hf, gy=gy: hf().backward(gy))  # fmt: skip
+        add(f"rope+sdpa fwd+bwd {label}", backward_of(ours, gy), backward_of(hf, gy))
         outs = rope.rope_qkv(qkv, cos, sin, heads, kv)
         for layout in ("BSHD", "BHSD"):  # the gradients' memory order as attention hands them back
             gs = [
@@ -243,7 +265,7 @@ def bench_attention(
                 else torch.randn(b, t.shape[1], s, d, device="cuda", dtype=bf)
                 for t in outs
             ]
-            ms = time_ms(lambda outs=outs, gs=gs: torch.autograd.backward(outs, gs, retain_graph=True))
+            ms = time_ms(partial(torch.autograd.backward, outs, gs, retain_graph=True))
             gbs = 2 * qkv.numel() * 2 / ms / 1e6  # read the grads once, write dqkv once
             rows.append({"op": f"rope bwd {layout} grads {label}", "ms": round(ms, 4), "GB_s": round(gbs)})
             print(f"rope bwd alone, {layout} grads {label}: {ms * 1e3:.1f} us ({gbs:.0f} GB/s)", flush=True)
@@ -254,7 +276,13 @@ def bench_attention(
         backends = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
         for backend in backends:
 
-            def run(backend=backend, q=q, k=k, v=v, go=go):  # type: ignore[no-untyped-def]
+            def run(
+                backend: SDPBackend = backend,
+                q: torch.Tensor = q,
+                k: torch.Tensor = k,
+                v: torch.Tensor = v,
+                go: torch.Tensor = go,
+            ) -> None:
                 with sdpa_kernel(backend):
                     o = sdpa(q, k, v, is_causal=True, enable_gqa=True)
                 o.backward(go)

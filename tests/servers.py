@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 import pytest
 
@@ -157,6 +158,15 @@ def _cluster_user() -> pwd.struct_passwd | None:
     raise RuntimeError("running as root, and neither a `postgres` nor a `nobody` user exists to run initdb")
 
 
+class AsUser(TypedDict, total=False):
+    """The keyword arguments of subprocess.run/Popen that run the cluster as `_cluster_user()`."""
+
+    user: int
+    group: int
+    extra_groups: list[int]
+    cwd: Path
+
+
 @dataclass
 class PostgresServer:
     proc: subprocess.Popen[bytes]
@@ -178,7 +188,7 @@ def start_postgres() -> PostgresServer:
     user = _cluster_user()
     # /tmp, not a per-user TMPDIR: the cluster's user must be able to reach the directory.
     root = Path(tempfile.mkdtemp(prefix="loraq-test-pg-", dir="/tmp" if user else None))
-    as_user: dict[str, object] = {}
+    as_user: AsUser = {}
     if user is not None:
         os.chown(root, user.pw_uid, user.pw_gid)
         as_user = {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": [], "cwd": root}
@@ -186,7 +196,7 @@ def start_postgres() -> PostgresServer:
     subprocess.run(
         [initdb, "-D", str(root / "data"), "-U", "postgres", "--auth=trust", "-E", "UTF8",
          "--locale=C", "--no-sync"],
-        stdout=log, stderr=subprocess.STDOUT, check=True, **as_user,  # type: ignore[call-overload]
+        stdout=log, stderr=subprocess.STDOUT, check=True, **as_user,
     )  # fmt: skip
     port = free_port()
     proc = subprocess.Popen(
@@ -195,7 +205,7 @@ def start_postgres() -> PostgresServer:
          "-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
          "-c", "max_connections=300"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent(),
-        **as_user,  # type: ignore[arg-type]
+        **as_user,
     )  # fmt: skip
     server = PostgresServer(proc, port, root)
     wait_until(lambda: _pg_answers(server.admin_url), "postgres", proc, timeout=60)

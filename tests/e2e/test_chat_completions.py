@@ -18,11 +18,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.e2e.datasets import QUESTIONS, chat_lines
 from tests.e2e.procs import Service
 
-SYSTEM = {"role": "system", "content": "Answer like a pirate."}
+PIRATE = "Answer like a pirate."
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +50,8 @@ def oai(service: Service, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=service.url + "/v1", api_key=key, max_retries=0, timeout=60)
 
 
-def ask(question: str) -> list[dict[str, str]]:
-    return [SYSTEM, {"role": "user", "content": question}]
+def ask(question: str) -> list[ChatCompletionMessageParam]:
+    return [{"role": "system", "content": PIRATE}, {"role": "user", "content": question}]
 
 
 def test_openai_client_non_streamed_and_streamed(e2e: Service, trained: dict[str, Any]) -> None:
@@ -164,7 +165,8 @@ def test_greedy_output_equals_transformers_peft_on_the_downloaded_adapter(
 
     client = oai(e2e, trained["key"])
     for question in [*QUESTIONS[:4], "Tell me something new about the sea."]:
-        messages = ask(question)
+        # the same conversation as ask(question), as the engine takes it
+        messages = [{"role": "system", "content": PIRATE}, {"role": "user", "content": question}]
         ids = prompt_ids(messages, tokenizer)
         out = peft_model.generate(
             input_ids=torch.tensor([ids]),
@@ -177,7 +179,7 @@ def test_greedy_output_equals_transformers_peft_on_the_downloaded_adapter(
         if tokenizer.eos_token_id in out:
             out = out[: out.index(tokenizer.eos_token_id)]
         reply = client.chat.completions.create(
-            model=job["fine_tuned_model"], messages=messages, max_tokens=20, temperature=0
+            model=job["fine_tuned_model"], messages=ask(question), max_tokens=20, temperature=0
         )
         assert reply.choices[0].message.content == tokenizer.decode(out, skip_special_tokens=True), question
         assert reply.usage is not None and reply.usage.completion_tokens == len(out)

@@ -25,7 +25,7 @@ def upload(c: Any, content: bytes) -> str:
 # (training examples, validation examples or None, request fields). Without a validation file and
 # from 100 examples on, the job holds out the server's default 5% (worker/engine/data.py); the
 # 120-example cases train on 114 and validate on 6.
-CASES = {
+CASES: dict[str, tuple[int, int | None, dict[str, Any]]] = {
     "validation file, packed": (10, 3, {"hyperparameters": {"n_epochs": 3}}),  # batch_size "auto"
     "holdout, grad_accum 3, packed": (120, None, {"hyperparameters": {"n_epochs": 2}, "grad_accum": 3}),
     "holdout, grad_accum 2, unpacked": (

@@ -13,12 +13,12 @@ from safetensors.torch import load_file
 from tests.engine.recipe_helpers import Recorder, tiny_config
 from worker.engine.checkpoint import TRAINER_STATE, TRAINING_STATE
 from worker.engine.recipe import train
-from worker.engine.types import ConfigError, LoraConfig
+from worker.engine.types import ConfigError, LoraConfig, TrainConfig
 
 STEPS = 7
 
 
-def _config(tmp: Path, **overrides: object):  # type: ignore[no-untyped-def]
+def _config(tmp: Path, **overrides: object) -> TrainConfig:
     # dropout > 0: the resumed run must also restore the RNG stream the dropout masks come from
     base = {"max_steps": STEPS, "lora": LoraConfig(r=8, alpha=16.0, dropout=0.1), "warmup_ratio": 0.2}
     base.update(overrides)

@@ -28,7 +28,9 @@ from worker.engine.types import DatasetError
 
 
 def trained_text(tiny: LoadedModel, ids: list[int], labels: list[int]) -> str:
-    return tiny.tokenizer.decode([t for t, lab in zip(ids, labels, strict=True) if lab != IGNORE_INDEX])
+    text = tiny.tokenizer.decode([t for t, lab in zip(ids, labels, strict=True) if lab != IGNORE_INDEX])
+    assert isinstance(text, str)  # decode's union type covers a batch of sequences too
+    return text
 
 
 def per_token_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:

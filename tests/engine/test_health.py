@@ -103,7 +103,7 @@ def test_overfitting_and_memorizing_warn_once_with_their_step(pretrained_store: 
     )  # fmt: skip
     train(config, rec)
     events = health_events(rec)
-    kinds = [d["health"] for _, d in events]
+    kinds = [str(d["health"]) for _, d in events]
     assert sorted(kinds) == ["memorizing", "overfitting"], events
     for message, data in events:
         step = data["step"]

@@ -5,11 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    BatchEncoding,
+    GenerationMixin,
     MistralConfig,
     MistralForCausalLM,
     PreTrainedModel,
@@ -110,7 +113,8 @@ def test_tiny_tokenizer_chat_template_and_special_tokens(tiny: LoadedModel) -> N
         text
         == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     )
-    assert tok.apply_chat_template(messages, tokenize=False).endswith("Hi<|im_end|>\n")
+    without_prompt = tok.apply_chat_template(messages, tokenize=False)
+    assert isinstance(without_prompt, str) and without_prompt.endswith("Hi<|im_end|>\n")
     sentence = "Byte-level: naïve café ☕ 42!"
     assert tok.decode(tok(sentence, add_special_tokens=False)["input_ids"]) == sentence
 
@@ -187,7 +191,7 @@ def test_local_llama_directory_round_trip(tiny: LoadedModel, model_store: Path, 
 def test_qwen2_and_mistral_directories_load(
     family: str, tiny: LoadedModel, model_store: Path, tmp_path: Path
 ) -> None:
-    shape = {
+    shape: dict[str, Any] = {  # keyword arguments of both configs' constructors
         "vocab_size": 512,
         "hidden_size": 32,
         "intermediate_size": 64,
@@ -279,8 +283,11 @@ def test_smollm2_answers_paris(smollm2: LoadedModel) -> None:
     inputs = tok.apply_chat_template(
         messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
     )
+    assert isinstance(inputs, BatchEncoding)
+    model = smollm2.model
+    assert isinstance(model, GenerationMixin)  # transformers 5's PreTrainedModel has no generate
     with torch.no_grad():
-        out = smollm2.model.generate(**inputs, max_new_tokens=16, do_sample=False)
+        out = model.generate(**inputs, max_new_tokens=16, do_sample=False)
     answer = tok.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer, answer
 

@@ -16,7 +16,14 @@ from worker.engine.models import LoadedModel
 from worker.engine.recipe import LoRAFinetuneRecipe, train
 from worker.engine.schedule import lr_factor, warmup_steps
 from worker.engine.training_config import plan_steps
-from worker.engine.types import ConfigError, DatasetError, LimitExceeded, NonFiniteError, TrainConfig
+from worker.engine.types import (
+    ConfigError,
+    DatasetError,
+    LimitExceeded,
+    NonFiniteError,
+    StepMetrics,
+    TrainConfig,
+)
 
 
 def test_loss_decreases_on_a_tiny_dataset(tmp_path: Path) -> None:
@@ -119,7 +126,7 @@ def test_non_finite_loss_names_the_step_and_saves_nothing(tmp_path: Path) -> Non
     class Poison(Recorder):
         """After step 2 (checkpointed), a diverged adapter: one LoRA weight becomes inf."""
 
-        def on_step(self, metrics):  # type: ignore[no-untyped-def]
+        def on_step(self, metrics: StepMetrics) -> None:
             rec.on_step(metrics)
             if metrics.step == 2:
                 layer = next(iter(lora_modules(recipe.model).values()))

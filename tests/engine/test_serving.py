@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from peft import PeftModel
 from safetensors.torch import save_file
+from transformers import GenerationMixin, PreTrainedModel
 
 from worker.engine.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config
 from worker.engine.lora import apply_lora, lora_modules, lora_state_dict
@@ -50,10 +52,12 @@ def make_adapter(
 
 def peft_greedy(tiny: LoadedModel, adapter_dir: Path | None, prompt_ids: list[int], n: int) -> list[int]:
     """Token ids transformers (+ PEFT) generates greedily, EOS excluded."""
-    model = copy.deepcopy(tiny.model)
+    model: PreTrainedModel | PeftModel = copy.deepcopy(tiny.model)
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, str(adapter_dir))
     model.eval()
+    # transformers 5's PreTrainedModel has no generate: the causal LMs (GenerationMixin) have
+    assert isinstance(model, GenerationMixin | PeftModel)
     out = model.generate(
         input_ids=torch.tensor([prompt_ids]),
         attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
@@ -112,8 +116,12 @@ def test_adapter_lru_evicts_the_least_recently_used(tiny: LoadedModel, tmp_path:
     adapters = {k: make_adapter(tiny, tmp_path / k, seed=i, cfg=LoraConfig(r=2)) for i, k in enumerate("xyz")}
     loads: list[str] = []
 
-    def loader(k: str):  # type: ignore[no-untyped-def]
-        return lambda: loads.append(k) or adapters[k]
+    def loader(k: str) -> Callable[[], Adapter]:
+        def load() -> Adapter:
+            loads.append(k)
+            return adapters[k]
+
+        return load
 
     sx = served.adapter_slot("x", loader("x"))
     served.adapter_slot("y", loader("y"))

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import LlamaForCausalLM
 
 from gpu_kernels.dispatch import KernelStatus
 from worker.engine import fused_llama
@@ -22,9 +23,10 @@ from worker.engine.types import LoraConfig
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
+def base(tmp_path_factory: pytest.TempPathFactory) -> LlamaForCausalLM:
     torch.manual_seed(0)
     model = load_base_model("tiny-llama", store=Path(tmp_path_factory.mktemp("store"))).model
+    assert isinstance(model, LlamaForCausalLM)
     apply_lora(model, LoraConfig(r=4, alpha=8))
     for p in trainable_parameters(model):
         torch.nn.init.normal_(p, std=0.05)  # B nonzero, so the LoRA path matters
@@ -36,14 +38,14 @@ def force_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fused_llama.gpu_kernels, "available", lambda: KernelStatus(True, "forced for a test"))
 
 
-def test_not_compiled_means_untouched(base: torch.nn.Module) -> None:
+def test_not_compiled_means_untouched(base: LlamaForCausalLM) -> None:
     model = copy.deepcopy(base)
     report = fused_llama.fuse_llama(model)
     assert report.rms_norms == report.qkv_groups == report.attentions == report.mlps == 0
     assert "compiled kernels not in use" in report.skipped[0]
 
 
-def test_fused_model_computes_the_same_loss_and_grads(base: torch.nn.Module, force_compiled: None) -> None:
+def test_fused_model_computes_the_same_loss_and_grads(base: LlamaForCausalLM, force_compiled: None) -> None:
     plain, fused = copy.deepcopy(base), copy.deepcopy(base)
     report = fused_llama.fuse_llama(fused)
     layers = fused.config.num_hidden_layers
@@ -65,7 +67,7 @@ def test_fused_model_computes_the_same_loss_and_grads(base: torch.nn.Module, for
 
 
 def test_grouped_weights_are_views_and_unwrapping_still_runs(
-    base: torch.nn.Module, force_compiled: None
+    base: LlamaForCausalLM, force_compiled: None
 ) -> None:
     model = copy.deepcopy(base)
     fused_llama.fuse_llama(model)
@@ -88,7 +90,7 @@ def test_lm_loss_sum_is_the_plain_sum_on_cpu() -> None:
     )
 
 
-def test_captured_step_pads_to_its_budget_and_trains(base: torch.nn.Module) -> None:
+def test_captured_step_pads_to_its_budget_and_trains(base: LlamaForCausalLM) -> None:
     model = copy.deepcopy(base)
     model.train()
     params = trainable_parameters(model)
@@ -103,7 +105,7 @@ def test_captured_step_pads_to_its_budget_and_trains(base: torch.nn.Module) -> N
 
 
 def test_fused_attention_takes_the_rope_path_and_falls_back_with_a_mask(
-    base: torch.nn.Module, force_compiled: None, monkeypatch: pytest.MonkeyPatch
+    base: LlamaForCausalLM, force_compiled: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     plain, fused = copy.deepcopy(base), copy.deepcopy(base)
     fused_llama.fuse_llama(fused)
@@ -140,7 +142,7 @@ def test_fused_attention_takes_the_rope_path_and_falls_back_with_a_mask(
 
 
 def test_generation_with_a_kv_cache_matches_the_unwrapped_model(
-    base: torch.nn.Module, force_compiled: None
+    base: LlamaForCausalLM, force_compiled: None
 ) -> None:
     """Greedy decoding updates and reads Hugging Face's KV cache under whatever name the installed
     transformers passes it (`cache` from 5.24, `past_key_values` before): the fused attention must
@@ -159,7 +161,7 @@ def test_generation_with_a_kv_cache_matches_the_unwrapped_model(
 
 @pytest.mark.parametrize("name", fused_llama.KV_CACHE_ARGS)
 def test_a_cache_under_any_name_leaves_the_fast_path(
-    base: torch.nn.Module, force_compiled: None, name: str
+    base: LlamaForCausalLM, force_compiled: None, name: str
 ) -> None:
     from transformers.cache_utils import DynamicCache
 

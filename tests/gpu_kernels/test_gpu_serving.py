@@ -21,6 +21,13 @@ from worker.engine.types import LoraConfig
 pytestmark = [pytest.mark.gpu, pytest.mark.no_memcheck]  # every test here captures graphs or profiles
 
 
+def on_cuda(tiny: LoadedModel) -> LoadedModel:
+    """A copy of `tiny` with its model on the GPU."""
+    # transformers wraps PreTrainedModel.cuda in functools.wraps, whose typeshed type hides `self`
+    model = copy.deepcopy(tiny.model).cuda()  # type: ignore[call-arg]
+    return LoadedModel(model, tiny.tokenizer, "tiny-llama", True)
+
+
 def _run(
     served: ServingModel, first: list[tuple[str, GenRequest]], later: list[tuple[str, GenRequest]]
 ) -> dict:
@@ -43,11 +50,12 @@ def test_graphed_kv_engine_on_cuda_equals_transformers_on_cpu(tmp_path: Path) ->
     ]
     cpu = ServingModel(LoadedModel(copy.deepcopy(tiny.model), tiny.tokenizer, "tiny-llama", True), 2)
     cpu.decoder = None  # transformers' forward over a DynamicCache
-    cuda = ServingModel(LoadedModel(copy.deepcopy(tiny.model).cuda(), tiny.tokenizer, "tiny-llama", True), 2)
+    cuda = ServingModel(on_cuda(tiny), 2)
     assert cuda.decoder is not None and cuda.decoder.graphs
     answers = []
     for served in (cpu, cuda):
-        s1, s2 = (served.adapter_slot(f"a{i}", lambda i=i: adapters[i]) for i in (0, 1))
+        s1 = served.adapter_slot("a0", lambda: adapters[0])
+        s2 = served.adapter_slot("a1", lambda: adapters[1])
         rows = [(s1, 0, 14), (0, 1, 9), (s2, 2, 16), (s1, 2, 11), (s2, 0, 20), (0, 2, 13)]
         reqs = [
             (f"r{i}", GenRequest(served.prompt_ids(PROMPTS[p]), max_tokens=n, slot=s, temperature=0))
@@ -67,9 +75,7 @@ def test_served_steps_launch_the_compiled_lora_kernel(tmp_path: Path) -> None:
     """A served model's weights require grad; its prefill and decode steps (inference mode) still
     run csrc/lora_multi.cu's kernels, not the plain-torch reference."""
     tiny = load_base_model("tiny-llama", store=TEST_MODEL_STORE)
-    served = ServingModel(
-        LoadedModel(copy.deepcopy(tiny.model).cuda(), tiny.tokenizer, "tiny-llama", True), 1
-    )
+    served = ServingModel(on_cuda(tiny), 1)
     assert any(p.requires_grad for p in served.model.parameters())
     adapter = make_adapter(tiny, tmp_path / "a", seed=1, cfg=LoraConfig(r=4))
     slot = served.adapter_slot("a", lambda: adapter)
@@ -86,9 +92,7 @@ def test_served_steps_launch_the_compiled_lora_kernel(tmp_path: Path) -> None:
 def test_decode_steps_are_captured_and_replayed() -> None:
     """After one eager run of a shape, its decode step is a CUDA graph: replays read new tokens."""
     tiny = load_base_model("tiny-llama", store=TEST_MODEL_STORE)
-    served = ServingModel(
-        LoadedModel(copy.deepcopy(tiny.model).cuda(), tiny.tokenizer, "tiny-llama", True), 1
-    )
+    served = ServingModel(on_cuda(tiny), 1)
     ids = served.prompt_ids(PROMPTS[0])
     batch = DecodeBatch()
     served.admit(batch, [(i, GenRequest(ids, 10, temperature=0)) for i in range(3)])

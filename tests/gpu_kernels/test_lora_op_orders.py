@@ -101,6 +101,7 @@ def test_lora_op_with_dropout_matches_the_masked_formula(
     monkeypatch.setattr(lora_ops, "dropout", hash_dropout)
     p, scales = 0.3, [0.5, 2.0, 1.5]
     x, w, b, dy, ab = _case([40, 12, 12], [4, 3, 5], True)
+    assert b is not None
     leaves = [t.clone().requires_grad_(True) for t in (x, *ab)]
     adapters = [(leaves[1 + 2 * j], leaves[2 + 2 * j], s) for j, s in enumerate(scales)]
     y = lora_ops.lora_linear_grouped(leaves[0], w, b, adapters, dropout_p=p, training=True)

@@ -8,6 +8,8 @@ fp32 and bf16, alone and under attention, needs a CUDA device (`gpu`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,11 @@ import torch.nn.functional as F
 from gpu_kernels.ops import rope
 from gpu_kernels.ops import rope_reference as ref
 from tests.gpu_kernels.oracle import DTYPES, Recorder, assert_matches_reference, randn, rope_tables, shapes
+
+# rope.rope_qkv and its reference: (qkv, cos, sin, n_heads, n_kv_heads) -> (q, k, v)
+RopeQkv = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+]
 
 # ------------------------------------------------------------------ the reference, fp64, on CPU
 
@@ -88,7 +95,7 @@ def test_rope_qkv_matches_reference(
     qkv = randn(b, s, (heads + 2 * kv) * d, dtype=dtype, grad=True)
     cos, sin = rope_tables(1 if b == 3 else b, s, d, dtype)
 
-    def flat(fn, t: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    def flat(fn: RopeQkv, t: torch.Tensor) -> torch.Tensor:
         q, k, v = fn(t, cos.to(t.dtype), sin.to(t.dtype), heads, kv)
         return torch.cat([q.reshape(-1), k.reshape(-1), v.reshape(-1)])
 
@@ -108,7 +115,7 @@ def test_rope_qkv_under_attention_matches_reference(
     qkv = randn(b, s, (heads + 2 * kv) * d, dtype=dtype, grad=True)
     cos, sin = rope_tables(1 if b == 3 else b, s, d, dtype)
 
-    def attend(fn, t: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    def attend(fn: RopeQkv, t: torch.Tensor) -> torch.Tensor:
         q, k, v = fn(t, cos.to(t.dtype), sin.to(t.dtype), heads, kv)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=heads != kv)
 

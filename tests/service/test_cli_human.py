@@ -164,7 +164,7 @@ def test_jobs_table_fits_80_columns_and_its_short_ids_work(live_api: LiveApi) ->
     assert "duration" in lines[0] and "suffix" in lines[0] and "model" in lines[0]
     assert "just now" in listing.stdout or "s ago" in listing.stdout
     for job in created:
-        assert job["id"] not in listing.stdout  # shortened...
+        assert str(job["id"]) not in listing.stdout  # shortened...
     short = [x.split()[0] for x in lines[2:] if x.strip()]
     assert len(short) == 3 and len(set(short)) == 3
     full = {str(j["id"]) for j in created}

@@ -18,8 +18,13 @@ from tests.service.test_api_jobs import run_job_to_success
 async def flow(api: ApiClient) -> dict[str, Any]:
     transport = httpx.ASGITransport(app=create_app())
     async with httpx.AsyncClient(transport=transport, base_url="http://loraq.test") as http:
+        # openai 3 annotates http_client as httpx2's AsyncClient but accepts httpx's too (the
+        # legacy client), which is what serves an ASGI app in process here
         client = openai.AsyncOpenAI(
-            base_url="http://loraq.test/v1", api_key=api.key, http_client=http, max_retries=0
+            base_url="http://loraq.test/v1",
+            api_key=api.key,
+            http_client=http,  # type: ignore[arg-type]
+            max_retries=0,
         )
         f = await client.files.create(file=("train.jsonl", DATASET), purpose="fine-tune")
         assert f.id.startswith("file-") and f.bytes == len(DATASET) and f.purpose == "fine-tune"
@@ -71,7 +76,11 @@ async def flow(api: ApiClient) -> dict[str, Any]:
         with pytest.raises(openai.NotFoundError) as missing:
             await client.fine_tuning.jobs.retrieve("ftjob-nope")
         errors["missing"] = missing.value
-        wrong = openai.AsyncOpenAI(base_url="http://loraq.test/v1", api_key="sk-wrong", http_client=http)
+        wrong = openai.AsyncOpenAI(
+            base_url="http://loraq.test/v1",
+            api_key="sk-wrong",
+            http_client=http,  # type: ignore[arg-type]  # as above: httpx's client
+        )
         with pytest.raises(openai.AuthenticationError) as unauth:
             await wrong.fine_tuning.jobs.list()
         errors["unauth"] = unauth.value

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import bindparam, event, literal_column, select
+from sqlalchemy import Select, bindparam, event, literal_column, select
 
 from service import auth, ratelimit
 from service.db.session import close_read_pools, get_engine, read_first, session_scope
@@ -38,7 +38,7 @@ def set_rate_limit(monkeypatch: pytest.MonkeyPatch, per_minute: int) -> float:
 def test_read_first_runs_on_the_event_loop_and_a_server_read_does_not_block_it(loraq_env: LoraqEnv) -> None:
     server = not loraq_env.db_url.startswith("sqlite")
     # a slow server: the loop must keep serving other requests meanwhile
-    stmt = select(
+    stmt: Select[Any] = select(
         literal_column("pg_sleep(0.3)" if server else "1").label("slept"), bindparam("v").label("v")
     )
 
@@ -58,6 +58,7 @@ def test_read_first_runs_on_the_event_loop_and_a_server_read_does_not_block_it(l
         finally:
             task.cancel()
             await close_read_pools()
+        assert row is not None and again is not None
         return (row.v, again.v), ticks
 
     values, ticks = asyncio.run(main())

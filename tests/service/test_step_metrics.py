@@ -14,12 +14,14 @@ from worker.metrics.live_jobs import LIVE_JOB_GAUGES
 JOB_LABELS = {"job_id", "model", "clip_rate"}  # what a live-job file adds to a step's data
 
 
-def step(**changes: float) -> StepMetrics:
-    base = StepMetrics(
-        step=3, total_steps=10, epoch=0.3, train_loss=2.5, lr=1e-4, grad_norm=0.7, tokens=512,
-        trained_tokens=1536, tokens_per_s=900.0, step_seconds=0.5, eta_seconds=3.5, valid_loss=None,
+def step(
+    step: int = 3, train_loss: float = 2.5, tokens_per_s: float = 900.0, valid_loss: float | None = None
+) -> StepMetrics:
+    return StepMetrics(
+        step=step, total_steps=10, epoch=0.3, train_loss=train_loss, lr=1e-4, grad_norm=0.7, tokens=512,
+        trained_tokens=1536, tokens_per_s=tokens_per_s, step_seconds=0.5, eta_seconds=3.5,
+        valid_loss=valid_loss,
     )  # fmt: skip
-    return dataclasses.replace(base, **changes)
 
 
 def test_the_schemas_fields_come_from_the_engine_and_the_table() -> None:

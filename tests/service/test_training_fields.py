@@ -104,7 +104,7 @@ def api_path(path: Path_) -> Path_:
 def nested(path: Path_, value: Any) -> dict[str, Any]:
     for key in reversed(path):
         value = {key: value}
-    return value  # type: ignore[no-any-return]
+    return value
 
 
 def dig(data: dict[str, Any], path: Path_) -> Any:
