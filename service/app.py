@@ -92,7 +92,17 @@ def openapi_without_422(app: FastAPI) -> dict[str, Any]:
         for operations in schema.get("paths", {}).values():
             for operation in operations.values():
                 operation.get("responses", {}).pop("422", None)
+                for param in operation.get("parameters", []):
+                    if param.get("in") == "query":
+                        _refuse_nul(param.get("schema", {}))
         for name in ("HTTPValidationError", "ValidationError"):
             schema.get("components", {}).get("schemas", {}).pop(name, None)
         app.openapi_schema = schema
     return app.openapi_schema
+
+
+def _refuse_nul(schema: dict[str, Any]) -> None:
+    """Documents what refuse_nul_in_query enforces: no query string value holds a NUL."""
+    for branch in schema.get("anyOf", [schema]):
+        if branch.get("type") == "string" and not {"enum", "const", "pattern"} & branch.keys():
+            branch["pattern"] = "^[^\\u0000]*$"

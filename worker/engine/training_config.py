@@ -118,7 +118,9 @@ def _targets_shape(v: object) -> object:
     return v
 
 
-TargetModules = Annotated[list[ModuleName] | Literal["all-linear"], BeforeValidator(_targets_shape)]
+TargetModules = Annotated[
+    Annotated[list[ModuleName], Field(min_length=1)] | Literal["all-linear"], BeforeValidator(_targets_shape)
+]
 EvalPrompt = Annotated[Text, Field(min_length=1, max_length=MAX_EVAL_PROMPT_CHARS)]
 
 
