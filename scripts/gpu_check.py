@@ -210,13 +210,37 @@ def bench_ops() -> list[dict[str, Any]]:
     return rows
 
 
+def _rope_attention_ours(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv: int
+) -> torch.Tensor:
+    """The fused module's order: rope_qkv splits and rotates (B, S, (H + 2G)·D) in one kernel."""
+    from gpu_kernels.ops import rope
+
+    b, s = qkv.shape[:2]
+    q, k, v = rope.rope_qkv(qkv, cos, sin, heads, kv)
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return o.transpose(1, 2).reshape(b, s, -1)
+
+
+def _rope_attention_hf(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv: int
+) -> torch.Tensor:
+    """Hugging Face's order: view, split, transpose, then apply_rotary_pos_emb on q and k."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    b, s, d = *qkv.shape[:2], cos.shape[-1]
+    q, k, v = (t.transpose(1, 2) for t in qkv.view(b, s, -1, d).split([heads, kv, kv], dim=2))
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return o.transpose(1, 2).reshape(b, s, -1).contiguous()
+
+
 def bench_attention(
     add: Callable[[str, Callable[[], Any], Callable[[], Any]], None], rows: list[Any]
 ) -> None:
     """RoPE split + attention fwd+bwd as the fused module runs it vs Hugging Face's sequence, and
     SDPA's backends on the benchmark presets' attention shapes."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     from gpu_kernels.ops import rope
 
@@ -227,34 +251,8 @@ def bench_attention(
         cos, sin = rope_tables(b, s, d, bf)
         gy = torch.randn(b, s, heads * d, device="cuda", dtype=bf)
 
-        def ours(
-            qkv: torch.Tensor = qkv,
-            cos: torch.Tensor = cos,
-            sin: torch.Tensor = sin,
-            heads: int = heads,
-            kv: int = kv,
-            b: int = b,
-            s: int = s,
-        ) -> torch.Tensor:
-            q, k, v = rope.rope_qkv(qkv, cos, sin, heads, kv)
-            o = sdpa(q, k, v, is_causal=True, enable_gqa=True)
-            return o.transpose(1, 2).reshape(b, s, -1)
-
-        def hf(
-            qkv: torch.Tensor = qkv,
-            cos: torch.Tensor = cos,
-            sin: torch.Tensor = sin,
-            heads: int = heads,
-            kv: int = kv,
-            b: int = b,
-            s: int = s,
-            d: int = d,
-        ) -> torch.Tensor:
-            q, k, v = (t.transpose(1, 2) for t in qkv.view(b, s, -1, d).split([heads, kv, kv], dim=2))
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            o = sdpa(q, k, v, is_causal=True, enable_gqa=True)
-            return o.transpose(1, 2).reshape(b, s, -1).contiguous()
-
+        ours = partial(_rope_attention_ours, qkv, cos, sin, heads, kv)
+        hf = partial(_rope_attention_hf, qkv, cos, sin, heads, kv)
         label = f"B{b} S{s} H{heads} G{kv} D{d}"
         add(f"rope+sdpa fwd+bwd {label}", backward_of(ours, gy), backward_of(hf, gy))
         outs = rope.rope_qkv(qkv, cos, sin, heads, kv)
