@@ -272,6 +272,7 @@ def test_finished_job_events_checkpoints_results_adapter_and_models(api: ApiClie
         "random": True,
         "description": None,
         "local": True,
+        "auto_pull": None,  # a fine-tuned model is never pulled
         "use": "tests",  # a fine-tune of the test-only base is test-only too
         "upstream": None,
     }
