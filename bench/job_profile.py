@@ -159,7 +159,8 @@ def part_job(preset: str, steps: int) -> dict[str, Any]:
 
 def part_fixed(preset: str, steps: int) -> dict[str, Any]:
     import torch
-    from train_bench import _loraq_step
+
+    from bench.train_bench import _loraq_step
 
     batch, seq, _, _ = JOB_SHAPES[preset]
     torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")

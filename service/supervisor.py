@@ -9,8 +9,9 @@ Policy (what an operator running this on one box expects):
 - `CRASH_LOOP_EXITS` exits of one child within `CRASH_LOOP_WINDOW_S` is a crash loop: `poll()`
   raises `CrashLoopError` naming the child and the tail of its log, and the caller stops everything.
 - Every child runs in its own process group (a terminal's Ctrl-C reaches only the supervisor,
-  which stops the children in reverse order) and dies with the supervisor: the kernel sends it
-  SIGKILL when the supervisor dies, even by `kill -9` (PR_SET_PDEATHSIG).
+  which stops the children together, and the first one started, the private Redis, last) and
+  dies with the supervisor: the kernel sends it SIGKILL when the supervisor dies, even by
+  `kill -9` (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
