@@ -1,5 +1,5 @@
 """tests/servers.py: a server binary the suite needs and cannot find fails the test, naming the
-Debian package to install; it is never a skip (issue 13: "never skipped silently").
+Debian package to install; it is never a skip, so a missing server cannot pass CI silently.
 
 The lookup is pointed at empty directories (PATH, and Debian's versioned PostgreSQL bin dirs), so
 these run the same whether or not the binaries are installed here.

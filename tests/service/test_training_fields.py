@@ -189,7 +189,8 @@ def test_placement_field_api(api: ApiClient, unserved_ok: None, path: Path_) -> 
 
 
 def test_eval_prompts_are_at_most_16(api: ApiClient) -> None:
-    # The walk above takes the limit from the schema; issue 14 fixes it at 16 (a number, not the constant).
+    # The walk above takes the limit from the schema; the product promises 16 (the README and the
+    # New-job page say so), so the number is written here, not read from the constant.
     body = {"model": "tiny-llama", "training_file": api.upload(DATASET)}
     ok = api.post("/v1/fine_tuning/jobs", json={**body, "eval_prompts": [f"q{i}?" for i in range(16)]})
     assert ok.status_code == 200, ok.text
