@@ -36,10 +36,13 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "loraq_swiglu_fwd": (_i32, [_p, _i64, _p, _i64, _p, _i32, _i64, _i64, _p]),
     "loraq_swiglu_bwd": (_i32, [_p, _p, _i64, _p, _i64, _p, _i64, _p, _i64, _i32, _i64, _i64, _p]),
     "loraq_cross_entropy_fwd_bwd": (_i32, [_p, _i32, _i64, _i64, _p, _i64, _p, _p, _p]),
-    "loraq_rope_fwd": (_i32, [_p, _p, _p, _i64, _i64, _p, _p, _p, _i32, _i64, _i32, _i32, _i32, _i32, _p]),
+    "loraq_rope_fwd": (
+        _i32,
+        [_p, _p, _p, _p, _i64, _i64, _p, _p, _p, _i32, _i64, _i32, _i32, _i32, _i32, _p],
+    ),
     "loraq_rope_bwd": (
         _i32,
-        [*[_p, _i64, _i64, _i64] * 3, _p, _p, _i64, _i64, _p, _i32, _i64, _i32, _i32, _i32, _i32, _p],
+        [*[_p, _i64, _i64, _i64] * 3, _p, _p, _p, _i64, _i64, _p, _i32, _i64, _i32, _i32, _i32, _i32, _p],
     ),
     "loraq_lora_multi_workspace": (_i64, [_i64, _i64, _i32]),
     "loraq_lora_multi": (_i32, [_p, _p, _i32, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _i64, _i32, _p, _p]),

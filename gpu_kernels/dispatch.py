@@ -164,15 +164,21 @@ def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def rope_qkv(
-    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    n_heads: int,
+    n_kv_heads: int,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split the packed (B, S, (H+2G)·D) q/k/v rows and rotate q and k: q (B, H, S, D), k and
-    v (B, G, S, D). See reference.rope_qkv."""
-    if _compiled(qkv, cos, sin) and _kernel_dtype(qkv) and qkv.dim() == 3:
+    v (B, G, S, D). cos/sin are (1 or B, S, D), or (1, P, D) read at positions (B, S) when those
+    are given. See reference.rope_qkv."""
+    if _compiled(qkv, cos, sin, positions) and _kernel_dtype(qkv) and qkv.dim() == 3:
         from gpu_kernels.ops import rope
 
-        return rope.rope_qkv(qkv, cos, sin, n_heads, n_kv_heads)
-    return reference.rope_qkv(qkv, cos, sin, n_heads, n_kv_heads)
+        return rope.rope_qkv(qkv, cos, sin, n_heads, n_kv_heads, positions)
+    return reference.rope_qkv(qkv, cos, sin, n_heads, n_kv_heads, positions)
 
 
 def fused_linear_cross_entropy(

@@ -13,7 +13,10 @@
 //             buffer, which is what the grouped LoRA backward reads.
 //
 // q, k, v are written as (B, S, heads, D) rows, handed to attention as (B, heads, S, D) views.
-// cos/sin (Bc, S, D) with Bc = 1 (broadcast, batch stride 0) or B. Math in fp32, one rounding.
+// cos/sin (Bc, S, D) with Bc = 1 (broadcast, batch stride 0) or B; or, given positions pos (B·S)
+// int64, one (P, D) table indexed by each token's position (packed rows, where positions restart
+// at every sequence: one (S, D) table instead of a (B, S, D) copy per row). Math in fp32, one
+// rounding.
 
 #include "common.cuh"
 
@@ -49,20 +52,27 @@ __device__ __forceinline__ void load_angles(const T* c, const T* sn, int i, int 
   load_v<kV>(sn + i + half, s1);
 }
 
+// The token's cos/sin row: its position's row of one table, or row (b, s) of per-row tables.
+__device__ __forceinline__ int64_t angle_offset(const int64_t* __restrict__ pos, int64_t m, int64_t b, int64_t s,
+                                                int64_t cs_b, int64_t cs_s) {
+  return pos != nullptr ? pos[m] * cs_s : b * cs_b + s * cs_s;
+}
+
 // One block per token; each thread takes kV consecutive pairs (i, i + D/2) of one head, so a
 // warp's loads are consecutive in i (coalesced, 8- or 16-byte vectors when kV == 4) and the
 // rotation needs no exchange between threads.
 template <typename T, int kV>
 __global__ void rope_fwd_kernel(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __restrict__ sin,
-                                int64_t cs_b, int64_t cs_s, T* __restrict__ q, T* __restrict__ k, T* __restrict__ v,
+                                const int64_t* __restrict__ pos, int64_t cs_b, int64_t cs_s, T* __restrict__ q,
+                                T* __restrict__ k, T* __restrict__ v,
                                 int S, int H, int G, int D) {
   const int64_t m = blockIdx.x;  // token b·S + s
   const int64_t b = m / S, s = m % S;
   const int half = D / 2, groups = half / kV;
   const int heads = H + 2 * G;
   const T* x = qkv + m * heads * D;
-  const T* c = cos + b * cs_b + s * cs_s;
-  const T* sn = sin + b * cs_b + s * cs_s;
+  const int64_t a = angle_offset(pos, m, b, s, cs_b, cs_s);
+  const T *c = cos + a, *sn = sin + a;
   for (int t = threadIdx.x; t < heads * groups; t += blockDim.x) {
     const int h = t / groups, i = (t % groups) * kV;
     float x0[kV], x1[kV];
@@ -96,15 +106,16 @@ struct GradView {
 
 template <typename T, int kV>
 __global__ void rope_bwd_kernel(GradView dq, GradView dk, GradView dv, const T* __restrict__ cos,
-                                const T* __restrict__ sin, int64_t cs_b, int64_t cs_s, T* __restrict__ dqkv,
+                                const T* __restrict__ sin, const int64_t* __restrict__ pos, int64_t cs_b,
+                                int64_t cs_s, T* __restrict__ dqkv,
                                 int S, int H, int G, int D) {
   const int64_t m = blockIdx.x;
   const int64_t b = m / S, s = m % S;
   const int half = D / 2, groups = half / kV;
   const int heads = H + 2 * G;
   T* out = dqkv + m * heads * D;
-  const T* c = cos + b * cs_b + s * cs_s;
-  const T* sn = sin + b * cs_b + s * cs_s;
+  const int64_t a = angle_offset(pos, m, b, s, cs_b, cs_s);
+  const T *c = cos + a, *sn = sin + a;
   for (int t = threadIdx.x; t < heads * groups; t += blockDim.x) {
     const int h = t / groups, i = (t % groups) * kV;
     // pick the tensor by value (a runtime-chosen reference to a kernel parameter would put the
@@ -146,8 +157,8 @@ bool aligned4(const void* p, int elt) { return reinterpret_cast<uintptr_t>(p) % 
 bool strides4(int64_t a, int64_t b, int64_t c) { return a % 4 == 0 && b % 4 == 0 && c % 4 == 0; }
 
 template <typename T>
-int launch_fwd(const void* qkv, const void* cos, const void* sin, int64_t cs_b, int64_t cs_s, void* q, void* k,
-               void* v, int64_t B, int S, int H, int G, int D, cudaStream_t stream) {
+int launch_fwd(const void* qkv, const void* cos, const void* sin, const int64_t* pos, int64_t cs_b, int64_t cs_s,
+               void* q, void* k, void* v, int64_t B, int S, int H, int G, int D, cudaStream_t stream) {
   const int elt = sizeof(T);
   const bool vec = (D / 2) % 4 == 0 && strides4(cs_b, cs_s, 0) && aligned4(qkv, elt) && aligned4(cos, elt) &&
                    aligned4(sin, elt) && aligned4(q, elt) && aligned4(k, elt) && aligned4(v, elt);
@@ -156,17 +167,17 @@ int launch_fwd(const void* qkv, const void* cos, const void* sin, int64_t cs_b, 
   const auto *c = static_cast<const T*>(cos), *sn = static_cast<const T*>(sin);
   auto *oq = static_cast<T*>(q), *ok = static_cast<T*>(k), *ov = static_cast<T*>(v);
   if (vec)
-    rope_fwd_kernel<T, 4><<<grid, threads_for((H + 2 * G) * D / 8), 0, stream>>>(x, c, sn, cs_b, cs_s, oq, ok,
+    rope_fwd_kernel<T, 4><<<grid, threads_for((H + 2 * G) * D / 8), 0, stream>>>(x, c, sn, pos, cs_b, cs_s, oq, ok,
                                                                                    ov, S, H, G, D);
   else
-    rope_fwd_kernel<T, 1><<<grid, threads_for((H + 2 * G) * D / 2), 0, stream>>>(x, c, sn, cs_b, cs_s, oq, ok,
+    rope_fwd_kernel<T, 1><<<grid, threads_for((H + 2 * G) * D / 2), 0, stream>>>(x, c, sn, pos, cs_b, cs_s, oq, ok,
                                                                                    ov, S, H, G, D);
   LORAQ_RETURN_LAST_ERROR;
 }
 
 template <typename T>
-int launch_bwd(GradView gq, GradView gk, GradView gv, const void* cos, const void* sin, int64_t cs_b,
-               int64_t cs_s, void* dqkv, int64_t B, int S, int H, int G, int D, cudaStream_t stream) {
+int launch_bwd(GradView gq, GradView gk, GradView gv, const void* cos, const void* sin, const int64_t* pos,
+               int64_t cs_b, int64_t cs_s, void* dqkv, int64_t B, int S, int H, int G, int D, cudaStream_t stream) {
   const int elt = sizeof(T);
   bool vec = (D / 2) % 4 == 0 && strides4(cs_b, cs_s, 0) && aligned4(cos, elt) && aligned4(sin, elt) &&
              aligned4(dqkv, elt);
@@ -175,10 +186,10 @@ int launch_bwd(GradView gq, GradView gk, GradView gv, const void* cos, const voi
   const auto *c = static_cast<const T*>(cos), *sn = static_cast<const T*>(sin);
   auto* out = static_cast<T*>(dqkv);
   if (vec)
-    rope_bwd_kernel<T, 4><<<grid, threads_for((H + 2 * G) * D / 8), 0, stream>>>(gq, gk, gv, c, sn, cs_b, cs_s,
+    rope_bwd_kernel<T, 4><<<grid, threads_for((H + 2 * G) * D / 8), 0, stream>>>(gq, gk, gv, c, sn, pos, cs_b, cs_s,
                                                                                    out, S, H, G, D);
   else
-    rope_bwd_kernel<T, 1><<<grid, threads_for((H + 2 * G) * D / 2), 0, stream>>>(gq, gk, gv, c, sn, cs_b, cs_s,
+    rope_bwd_kernel<T, 1><<<grid, threads_for((H + 2 * G) * D / 2), 0, stream>>>(gq, gk, gv, c, sn, pos, cs_b, cs_s,
                                                                                    out, S, H, G, D);
   LORAQ_RETURN_LAST_ERROR;
 }
@@ -187,29 +198,33 @@ int launch_bwd(GradView gq, GradView gk, GradView gv, const void* cos, const voi
 
 extern "C" {
 
-// qkv (B·S, (H+2G)·D) contiguous; cos/sin rows at b·cs_b + s·cs_s, D contiguous elements each;
+// qkv (B·S, (H+2G)·D) contiguous; cos/sin rows at b·cs_b + s·cs_s, or at pos[b·S + s]·cs_s when
+// pos (B·S int64, every entry a row of the tables) is not null, D contiguous elements each;
 // q (B·S, H, D), k and v (B·S, G, D) contiguous outputs.
-int loraq_rope_fwd(const void* qkv, const void* cos, const void* sin, int64_t cs_b, int64_t cs_s, void* q,
-                   void* k, void* v, int dtype, int64_t B, int S, int H, int G, int D, cudaStream_t stream) {
+int loraq_rope_fwd(const void* qkv, const void* cos, const void* sin, const int64_t* pos, int64_t cs_b, int64_t cs_s,
+                   void* q, void* k, void* v, int dtype, int64_t B, int S, int H, int G, int D,
+                   cudaStream_t stream) {
   if (B == 0 || S == 0) return 0;
   if (D % 2 != 0 || B * S > 2147483647LL) return static_cast<int>(cudaErrorInvalidValue);
   if (dtype == LORAQ_BF16)
-    return launch_fwd<__nv_bfloat16>(qkv, cos, sin, cs_b, cs_s, q, k, v, B, S, H, G, D, stream);
-  if (dtype == LORAQ_F32) return launch_fwd<float>(qkv, cos, sin, cs_b, cs_s, q, k, v, B, S, H, G, D, stream);
+    return launch_fwd<__nv_bfloat16>(qkv, cos, sin, pos, cs_b, cs_s, q, k, v, B, S, H, G, D, stream);
+  if (dtype == LORAQ_F32)
+    return launch_fwd<float>(qkv, cos, sin, pos, cs_b, cs_s, q, k, v, B, S, H, G, D, stream);
   return static_cast<int>(cudaErrorInvalidValue);
 }
 
 // d* (B, heads, S, D) with strides (s*_b, s*_h, s*_s) and unit last stride; dqkv (B·S, (H+2G)·D).
 int loraq_rope_bwd(const void* dq, int64_t sq_b, int64_t sq_h, int64_t sq_s, const void* dk, int64_t sk_b,
                    int64_t sk_h, int64_t sk_s, const void* dv, int64_t sv_b, int64_t sv_h, int64_t sv_s,
-                   const void* cos, const void* sin, int64_t cs_b, int64_t cs_s, void* dqkv, int dtype, int64_t B,
-                   int S, int H, int G, int D, cudaStream_t stream) {
+                   const void* cos, const void* sin, const int64_t* pos, int64_t cs_b, int64_t cs_s, void* dqkv,
+                   int dtype, int64_t B, int S, int H, int G, int D, cudaStream_t stream) {
   if (B == 0 || S == 0) return 0;
   if (D % 2 != 0 || B * S > 2147483647LL) return static_cast<int>(cudaErrorInvalidValue);
   const GradView gq{dq, sq_b, sq_h, sq_s}, gk{dk, sk_b, sk_h, sk_s}, gv{dv, sv_b, sv_h, sv_s};
   if (dtype == LORAQ_BF16)
-    return launch_bwd<__nv_bfloat16>(gq, gk, gv, cos, sin, cs_b, cs_s, dqkv, B, S, H, G, D, stream);
-  if (dtype == LORAQ_F32) return launch_bwd<float>(gq, gk, gv, cos, sin, cs_b, cs_s, dqkv, B, S, H, G, D, stream);
+    return launch_bwd<__nv_bfloat16>(gq, gk, gv, cos, sin, pos, cs_b, cs_s, dqkv, B, S, H, G, D, stream);
+  if (dtype == LORAQ_F32)
+    return launch_bwd<float>(gq, gk, gv, cos, sin, pos, cs_b, cs_s, dqkv, B, S, H, G, D, stream);
   return static_cast<int>(cudaErrorInvalidValue);
 }
 

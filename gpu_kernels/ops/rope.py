@@ -1,6 +1,8 @@
 """Rotary embedding fused with the q/k/v split (csrc/rope.cu), forward and backward.
 
-Shapes: qkv (B, S, (H + 2G)·D) from the grouped q/k/v projection; cos, sin (1 or B, S, D).
+Shapes: qkv (B, S, (H + 2G)·D) from the grouped q/k/v projection; cos, sin (1 or B, S, D), or,
+with positions (B, S) int64, one (1, P, D) table that each token reads at its position (packed
+rows: one table for every row instead of a (B, S, D) copy that lives through the backward).
 Outputs q (B, H, S, D), k and v (B, G, S, D): attention's layout, stored as (B, S, heads, D)
 rows (the strides Hugging Face's transposed views have). The backward writes dq, dk, dv
 un-rotated into one packed (B, S, (H + 2G)·D) gradient, with no slice or concat copies.
@@ -22,41 +24,66 @@ def _bshd(b: int, s: int, heads: int, d: int, like: torch.Tensor) -> torch.Tenso
     return torch.empty_strided((b, heads, s, d), strides, dtype=like.dtype, device=like.device)
 
 
-def _tables(cos: torch.Tensor, sin: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin as contiguous (1 or B, S, D) tables of like's dtype; shapes checked."""
+def _tables(
+    cos: torch.Tensor, sin: torch.Tensor, like: torch.Tensor, positions: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin as contiguous tables of like's dtype, shapes checked: (1 or B, S, D), or
+    (1, P, D) read by position when positions are given."""
     b, s, _ = like.shape
-    if cos.shape != sin.shape or cos.dim() != 3 or cos.shape[0] not in (1, b) or cos.shape[1] != s:
-        shapes = f"{tuple(cos.shape)} and {tuple(sin.shape)}"
+    shapes = f"{tuple(cos.shape)} and {tuple(sin.shape)}"
+    if cos.shape != sin.shape or cos.dim() != 3:
+        raise ValueError(f"cos/sin must be two 3-d tables of one shape, got {shapes}")
+    if positions is None and (cos.shape[0] not in (1, b) or cos.shape[1] != s):
         raise ValueError(f"cos/sin must both be (1 or {b}, {s}, D), got {shapes}")
+    if positions is not None and cos.shape[0] != 1:
+        raise ValueError(f"cos/sin read by position must both be (1, P, D), got {shapes}")
     return cos.to(like.dtype).contiguous(), sin.to(like.dtype).contiguous()
+
+
+def _positions(positions: torch.Tensor | None, b: int, s: int) -> torch.Tensor | None:
+    """positions as a contiguous (B, S) int64 tensor, shape checked; None stays None."""
+    if positions is None:
+        return None
+    if positions.shape != (b, s):
+        raise ValueError(f"positions must be ({b}, {s}), got {tuple(positions.shape)}")
+    return positions.to(torch.int64).contiguous()
 
 
 class RoPEQKVFunction(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv: int
+        ctx: Any,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor | None,
+        n_heads: int,
+        n_kv: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, s, width = qkv.shape
         d = rope_head_size(width, n_heads, n_kv)
         x = qkv.contiguous()
-        cos, sin = _tables(cos, sin, x)
+        cos, sin = _tables(cos, sin, x, positions)
+        pos = _positions(positions, b, s)
         if cos.shape[-1] != d or d % 2:
             raise ValueError(f"head size {d} must be even and match cos/sin's last dim {cos.shape[-1]}")
         cs_b = cos.stride(0) if cos.shape[0] > 1 else 0  # 0: one table broadcast over the batch
         cs_s = cos.stride(1)
+        pos_ptr = pos.data_ptr() if pos is not None else None
         q, k, v = _bshd(b, s, n_heads, d, x), _bshd(b, s, n_kv, d, x), _bshd(b, s, n_kv, d, x)
         rc = _lib.load().loraq_rope_fwd(
-            x.data_ptr(), cos.data_ptr(), sin.data_ptr(), cs_b, cs_s, q.data_ptr(), k.data_ptr(),
-            v.data_ptr(), _lib.dtype_code(x.dtype), b, s, n_heads, n_kv, d, _lib.stream(x.device),
+            x.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos_ptr, cs_b, cs_s, q.data_ptr(),
+            k.data_ptr(), v.data_ptr(), _lib.dtype_code(x.dtype), b, s, n_heads, n_kv, d,
+            _lib.stream(x.device),
         )  # fmt: skip
         _lib.check(rc, "loraq_rope_fwd")
-        ctx.save_for_backward(cos, sin)
+        ctx.save_for_backward(cos, sin, pos)
         ctx.meta = (b, s, n_heads, n_kv, d, cs_b, cs_s)
         return q, k, v
 
     @staticmethod
     def backward(ctx: Any, dq: torch.Tensor | None, dk: torch.Tensor | None, dv: torch.Tensor | None) -> Any:
-        cos, sin = ctx.saved_tensors
+        cos, sin, pos = ctx.saved_tensors
         b, s, n_heads, n_kv, d, cs_b, cs_s = ctx.meta
         grads = []
         for g, heads in ((dq, n_heads), (dk, n_kv), (dv, n_kv)):
@@ -73,15 +100,21 @@ class RoPEQKVFunction(torch.autograd.Function):
             gq.data_ptr(), gq.stride(0), gq.stride(1), gq.stride(2),
             gk.data_ptr(), gk.stride(0), gk.stride(1), gk.stride(2),
             gv.data_ptr(), gv.stride(0), gv.stride(1), gv.stride(2),
-            cos.data_ptr(), sin.data_ptr(), cs_b, cs_s, dqkv.data_ptr(), _lib.dtype_code(cos.dtype),
+            cos.data_ptr(), sin.data_ptr(), pos.data_ptr() if pos is not None else None, cs_b, cs_s,
+            dqkv.data_ptr(), _lib.dtype_code(cos.dtype),
             b, s, n_heads, n_kv, d, _lib.stream(cos.device),
         )  # fmt: skip
         _lib.check(rc, "loraq_rope_bwd")
-        return dqkv, None, None, None, None
+        return dqkv, None, None, None, None, None
 
 
 def rope_qkv(
-    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    n_heads: int,
+    n_kv_heads: int,
+    positions: torch.Tensor | None = None,  # (B, S); every entry < P, the tables' length
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    q, k, v = RoPEQKVFunction.apply(qkv, cos, sin, n_heads, n_kv_heads)
+    q, k, v = RoPEQKVFunction.apply(qkv, cos, sin, positions, n_heads, n_kv_heads)
     return q, k, v

@@ -25,12 +25,18 @@ def rope_qkv(
     sin: torch.Tensor,  # (1 or B, S, D)
     n_heads: int,
     n_kv_heads: int,
+    positions: torch.Tensor | None = None,  # (B, S): then cos, sin are (1, P, D) read by position
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Split q/k/v and rotate q and k.
+    """Split q/k/v and rotate q and k; token (b, s) takes cos/sin row (b or 0, s), or row
+    positions[b, s] of the one table when positions are given.
 
     Returns q (B, H, S, D), k and v (B, G, S, D): attention's layout, as views of (B, S, ·, D)."""
     b, s, width = qkv.shape
     d = rope_head_size(width, n_heads, n_kv_heads)
+    if positions is not None:
+        if cos.dim() != 3 or cos.shape[0] != 1 or sin.shape != cos.shape:
+            raise ValueError(f"cos/sin read by position must both be (1, P, D), got {tuple(cos.shape)}")
+        cos, sin = cos[0][positions], sin[0][positions]  # (B, S, D)
     x = qkv.view(b, s, n_heads + 2 * n_kv_heads, d)
     q, k, v = x.split([n_heads, n_kv_heads, n_kv_heads], dim=2)
     c, sn = accumulation(cos).unsqueeze(2), accumulation(sin).unsqueeze(2)  # (·, S, 1, D)

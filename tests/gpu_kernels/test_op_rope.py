@@ -3,7 +3,8 @@ reference (gpu_kernels.ops.rope_reference).
 
 The reference's own fp64 checks run everywhere (against Hugging Face's rotary embedding and a
 rotation written out per pair); the compiled op against the reference, forward and backward, in
-fp32 and bf16, alone and under attention, needs a CUDA device (`gpu`).
+fp32 and bf16, alone, under attention and reading one table by packed positions, needs a CUDA
+device (`gpu`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ from tests.gpu_kernels.oracle import DTYPES, Recorder, assert_matches_reference,
 # rope.rope_qkv and its reference: (qkv, cos, sin, n_heads, n_kv_heads) -> (q, k, v)
 RopeQkv = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+]
+# the same, reading one table at (B, S) positions
+RopeQkvAt = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, int, int, torch.Tensor],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor],
 ]
 
 # ------------------------------------------------------------------ the reference, fp64, on CPU
@@ -67,6 +73,36 @@ def test_reference_gradients_pass_gradcheck() -> None:
     angles = torch.randn(1, s, d // 2, generator=g, dtype=torch.float64)
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     assert torch.autograd.gradcheck(lambda t: ref.rope_qkv(t, cos, sin, heads, kv), (qkv,))
+
+
+def packed_positions(b: int, s: int, seed: int, device: str = "cpu") -> torch.Tensor:
+    """(b, s) int64 positions of packed rows: each row holds sequences of random lengths, and
+    positions restart at 0 at every sequence start."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(b):
+        row: list[int] = []
+        while len(row) < s:
+            row += range(int(torch.randint(1, s + 1, (1,), generator=g)))
+        rows.append(row[:s])
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def test_positions_read_one_table_as_per_row_tables_would() -> None:
+    """Packed rows: one (1, P, D) table read at each token's position gives what the (B, S, D)
+    tables gathered from it give, forward and backward (fp64)."""
+    g = torch.Generator().manual_seed(8)
+    b, s, heads, kv, d = 3, 11, 4, 2, 6
+    qkv = torch.randn(b, s, (heads + 2 * kv) * d, generator=g, dtype=torch.float64, requires_grad=True)
+    angles = torch.randn(1, s, d // 2, generator=g, dtype=torch.float64)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # (1, S, D)
+    positions = packed_positions(b, s, seed=9)
+    assert positions.max() < s and (positions == 0).sum() > b  # rows hold several sequences
+    got = torch.cat([t.reshape(-1) for t in ref.rope_qkv(qkv, cos, sin, heads, kv, positions)])
+    rows_cos, rows_sin = cos[0][positions], sin[0][positions]  # (B, S, D)
+    want = torch.cat([t.reshape(-1) for t in ref.rope_qkv(qkv, rows_cos, rows_sin, heads, kv)])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.autograd.gradcheck(lambda t: ref.rope_qkv(t, cos, sin, heads, kv, positions), (qkv,))
 
 
 def test_rope_qkv_names_a_width_that_is_not_whole_heads() -> None:
@@ -123,6 +159,37 @@ def test_rope_qkv_under_attention_matches_reference(
         lambda t: attend(rope.rope_qkv, t), lambda t: attend(ref.rope_qkv, t),
         [qkv], torch.randn(b, heads, s, d, device="cuda"), ["attn", "dqkv"], dtype, record_property,
     )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("b", "s", "heads", "kv", "d"), SHAPES)
+def test_rope_qkv_by_position_matches_reference(
+    dtype: torch.dtype, b: int, s: int, heads: int, kv: int, d: int, record_property: Recorder
+) -> None:
+    """Packed rows: one (1, S, D) table read at positions that restart per sequence."""
+    qkv = randn(b, s, (heads + 2 * kv) * d, dtype=dtype, grad=True)
+    cos, sin = rope_tables(1, s, d, dtype)
+    positions = packed_positions(b, s, seed=b * s, device="cuda")
+
+    def flat(fn: RopeQkvAt, t: torch.Tensor) -> torch.Tensor:
+        q, k, v = fn(t, cos.to(t.dtype), sin.to(t.dtype), heads, kv, positions)
+        return torch.cat([q.reshape(-1), k.reshape(-1), v.reshape(-1)])
+
+    assert_matches_reference(
+        lambda t: flat(rope.rope_qkv, t), lambda t: flat(ref.rope_qkv, t),
+        [qkv], torch.randn(qkv.numel(), device="cuda"), ["qkv_out", "dqkv"], dtype, record_property,
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_rope_qkv_by_position_checks_the_table_shape() -> None:
+    qkv = torch.zeros(2, 4, 3 * 8, device="cuda")
+    cos = sin = torch.zeros(2, 4, 8, device="cuda")
+    with pytest.raises(ValueError, match=r"read by position must both be \(1, P, D\)"):
+        rope.rope_qkv(qkv, cos, sin, 1, 1, torch.zeros(2, 4, dtype=torch.int64, device="cuda"))
+    with pytest.raises(ValueError, match=r"positions must be \(2, 4\)"):
+        rope.rope_qkv(qkv, cos[:1], sin[:1], 1, 1, torch.zeros(4, dtype=torch.int64, device="cuda"))
 
 
 @pytest.mark.gpu

@@ -196,19 +196,22 @@ class FusedLlamaAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,  # (B, S, d)
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin (B, S, D)
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin (1|B, S, D)
         attention_mask: torch.Tensor | None = None,
         *args: Any,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, Any]:
         """`cu_seqlens` (K + 1,) int32 and `max_seqlen` (int) in kwargs: the B·S tokens are
-        packed sequences at those offsets, and each attends only within its own sequence."""
+        packed sequences at those offsets, and each attends only within its own sequence.
+        `rope_positions` (B, S) int64 in kwargs: position_embeddings is one (1, P, D) table pair
+        that token (b, s) reads at row rope_positions[b, s] (every entry < P)."""
         cu_seqlens: torch.Tensor | None = kwargs.pop("cu_seqlens", None)
         max_seqlen: int = kwargs.pop("max_seqlen", 0)
+        rope_positions: torch.Tensor | None = kwargs.pop("rope_positions", None)
         group = None if args else self._fast_group(attention_mask, kwargs)
         if group is None or position_embeddings is None:
-            if cu_seqlens is not None:
-                raise ValueError("packed sequences (cu_seqlens) need the fused attention path")
+            if cu_seqlens is not None or rope_positions is not None:
+                raise ValueError("packed sequences (cu_seqlens, rope_positions) need the fused attention")
             if args:  # a caller that passes more positionally follows the installed signature
                 return self.hf_forward(
                     self, hidden_states, position_embeddings, attention_mask, *args, **kwargs
@@ -224,7 +227,9 @@ class FusedLlamaAttention(nn.Module):
         n_heads, n_kv = self.n_heads, self.n_kv_heads
         cos, sin = position_embeddings
         # q (B, H, S, D), k and v (B, G, S, D), stored as (B, S, heads, D) rows
-        q, k, v = gpu_kernels.rope_qkv(group.forward_all(hidden_states), cos, sin, n_heads, n_kv)
+        q, k, v = gpu_kernels.rope_qkv(
+            group.forward_all(hidden_states), cos, sin, n_heads, n_kv, rope_positions
+        )
         if cu_seqlens is not None:
             # (B, S, heads, D) rows are already the packed (B·S, heads, D) layout: views, no copies
             qp, kp, vp = (t.transpose(1, 2).reshape(b * s, t.shape[1], self.head_dim) for t in (q, k, v))
@@ -362,8 +367,15 @@ def _fused_decoder_states(
         cast(nn.Module, getattr(backbone, n)) for n in ("embed_tokens", "rotary_emb", "norm")
     )
     hidden = embed(input_ids)  # (B, S, d)
+    steps = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)  # (1, S)
     if position_ids is None:
-        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)  # (1, S)
+        position_ids = steps
+    elif "cu_seqlens" in attention:
+        # Packed rows: positions restart at every sequence start, so each is < S. One (1, S, D)
+        # table that the rope kernel reads by position replaces a (B, S, D) copy per row, which
+        # the backward would keep alive through the whole step.
+        attention = {**attention, "rope_positions": position_ids}
+        position_ids = steps
     position_embeddings = rotary(hidden, position_ids=position_ids)  # cos, sin (1 or B, S, D)
     for layer in layers:
         out = layer(
