@@ -55,6 +55,9 @@ class KVCache:
     inputs: torch.Tensor
     graphs: dict[tuple[int, int], _Graph] = field(default_factory=dict)
     eager_runs: set[tuple[int, int]] = field(default_factory=set)  # shapes run once, not captured
+    # The memory pool its graphs share. It lives and dies with them: a pool whose graphs were all
+    # freed is gone in the caching allocator, and capturing into its handle again fails an assert.
+    pool: Any = None
 
     @property
     def rows(self) -> int:
@@ -98,7 +101,6 @@ class LlamaDecoder:
         self.device, self.dtype = param.device, param.dtype
         self.graphs = graphs and self.device.type == "cuda"
         self.graph_failure: str | None = None
-        self._pool: Any = None  # one memory pool shared by every captured shape
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -189,11 +191,11 @@ class LlamaDecoder:
 
     def _capture(self, kv: KVCache, bb: int, lb: int) -> torch.Tensor:
         torch.cuda.synchronize()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        if kv.pool is None:
+            kv.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=kv.pool):
                 logits = self._decode_body(kv, bb, lb)
         except Exception as exc:  # capture refuses many things; each one means: stay eager
             self.graph_failure = f"{type(exc).__name__}: {exc}"[:2000]
