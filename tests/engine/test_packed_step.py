@@ -227,3 +227,44 @@ def test_grad_accumulation_4x1_equals_1x4(fused: torch.nn.Module) -> None:
         copy.deepcopy(fused), dataclasses.replace(host, trainable_tokens=1, real_tokens=0)
     )
     assert loss_14 == pytest.approx(float(total) / host.trainable_tokens, rel=1e-12)
+
+
+def test_loss_tail_gradient_taken_in_the_forward_follows_the_upstream_gradient(
+    fused: torch.nn.Module,
+) -> None:
+    """The frozen norm + head tail takes its gradient in the forward (_GatheredHeadLoss); the
+    backward still scales it by the upstream gradient (a scaled loss gives scaled gradients). A
+    trainable final norm takes plain autograd instead: its weight gets a gradient, and the
+    adapters' gradients are the same as through the frozen tail."""
+    host = host_step([collate([packed_row(examples())], 0, packed=True)], shape())
+    inputs = fused_llama.PackedInputs(
+        host.input_ids, host.position_ids, host.cu_seqlens, SEQ, host.loss_index, host.loss_targets,
+        torch.ones((), dtype=torch.float64),
+    )  # fmt: skip
+    params = trainable_parameters(fused)
+    weight = fused.get_submodule("model.norm").weight
+    assert isinstance(weight, torch.nn.Parameter)
+
+    def grads(scale: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        fused.zero_grad(set_to_none=True)
+        loss = fused_llama.packed_lm_loss(fused, inputs, 0)
+        (scale * loss).backward()
+        return loss.detach(), [p.grad.clone() for p in params if p.grad is not None]
+
+    loss, one = grads(1.0)
+    scaled_loss, scaled = grads(2.5)
+    assert len(one) == len(scaled) == len(params)
+    torch.testing.assert_close(scaled_loss, loss, rtol=0, atol=0)
+    for g, w in zip(scaled, one, strict=True):
+        torch.testing.assert_close(g, 2.5 * w, rtol=1e-12, atol=1e-15)
+
+    weight.requires_grad_(True)
+    try:
+        plain_loss, plain = grads(1.0)
+        assert weight.grad is not None and float(weight.grad.abs().sum()) > 0
+    finally:
+        weight.requires_grad_(False)
+        weight.grad = None
+    torch.testing.assert_close(plain_loss, loss, rtol=1e-13, atol=1e-13)
+    for g, w in zip(plain, one, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-11, atol=1e-14)
