@@ -427,15 +427,30 @@ def packed_lm_loss(model: nn.Module, inputs: PackedInputs, i: int) -> torch.Tens
 
     Every sequence attends only to itself (variable-length attention over cu_seqlens, no mask),
     and the final norm and LM head run on the M gathered trainable positions only: hidden
-    (B, S, d) → (B·S, d) → (M, d) → RMSNorm → chunked fused linear + cross-entropy, with the
-    gradient of that tail taken in the forward when the norm and head are frozen (as LoRA keeps
-    them; see _GatheredHeadLoss). Gathering by a host-built index keeps the shapes static and
-    reads nothing back to the host."""
+    (B, S, d) → (B·S, d) → (M, d) → RMSNorm → chunked fused linear + cross-entropy. Gathering
+    by a host-built index keeps the shapes static and reads nothing back to the host."""
     backbone = getattr(model, "base_model")  # noqa: B009
-    ids = inputs.input_ids[i]
+    head = getattr(model, "get_output_embeddings")()  # noqa: B009
+    assert isinstance(head, nn.Linear)
+    rows = _trained_rows(backbone, inputs, i)  # (M, d)
+    # the final RMSNorm is row-wise, so on the gathered rows it gives the same values; it keeps
+    # its input for the M rows only
+    selected = cast(nn.Module, backbone.norm)(rows)  # (M, d)
+    return gpu_kernels.fused_linear_cross_entropy(
+        selected, head.weight, inputs.loss_targets[i], scale=inputs.loss_scale
+    )
+
+
+def _trained_rows(backbone: nn.Module, inputs: PackedInputs, i: int) -> torch.Tensor:
+    """The last decoder layer's output at micro-batch i's M loss positions, (M, d); unused index
+    entries read row 0 and carry no loss.
+
+    The full (B·S, d) output dies with this frame (the gather's backward keeps only the index),
+    so the norm and the loss, the step's memory high point, run without it: a (B·S, d) tensor
+    less than the fixed-shape step, whose final norm keeps it."""
     hidden = _fused_decoder_states(
         backbone,
-        ids,
+        inputs.input_ids[i],
         inputs.position_ids[i],
         final_norm=False,
         cu_seqlens=inputs.cu_seqlens[i],
@@ -443,52 +458,4 @@ def packed_lm_loss(model: nn.Module, inputs: PackedInputs, i: int) -> torch.Tens
     )
     if hidden is None:
         raise ValueError("packed training needs a fused Llama stack (see fuse_llama)")
-    head = getattr(model, "get_output_embeddings")()  # noqa: B009
-    assert isinstance(head, nn.Linear)
-    norm = cast(nn.Module, backbone.norm)
-    flat = hidden.reshape(-1, hidden.shape[-1])  # (B·S, d)
-    index, targets = inputs.loss_index[i], inputs.loss_targets[i]
-
-    def head_loss(rows: torch.Tensor) -> torch.Tensor:  # (M, d) → () fp32
-        # the final RMSNorm is row-wise, so on the gathered rows it gives the same values
-        return gpu_kernels.fused_linear_cross_entropy(
-            norm(rows), head.weight, targets, scale=inputs.loss_scale
-        )
-
-    frozen = not any(p.requires_grad for p in (*norm.parameters(), head.weight))
-    if frozen and flat.requires_grad:
-        return cast(torch.Tensor, _GatheredHeadLoss.apply(flat, index, head_loss))
-    # unused index entries read row 0 and carry no loss
-    return head_loss(flat.index_select(0, index))
-
-
-class _GatheredHeadLoss(torch.autograd.Function):
-    """head_loss(hidden[index]) with its gradient taken in the forward, for a frozen norm and head.
-
-    The loss is the graph's last op, so dLoss/d(rows) is known in the forward: taking it there
-    keeps one (M, d) gradient alive through the backward instead of the gathered rows (which
-    the RMSNorm saves) and the fused loss's own gradient (two (M, d) tensors). That puts the
-    packed step's peak below the fixed-shape step's. The backward scatters it into (B·S, d)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        flat: torch.Tensor,  # (B·S, d) hidden states, before the final norm
-        index: torch.Tensor,  # (M,) int64 rows that carry loss
-        head_loss: Callable[[torch.Tensor], torch.Tensor],  # (M, d) → () fp32
-    ) -> torch.Tensor:
-        with torch.enable_grad():
-            rows = flat.detach().index_select(0, index).requires_grad_()  # (M, d)
-            loss = head_loss(rows)
-            (grad_rows,) = torch.autograd.grad(loss, rows)  # (M, d)
-        ctx.save_for_backward(grad_rows, index)
-        ctx.n_rows = flat.shape[0]
-        return loss.detach()
-
-    @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        grad_rows, index = ctx.saved_tensors
-        grad = grad_rows.new_zeros(ctx.n_rows, grad_rows.shape[1])  # (B·S, d)
-        # unused index entries point at row 0 with zero gradient; no scalar leaves the GPU
-        grad.index_add_(0, index, grad_rows).mul_(grad_loss.to(grad.dtype))
-        return grad, None, None
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.loss_index[i])
