@@ -12,14 +12,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections import namedtuple
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import Depends
-from sqlalchemy import Engine, Select, create_engine, event, text
+from sqlalchemy import JSON, Boolean, ColumnElement, Engine, Select, create_engine, event, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.settings import Settings, get_settings
@@ -165,14 +168,21 @@ SessionDep = Annotated[Session, Depends(get_session)]
 
 
 async def read_first(stmt: Select[Any], params: dict[str, Any]) -> Any | None:
-    """The first row of the read-only `stmt` (attribute access by column label, like a Core
-    `Row`), or None: the async hot paths (status polling, key lookups), with no Session to build
-    and nothing to commit.
+    """The first row of the read-only `stmt` as the driver returns it, or None: the async hot
+    paths (status polling, key lookups), with no Session to build and nothing to commit.
 
-    SQLite runs it inline on the event loop: a local file, and in WAL mode a reader never waits
-    for a writer, so an indexed lookup takes tens of µs, several times less than a threadpool
-    handoff (measured: 0.32 vs 0.75 ms of API CPU per status read). pysqlite begins no
-    transaction for a SELECT, so returning the connection costs nothing either.
+    The row is a named tuple (attribute access by column label) of the driver's values, not
+    SQLAlchemy's: a JSON column is its JSON text and, on SQLite, a boolean is 0 or 1
+    (`decode_json_and_bools` turns them into what a Core row holds). Every value hashes, so a
+    hot path can cache what it derives from a row under the row's values. Parameters go to the
+    driver as given (no SQLAlchemy bind processing: strings and numbers only).
+
+    SQLite runs it inline on the event loop on a pooled DBAPI connection: a local file, and in
+    WAL mode a reader never waits for a writer, so an indexed lookup takes tens of µs, several
+    times less than a threadpool handoff (measured: 0.32 vs 0.75 ms of API CPU per status
+    read), and SQLAlchemy's Connection and Result around it cost four times the query (54 vs
+    12 µs). pysqlite begins no transaction for a SELECT, so returning the connection costs
+    nothing either.
 
     PostgreSQL is read on the event loop too, without blocking it, through psycopg's async
     connections (`AsyncReadPool`): the statement compiled once, prepared once per connection, in
@@ -181,21 +191,62 @@ async def read_first(stmt: Select[Any], params: dict[str, Any]) -> Any | None:
     asyncio bridge, 0.10 ms on a bare async connection).
     """
     engine = get_engine()
+    compiled = _compiled(stmt, engine)
     if engine.dialect.name == "sqlite":
-        with engine.connect() as conn:
-            return conn.execute(stmt, params).first()
-    return await _read_pool(default_url()).first(_compiled(stmt, engine), params)
+        return _sqlite_first(engine, compiled, params)
+    return await _read_pool(default_url()).first(compiled.sql, params)
 
 
-_compiled_sql: dict[Select[Any], str] = {}
+@dataclass
+class _Compiled:
+    """A hot-path statement as its dialect writes it: psycopg's `%(name)s` parameters, or
+    SQLite's `?` bound in `positions` order; `row` is its row type once a read has seen the
+    columns."""
+
+    sql: str
+    positions: tuple[str, ...]
+    row: type[tuple[Any, ...]] | None = None
 
 
-def _compiled(stmt: Select[Any], engine: Engine) -> str:
-    """`stmt` as the psycopg dialect writes it (`%(name)s` parameters), compiled once: hot-path
-    statements are module constants."""
-    if stmt not in _compiled_sql:
-        _compiled_sql[stmt] = str(stmt.compile(dialect=engine.dialect))
-    return _compiled_sql[stmt]
+_compiled_sql: dict[tuple[Select[Any], str], _Compiled] = {}
+
+
+def _compiled(stmt: Select[Any], engine: Engine) -> _Compiled:
+    """`stmt` compiled once per dialect: hot-path statements are module constants."""
+    key = (stmt, engine.dialect.name)
+    compiled = _compiled_sql.get(key)
+    if compiled is None:
+        c = stmt.compile(dialect=engine.dialect)
+        compiled = _compiled_sql[key] = _Compiled(str(c), tuple(c.positiontup or ()))
+    return compiled
+
+
+def _sqlite_first(engine: Engine, compiled: _Compiled, params: dict[str, Any]) -> Any | None:
+    conn = engine.raw_connection()
+    try:
+        cur = conn.cursor()
+        cur.execute(compiled.sql, [params[name] for name in compiled.positions])
+        values = cur.fetchone()
+        if compiled.row is None:  # the names psycopg's namedtuple_row gives the same statement
+            compiled.row = namedtuple("Row", [d[0] for d in cur.description], rename=True)  # type: ignore[misc]
+        cur.close()
+    finally:
+        conn.close()
+    return None if values is None else compiled.row._make(values)  # type: ignore[attr-defined]
+
+
+def decode_json_and_bools(columns: Sequence[ColumnElement[Any]], values: Sequence[Any]) -> list[Any]:
+    """`values` of `columns`, read by `read_first`, as a Core row holds them: JSON text parsed,
+    SQLite's 0/1 booleans as bools."""
+    out = list(values)
+    for i, column in enumerate(columns):
+        if out[i] is None:
+            continue
+        if isinstance(column.type, JSON):
+            out[i] = json.loads(out[i])
+        elif isinstance(column.type, Boolean):
+            out[i] = bool(out[i])
+    return out
 
 
 class AsyncReadPool:
@@ -209,6 +260,7 @@ class AsyncReadPool:
       queries are parsed and planned once per connection.
     - One cursor per connection, kept with it: building a cursor per read cost about 10 µs of CPU
       (measured on the 2-core dev box, 75 vs 64 µs a read).
+    - json and jsonb are loaded as their text, as SQLite gives them (`read_first`'s rows hash).
     """
 
     def __init__(self, url: str, size: int = READ_POOL_SIZE) -> None:
@@ -221,6 +273,7 @@ class AsyncReadPool:
     async def first(self, sql: str, params: dict[str, Any]) -> Any | None:
         import psycopg
         from psycopg.rows import namedtuple_row
+        from psycopg.types.string import TextLoader
 
         async with self.slots:
             cur = self.idle.pop() if self.idle else None
@@ -232,6 +285,8 @@ class AsyncReadPool:
                     connect_timeout=PG_CONNECT_TIMEOUT_S,
                     row_factory=namedtuple_row,
                 )
+                for json_type in ("json", "jsonb"):
+                    conn.adapters.register_loader(json_type, TextLoader)
                 cur = conn.cursor()
             try:
                 await cur.execute(sql, params)

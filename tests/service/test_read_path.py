@@ -108,17 +108,25 @@ def test_status_read_is_one_statement_for_the_key_and_the_job(api: ApiClient, lo
     job = api.create_job(api.upload(DATASET))
     url = f"/v1/fine_tuning/jobs/{job['id']}"
     if loraq_env.db_url.startswith("sqlite"):  # PostgreSQL reads bypass SQLAlchemy (psycopg async)
+        # SQLite reads run on the pool's DBAPI connections, below SQLAlchemy's events: sqlite3
+        # traces each statement of the connections opened from here on.
         selects: list[str] = []
 
-        def on_execute(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        def on_statement(statement: str) -> None:
             if statement.lstrip().upper().startswith("SELECT"):
                 selects.append(statement)
 
-        event.listen(get_engine(), "before_cursor_execute", on_execute)
+        def on_connect(dbapi_conn: Any, _record: Any) -> None:
+            dbapi_conn.set_trace_callback(on_statement)
+
+        engine = get_engine()
+        engine.dispose()
+        event.listen(engine, "connect", on_connect)
         try:
             assert api.get(url).json() == job
         finally:
-            event.remove(get_engine(), "before_cursor_execute", on_execute)
+            event.remove(engine, "connect", on_connect)
+            engine.dispose()
         assert len(selects) == 1, selects
     wrong = {"Authorization": "Bearer sk-lq-wrong"}
     for path in (url, "/v1/fine_tuning/jobs/ftjob-nope", "/v1/fine_tuning/jobs/not%00an-id"):
