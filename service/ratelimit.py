@@ -9,7 +9,7 @@ boundary; the count is shared by every API process.
 
 The round trip is awaited on the event loop (redis.asyncio), not on a worker thread: a thread
 handoff per request costs more API CPU than the round trip itself. The requests that reach the
-limiter in one event-loop iteration share one round trip (`WindowCounts`): one pipeline, one
+limiter while a round trip is under way share the next one (`WindowCounts`): one write, one
 INCRBY per counter, and each request gets the count it would have got alone. Under load that is
 one round trip for several requests (the client's work per round trip was a quarter of the
 API's CPU per status read); alone, a request waits for no one.
@@ -49,45 +49,65 @@ _broken_until = 0.0
 
 
 class WindowCounts:
-    """Counts requests in Redis counters for one event loop, a round trip per loop iteration."""
+    """Counts requests in Redis counters for one event loop, on one connection of its own: one
+    round trip at a time, each carrying every request that came in since the previous one.
+    Its commands are written and its replies read on the connection directly, without redis-py's
+    pipeline object around them (measured: 99 vs 158 µs of client CPU for three counters)."""
 
     def __init__(self, client: Any) -> None:
         self.client = client
+        self.conn: Any = None  # a redis.asyncio Connection, opened on first use
         self.pending: dict[str, list[asyncio.Future[int]]] = {}
-        self.sending: set[asyncio.Task[None]] = set()  # the loop keeps only weak references
+        self.sender: asyncio.Task[None] | None = None
 
     def add(self, counter: str) -> asyncio.Future[int]:
         """The count `counter` reaches with this request (1: its window's first)."""
         loop = asyncio.get_running_loop()
-        if not self.pending:  # the task starts next iteration, once this one's requests are in
-            task = loop.create_task(self._send())
-            self.sending.add(task)
-            task.add_done_callback(self.sending.discard)
+        if self.sender is None:  # it starts next iteration, once this one's requests are in
+            self.sender = loop.create_task(self._send_pending())
         waiter: asyncio.Future[int] = loop.create_future()
         self.pending.setdefault(counter, []).append(waiter)
         return waiter
 
-    async def _send(self) -> None:
-        batch, self.pending = self.pending, {}
+    async def _send_pending(self) -> None:
         try:
-            pipe = self.client.pipeline(transaction=False)
-            for counter, waiters in batch.items():
-                pipe.eval(INCR_WITH_EXPIRY, 1, counter, len(waiters), WINDOW_SECONDS + 5)
-            totals = await pipe.execute()
-            for waiters, total in zip(batch.values(), totals, strict=True):
-                first = int(total) - len(waiters) + 1
-                for i, waiter in enumerate(waiters):
-                    if not waiter.done():
-                        waiter.set_result(first + i)
-        except Exception as exc:
+            while self.pending:
+                batch, self.pending = self.pending, {}
+                await self._send(batch)
+        finally:
+            self.sender = None
+
+    async def _send(self, batch: dict[str, list[asyncio.Future[int]]]) -> None:
+        commands = [
+            ("EVAL", INCR_WITH_EXPIRY, 1, counter, len(waiters), WINDOW_SECONDS + 5)
+            for counter, waiters in batch.items()
+        ]
+        try:
+            if self.conn is None:
+                self.conn = self.client.connection_pool.make_connection()
+            await self.conn.send_packed_command(self.conn.pack_commands(commands))
+            totals = [await self.conn.read_response() for _ in commands]
+        except BaseException as exc:
+            # Replies may now be out of step with requests: the connection is not reused.
+            conn, self.conn = self.conn, None
+            if conn is not None:
+                await conn.disconnect(nowait=True)
             for waiters in batch.values():
                 for waiter in waiters:
-                    if not waiter.done():
+                    if waiter.done():
+                        continue
+                    if isinstance(exc, Exception):
                         waiter.set_exception(exc)
-        finally:  # cancelled (the loop is closing): nobody waits for ever
-            for waiters in batch.values():
-                for waiter in waiters:
-                    waiter.cancel()
+                    else:  # cancelled (the loop is closing): nobody waits for ever
+                        waiter.cancel()
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for waiters, total in zip(batch.values(), totals, strict=True):
+            first = int(total) - len(waiters) + 1
+            for i, waiter in enumerate(waiters):
+                if not waiter.done():
+                    waiter.set_result(first + i)
 
 
 # An asyncio connection belongs to the event loop that opened it: one client (and its counts)
