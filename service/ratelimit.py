@@ -88,18 +88,21 @@ class WindowCounts:
             await self.conn.send_packed_command(self.conn.pack_commands(commands))
             totals = [await self.conn.read_response() for _ in commands]
         except BaseException as exc:
-            # Replies may now be out of step with requests: the connection is not reused.
+            # Replies may now be out of step with requests: the connection is not reused. The
+            # requests waiting for the next round trip fail with this one, at once: the breaker
+            # (`check_rate`) lets them through instead of a second timeout.
             conn, self.conn = self.conn, None
             if conn is not None:
                 await conn.disconnect(nowait=True)
-            for waiters in batch.values():
-                for waiter in waiters:
-                    if waiter.done():
-                        continue
-                    if isinstance(exc, Exception):
-                        waiter.set_exception(exc)
-                    else:  # cancelled (the loop is closing): nobody waits for ever
-                        waiter.cancel()
+            waiting = [w for waiters in (*batch.values(), *self.pending.values()) for w in waiters]
+            self.pending = {}
+            for waiter in waiting:
+                if waiter.done():
+                    continue
+                if isinstance(exc, Exception):
+                    waiter.set_exception(exc)
+                else:  # cancelled (the loop is closing): nobody waits for ever
+                    waiter.cancel()
             if not isinstance(exc, Exception):
                 raise
             return

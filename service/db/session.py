@@ -233,7 +233,7 @@ def _sqlite_first(engine: Engine, compiled: _Compiled, params: dict[str, Any]) -
         cur = conn.cursor()
         cur.execute(compiled.sql, [params[name] for name in compiled.positions])
         values = cur.fetchone()
-        if compiled.row is None:  # the names psycopg's namedtuple_row gives the same statement
+        if compiled.row is None:  # named by the driver's column names, as PostgreSQL's rows are
             compiled.row = namedtuple("Row", [d[0] for d in cur.description], rename=True)  # type: ignore[misc]
         cur.close()
     finally:
@@ -284,7 +284,8 @@ class PipelinedReads:
         self.connecting: asyncio.Task[None] | None = None
         self.tx: Any = None  # psycopg Transformer of `conn`
         self.fd = -1  # `conn`'s socket
-        self.prepared: dict[tuple[str, tuple[int, ...]], bytes] = {}
+        self.prepared: dict[tuple[str, tuple[int, ...]], bytes] = {}  # (SQL, types) -> name
+        self.statements = 0  # statements named on this connection
         # Reads not sent yet: (compiled statement, parameter values, future)
         self.queued: list[tuple[_Compiled, list[Any], asyncio.Future[Any]]] = []
         # What the server answers next, in order: ("read", statement, future), ("prepare",
@@ -302,6 +303,8 @@ class PipelinedReads:
         return row
 
     def _send(self) -> None:
+        if not self.queued:
+            return
         if self.conn is None:
             if self.connecting is None:
                 self.connecting = asyncio.get_running_loop().create_task(self._connect())
@@ -321,7 +324,8 @@ class PipelinedReads:
                 types = tuple(self.tx.types or ())
                 name = self.prepared.get((compiled.sql, types))
                 if name is None:
-                    name = self.prepared[(compiled.sql, types)] = f"loraq_{len(self.prepared)}".encode()
+                    self.statements += 1  # not len(prepared), which a failed prepare shrinks
+                    name = self.prepared[(compiled.sql, types)] = f"loraq_{self.statements}".encode()
                     pgconn.send_prepare(name, compiled.sql.encode(), types)
                     self.expected.append(("prepare", (compiled.sql, types), None))
                 pgconn.send_query_prepared(name, dumped)
@@ -404,7 +408,7 @@ class PipelinedReads:
             return
         if result.status == pq.ExecStatus.TUPLES_OK:
             compiled: _Compiled = what
-            if compiled.row is None:  # named as psycopg's namedtuple_row names them
+            if compiled.row is None:  # named by the result's column names, as SQLite's rows are
                 names = [result.fname(i).decode() for i in range(result.nfields)]
                 compiled.row = namedtuple("Row", names, rename=True)  # type: ignore[misc]
             self.tx.set_pgresult(result)
@@ -419,7 +423,7 @@ class PipelinedReads:
         """Fail every read waiting on this connection and close it; the next read reconnects."""
         waiting = [*(also or []), *(row for _, _, row in self.queued)]
         waiting += [row for _, _, row in self.expected if row is not None]
-        self.queued, self.expected, self.result, self.prepared = [], deque(), None, {}
+        self.queued, self.expected, self.result, self.prepared, self.statements = [], deque(), None, {}, 0
         for row in waiting:
             if not row.done():
                 row.set_exception(exc)

@@ -6,6 +6,7 @@ PostgreSQL."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from typing import Any
 
@@ -249,6 +250,7 @@ def test_a_failed_read_fails_alone_and_a_lost_connection_is_replaced(loraq_env: 
 
     value: Select[Any] = select(bindparam("v").label("v"))
     failing: Select[Any] = select((literal_column("1") / bindparam("zero")).label("q"))
+    unpreparable: Select[Any] = select(literal_column("no_such_column").label("x"))
     backend: Select[Any] = select(literal_column("pg_backend_pid()").label("pid"))
 
     async def main() -> None:
@@ -258,11 +260,13 @@ def test_a_failed_read_fails_alone_and_a_lost_connection_is_replaced(loraq_env: 
                 read_first(failing, {"zero": 0}),
                 read_first(value, {"v": 2}),
                 read_first(value, {"v": "a\x00b"}),  # PostgreSQL's text cannot hold it
+                read_first(unpreparable, {}),
                 return_exceptions=True,
             )
             assert [o.v for o in (outcomes[0], outcomes[2])] == [1, 2]
             assert isinstance(outcomes[1], psycopg.errors.DivisionByZero)
             assert isinstance(outcomes[3], psycopg.DataError)
+            assert isinstance(outcomes[4], psycopg.errors.UndefinedColumn)
             first: Any = await read_first(backend, {})
             with session_scope() as s:
                 s.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": first.pid})
@@ -275,3 +279,37 @@ def test_a_failed_read_fails_alone_and_a_lost_connection_is_replaced(loraq_env: 
             await close_read_pools()
 
     asyncio.run(main())
+
+
+def test_a_silent_redis_lets_concurrent_requests_through_in_bounded_time(
+    loraq_env: LoraqEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Redis that accepts connections and never answers (frozen): the requests waiting on the
+    stuck round trip and those queued behind it all go through when it times out, together."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # the kernel completes connections; nothing ever answers
+        set_rate_limit(monkeypatch, 1)
+        monkeypatch.setenv("LORAQ_REDIS_URL", f"redis://127.0.0.1:{silent.getsockname()[1]}/0")
+        get_settings.cache_clear()
+
+        async def main() -> tuple[list[BaseException | None], float]:
+            stuck = asyncio.gather(
+                *(ratelimit.check_rate("silent") for _ in range(5)), return_exceptions=True
+            )
+            await asyncio.sleep(0.05)  # the first round trip is under way; these queue behind it
+            behind = asyncio.gather(
+                *(ratelimit.check_rate("silent") for _ in range(5)), return_exceptions=True
+            )
+            first = await stuck
+            t_first = time.monotonic()
+            rest = await behind
+            return [*first, *rest], time.monotonic() - t_first
+
+        t0 = time.monotonic()
+        outcomes, lag = asyncio.run(main())
+        elapsed = time.monotonic() - t0
+    assert outcomes == [None] * 10  # failed open, none refused
+    assert elapsed < 2 * ratelimit.REDIS_TIMEOUT_S + 0.5, elapsed
+    assert lag < 0.1, lag  # the queued ones did not wait for a round trip of their own
+    assert ratelimit._broken_until > 0
