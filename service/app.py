@@ -14,6 +14,7 @@ from service.api import chat, files, health, jobs, models
 from service.api.dashboard import mount_dashboard
 from service.api.docs import mount_docs
 from service.api.metrics import install_service_metrics
+from service.api.plain_route import install_plain_routes
 from service.api.query_guard import refuse_nul_in_query
 from service.db.session import close_read_pools
 from service.errors import install_error_handlers
@@ -74,6 +75,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
     for router in (health.router, files.router, jobs.router, models.router, chat.router):
         app.include_router(router)
+    install_plain_routes(app, [jobs.status_read_route])
     # request metrics middleware + GET /metrics; the dashboard at / and its /static assets
     install_service_metrics(app, settings)
     mount_dashboard(app)

@@ -6,15 +6,17 @@ PostgreSQL."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from typing import Any
 
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import Select, bindparam, event, literal_column, select
+from sqlalchemy import Select, bindparam, event, literal_column, select, text, update
 
 from service import auth, ratelimit
+from service.db.models import Job
 from service.db.session import close_read_pools, get_engine, read_first, session_scope
 from service.errors import RateLimitError
 from service.settings import get_settings
@@ -108,17 +110,25 @@ def test_status_read_is_one_statement_for_the_key_and_the_job(api: ApiClient, lo
     job = api.create_job(api.upload(DATASET))
     url = f"/v1/fine_tuning/jobs/{job['id']}"
     if loraq_env.db_url.startswith("sqlite"):  # PostgreSQL reads bypass SQLAlchemy (psycopg async)
+        # SQLite reads run on the pool's DBAPI connections, below SQLAlchemy's events: sqlite3
+        # traces each statement of the connections opened from here on.
         selects: list[str] = []
 
-        def on_execute(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        def on_statement(statement: str) -> None:
             if statement.lstrip().upper().startswith("SELECT"):
                 selects.append(statement)
 
-        event.listen(get_engine(), "before_cursor_execute", on_execute)
+        def on_connect(dbapi_conn: Any, _record: Any) -> None:
+            dbapi_conn.set_trace_callback(on_statement)
+
+        engine = get_engine()
+        engine.dispose()
+        event.listen(engine, "connect", on_connect)
         try:
             assert api.get(url).json() == job
         finally:
-            event.remove(get_engine(), "before_cursor_execute", on_execute)
+            event.remove(engine, "connect", on_connect)
+            engine.dispose()
         assert len(selects) == 1, selects
     wrong = {"Authorization": "Bearer sk-lq-wrong"}
     for path in (url, "/v1/fine_tuning/jobs/ftjob-nope", "/v1/fine_tuning/jobs/not%00an-id"):
@@ -171,3 +181,135 @@ def test_rate_limit_counts_across_event_loops(loraq_env: LoraqEnv, monkeypatch: 
     finally:
         r.close()
     assert ratelimit._broken_until == 0.0  # no Redis error on the way
+
+
+def test_status_read_route_answers_as_the_fastapi_route(api: ApiClient) -> None:
+    """GETs of the path are served by a plain route ahead of the FastAPI one: the query guard,
+    error bodies, other methods and the metrics label stay what the FastAPI route gave."""
+    job = api.create_job(api.upload(DATASET))
+    url = f"/v1/fine_tuning/jobs/{job['id']}"
+    err = assert_error(api.get(url + "?after=%00"), 400, "after")
+    assert err["code"] == "invalid_query"
+    for method in ("POST", "HEAD", "DELETE"):
+        r = api.request(method, url)
+        assert r.status_code == 405, (method, r.status_code)
+        assert r.headers["allow"] == "GET"
+    assert_error(api.client.get(url), 401)  # no key
+    samples = {
+        (s.labels.get("method"), s.labels.get("status")): s.value
+        for fam in text_string_to_metric_families(api.client.get("/metrics").text)
+        for s in fam.samples
+        if s.name == "loraq_http_requests_total" and s.labels.get("route") == ROUTE
+    }
+    assert samples[("GET", "400")] == 1 and samples[("GET", "401")] == 1 and samples[("POST", "405")] == 1
+
+
+def test_status_read_shows_every_change_of_the_job(api: ApiClient) -> None:
+    """The body is cached under the job's column values: any change is read at once."""
+    job = api.create_job(api.upload(DATASET))
+    url = f"/v1/fine_tuning/jobs/{job['id']}"
+    assert api.get(url).json() == api.get(url).json() == job
+    with session_scope() as s:
+        s.execute(update(Job).where(Job.id == job["id"]).values(train_loss=1.25, metadata_={"a": "b"}))
+    changed = api.get(url).json()
+    assert changed["progress"]["train_loss"] == 1.25 and changed["metadata"] == {"a": "b"}
+    cancelled = api.post(url + "/cancel").json()
+    assert api.get(url).json() == cancelled and cancelled["status"] == "cancelled"
+
+
+def test_concurrent_requests_are_counted_one_by_one(
+    loraq_env: LoraqEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests that reach the limiter together share one round trip, and each is counted: with
+    a limit of 3, three of five concurrent requests pass; the counter says 5 and expires."""
+    start = set_rate_limit(monkeypatch, 3)
+    key_id = f"test-batch-{loraq_env.queue}"
+
+    async def five() -> list[BaseException | None]:
+        return await asyncio.gather(*(ratelimit.check_rate(key_id) for _ in range(5)), return_exceptions=True)
+
+    outcomes = asyncio.run(five())
+    assert outcomes.count(None) == 3
+    assert [type(o) for o in outcomes if o is not None] == [RateLimitError, RateLimitError]
+    counter = f"loraq:rl:{key_id}:{int(start // ratelimit.WINDOW_SECONDS)}"
+    r = redis.Redis.from_url(shared_redis_url())
+    try:
+        assert int(r.get(counter) or 0) == 5
+        assert 0 < r.ttl(counter) <= ratelimit.WINDOW_SECONDS + 5
+        r.delete(counter)
+    finally:
+        r.close()
+
+
+def test_a_failed_read_fails_alone_and_a_lost_connection_is_replaced(loraq_env: LoraqEnv) -> None:
+    """PostgreSQL's reads share a pipelined connection: a read that fails does not fail the
+    others sent with it, and a connection the server ends is replaced by the next read."""
+    if loraq_env.db_url.startswith("sqlite"):
+        pytest.skip("SQLite reads run inline, one at a time")
+    import psycopg
+
+    value: Select[Any] = select(bindparam("v").label("v"))
+    failing: Select[Any] = select((literal_column("1") / bindparam("zero")).label("q"))
+    unpreparable: Select[Any] = select(literal_column("no_such_column").label("x"))
+    backend: Select[Any] = select(literal_column("pg_backend_pid()").label("pid"))
+
+    async def main() -> None:
+        try:
+            outcomes: list[Any] = await asyncio.gather(
+                read_first(value, {"v": 1}),
+                read_first(failing, {"zero": 0}),
+                read_first(value, {"v": 2}),
+                read_first(value, {"v": "a\x00b"}),  # PostgreSQL's text cannot hold it
+                read_first(unpreparable, {}),
+                return_exceptions=True,
+            )
+            assert [o.v for o in (outcomes[0], outcomes[2])] == [1, 2]
+            assert isinstance(outcomes[1], psycopg.errors.DivisionByZero)
+            assert isinstance(outcomes[3], psycopg.DataError)
+            assert isinstance(outcomes[4], psycopg.errors.UndefinedColumn)
+            first: Any = await read_first(backend, {})
+            with session_scope() as s:
+                s.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": first.pid})
+            await asyncio.sleep(0.3)  # the reader sees the connection end
+            again: Any = await read_first(backend, {})
+            assert again.pid != first.pid
+            last: Any = await read_first(value, {"v": 3})
+            assert last.v == 3
+        finally:
+            await close_read_pools()
+
+    asyncio.run(main())
+
+
+def test_a_silent_redis_lets_concurrent_requests_through_in_bounded_time(
+    loraq_env: LoraqEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Redis that accepts connections and never answers (frozen): the requests waiting on the
+    stuck round trip and those queued behind it all go through when it times out, together."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # the kernel completes connections; nothing ever answers
+        set_rate_limit(monkeypatch, 1)
+        monkeypatch.setenv("LORAQ_REDIS_URL", f"redis://127.0.0.1:{silent.getsockname()[1]}/0")
+        get_settings.cache_clear()
+
+        async def main() -> tuple[list[BaseException | None], float]:
+            stuck = asyncio.gather(
+                *(ratelimit.check_rate("silent") for _ in range(5)), return_exceptions=True
+            )
+            await asyncio.sleep(0.05)  # the first round trip is under way; these queue behind it
+            behind = asyncio.gather(
+                *(ratelimit.check_rate("silent") for _ in range(5)), return_exceptions=True
+            )
+            first = await stuck
+            t_first = time.monotonic()
+            rest = await behind
+            return [*first, *rest], time.monotonic() - t_first
+
+        t0 = time.monotonic()
+        outcomes, lag = asyncio.run(main())
+        elapsed = time.monotonic() - t0
+    assert outcomes == [None] * 10  # failed open, none refused
+    assert elapsed < 2 * ratelimit.REDIS_TIMEOUT_S + 0.5, elapsed
+    assert lag < 0.1, lag  # the queued ones did not wait for a round trip of their own
+    assert ratelimit._broken_until > 0
