@@ -16,7 +16,7 @@ from service.api.docs import mount_docs
 from service.api.metrics import install_service_metrics
 from service.api.plain_route import install_plain_routes
 from service.api.query_guard import refuse_nul_in_query
-from service.db.session import close_read_pools
+from service.db.pipelined_reads import close_read_pools
 from service.errors import install_error_handlers
 from service.settings import Settings, get_settings
 from service.storage import FileStore

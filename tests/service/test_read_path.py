@@ -17,7 +17,8 @@ from sqlalchemy import Select, bindparam, event, literal_column, select, text, u
 
 from service import auth, ratelimit
 from service.db.models import Job
-from service.db.session import close_read_pools, get_engine, read_first, session_scope
+from service.db.pipelined_reads import close_read_pools
+from service.db.session import get_engine, read_first, session_scope
 from service.errors import RateLimitError
 from service.settings import get_settings
 from tests.conftest import DATASET, ApiClient, LoraqEnv
