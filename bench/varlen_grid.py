@@ -7,7 +7,10 @@ sequence's end, and every block of an empty one, start and exit. This times the 
 backward of one attention layer on B rows of T tokens packed with the long-tail lengths of the
 job benchmark (mean ~440 tokens, 20 to 2,004), for K = the real sequence count and padded counts,
 and max_seqlen = T or the longest real sequence, next to dense causal SDPA over the whole rows
-(the fixed-shape step's attention).
+(the fixed-shape step's attention, which a packed row cannot use), and two other candidates for
+packed rows: FlexAttention with a document mask (compiled; the time to build its block mask
+apart, and its largest difference from the varlen output), and SDPA over nested jagged tensors
+(recorded as unavailable with torch's reason where it refuses causal attention).
 
 Usage (CUDA host): python bench/varlen_grid.py [--out DIR]   -> DIR/varlen-grid-<gpu>.json
 """
@@ -97,7 +100,75 @@ def one_model(h: int, g: int, d: int, rows: list[list[int]]) -> dict[str, Any]:
             continue
         for max_seqlen in (SEQ, longest):
             cells[f"varlen_K{segments}_max{max_seqlen}"] = round(time_ms(varlen(segments, max_seqlen)), 4)
-    return {"sequences": real, "longest": longest, "fwd_bwd_ms": cells}
+    reference = gpu_kernels.varlen_attention(q, k, v, cu_seqlens(rows, real), SEQ).detach()  # (N, H, D)
+    return {
+        "sequences": real,
+        "longest": longest,
+        "fwd_bwd_ms": cells,
+        "flex_document_mask": _attempt(lambda: flex_cell(qd, kd, vd, gd, rows, reference)),
+        "nested_jagged_sdpa": _attempt(lambda: jagged_cell(q, k, v, rows)),
+    }
+
+
+def _attempt(cell: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """A candidate's figures, or why it could not run here."""
+    try:
+        return cell()
+    except Exception as exc:  # a candidate this torch refuses is a result, not a crash
+        return {"unavailable": f"{type(exc).__name__}: {exc}"[:500]}
+
+
+def flex_cell(
+    q: torch.Tensor,  # (B, H, S, D)
+    k: torch.Tensor,  # (B, G, S, D)
+    v: torch.Tensor,
+    grad: torch.Tensor,  # (B, H, S, D)
+    rows: list[list[int]],
+    reference: torch.Tensor,  # (B·S, H, D), the varlen kernel's output
+) -> dict[str, Any]:
+    """FlexAttention (compiled) with a causal document mask over the packed rows."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    doc = torch.tensor([[i for i, n in enumerate(row) for _ in range(n)] for row in rows], device="cuda")
+
+    def document_causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx >= kv_idx)
+
+    def block_mask() -> Any:
+        return create_block_mask(
+            document_causal, B=ROWS, H=None, Q_LEN=SEQ, KV_LEN=SEQ, device="cuda", _compile=True
+        )
+
+    mask = block_mask()
+    flex = torch.compile(flex_attention, dynamic=False)
+
+    def step() -> None:
+        flex(q, k, v, block_mask=mask, enable_gqa=True).backward(grad)
+
+    out = flex(q, k, v, block_mask=mask, enable_gqa=True)  # (B, H, S, D)
+    diff = (out.transpose(1, 2).reshape(reference.shape).float() - reference.float()).abs().max()
+    return {
+        "fwd_bwd_ms": round(time_ms(step), 4),
+        "block_mask_ms": round(time_ms(block_mask), 4),
+        "max_abs_diff_vs_varlen": float(diff),
+    }
+
+
+def jagged_cell(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list[list[int]]) -> dict[str, Any]:
+    """SDPA over nested jagged tensors, one per sequence (k/v heads repeated to q's)."""
+    offsets = torch.tensor([0, *[n for row in rows for n in row]], device="cuda").cumsum(0)
+    rep = q.shape[1] // k.shape[1]
+
+    def nested(t: torch.Tensor) -> torch.Tensor:  # (N, heads, D) -> (sequences, heads, j, D)
+        return torch.nested.nested_tensor_from_jagged(t, offsets).transpose(1, 2)
+
+    qn, kn, vn = nested(q), nested(k.repeat_interleave(rep, 1)), nested(v.repeat_interleave(rep, 1))
+
+    def step() -> None:
+        out = F.scaled_dot_product_attention(qn, kn, vn, is_causal=True)
+        out.transpose(1, 2).values().sum().backward()
+
+    return {"fwd_bwd_ms": round(time_ms(step), 4)}
 
 
 def main() -> int:
