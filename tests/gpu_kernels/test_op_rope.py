@@ -23,9 +23,9 @@ from tests.gpu_kernels.oracle import DTYPES, Recorder, assert_matches_reference,
 RopeQkv = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 ]
-# the same, reading one table at (B, S) positions
+# the same with positions: None, or (B, S) at which one (1, P, D) table is read
 RopeQkvAt = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, int, int, torch.Tensor],
+    [torch.Tensor, torch.Tensor, torch.Tensor, int, int, torch.Tensor | None],
     tuple[torch.Tensor, torch.Tensor, torch.Tensor],
 ]
 
@@ -123,16 +123,21 @@ SHAPES = shapes(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("by_position", [False, True], ids=["per_row", "by_position"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("b", "s", "heads", "kv", "d"), SHAPES)
 def test_rope_qkv_matches_reference(
-    dtype: torch.dtype, b: int, s: int, heads: int, kv: int, d: int, record_property: Recorder
-) -> None:
+    dtype: torch.dtype, b: int, s: int, heads: int, kv: int, d: int, by_position: bool,
+    record_property: Recorder,
+) -> None:  # fmt: skip
+    """Per-row tables (one broadcast over the batch when B = 3), or packed rows: one (1, S, D)
+    table read at positions that restart per sequence."""
     qkv = randn(b, s, (heads + 2 * kv) * d, dtype=dtype, grad=True)
-    cos, sin = rope_tables(1 if b == 3 else b, s, d, dtype)
+    cos, sin = rope_tables(1 if b == 3 or by_position else b, s, d, dtype)
+    positions = packed_positions(b, s, seed=b * s, device="cuda") if by_position else None
 
-    def flat(fn: RopeQkv, t: torch.Tensor) -> torch.Tensor:
-        q, k, v = fn(t, cos.to(t.dtype), sin.to(t.dtype), heads, kv)
+    def flat(fn: RopeQkvAt, t: torch.Tensor) -> torch.Tensor:
+        q, k, v = fn(t, cos.to(t.dtype), sin.to(t.dtype), heads, kv, positions)
         return torch.cat([q.reshape(-1), k.reshape(-1), v.reshape(-1)])
 
     assert_matches_reference(
@@ -158,27 +163,6 @@ def test_rope_qkv_under_attention_matches_reference(
     assert_matches_reference(
         lambda t: attend(rope.rope_qkv, t), lambda t: attend(ref.rope_qkv, t),
         [qkv], torch.randn(b, heads, s, d, device="cuda"), ["attn", "dqkv"], dtype, record_property,
-    )  # fmt: skip
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("b", "s", "heads", "kv", "d"), SHAPES)
-def test_rope_qkv_by_position_matches_reference(
-    dtype: torch.dtype, b: int, s: int, heads: int, kv: int, d: int, record_property: Recorder
-) -> None:
-    """Packed rows: one (1, S, D) table read at positions that restart per sequence."""
-    qkv = randn(b, s, (heads + 2 * kv) * d, dtype=dtype, grad=True)
-    cos, sin = rope_tables(1, s, d, dtype)
-    positions = packed_positions(b, s, seed=b * s, device="cuda")
-
-    def flat(fn: RopeQkvAt, t: torch.Tensor) -> torch.Tensor:
-        q, k, v = fn(t, cos.to(t.dtype), sin.to(t.dtype), heads, kv, positions)
-        return torch.cat([q.reshape(-1), k.reshape(-1), v.reshape(-1)])
-
-    assert_matches_reference(
-        lambda t: flat(rope.rope_qkv, t), lambda t: flat(ref.rope_qkv, t),
-        [qkv], torch.randn(qkv.numel(), device="cuda"), ["qkv_out", "dqkv"], dtype, record_property,
     )  # fmt: skip
 
 

@@ -173,14 +173,7 @@ def test_rate_limit_counts_across_event_loops(loraq_env: LoraqEnv, monkeypatch: 
     with pytest.raises(RateLimitError) as refused:
         asyncio.run(ratelimit.check_rate(key_id))
     assert refused.value.headers == {"Retry-After": "40"}
-    counter = f"loraq:rl:{key_id}:{int(start // ratelimit.WINDOW_SECONDS)}"
-    r = redis.Redis.from_url(shared_redis_url())
-    try:
-        assert int(r.get(counter) or 0) == 3
-        assert 0 < r.ttl(counter) <= ratelimit.WINDOW_SECONDS + 5
-        r.delete(counter)
-    finally:
-        r.close()
+    assert_counted(key_id, start, 3)
     assert ratelimit._broken_until == 0.0  # no Redis error on the way
 
 
@@ -232,14 +225,7 @@ def test_concurrent_requests_are_counted_one_by_one(
     outcomes = asyncio.run(five())
     assert outcomes.count(None) == 3
     assert [type(o) for o in outcomes if o is not None] == [RateLimitError, RateLimitError]
-    counter = f"loraq:rl:{key_id}:{int(start // ratelimit.WINDOW_SECONDS)}"
-    r = redis.Redis.from_url(shared_redis_url())
-    try:
-        assert int(r.get(counter) or 0) == 5
-        assert 0 < r.ttl(counter) <= ratelimit.WINDOW_SECONDS + 5
-        r.delete(counter)
-    finally:
-        r.close()
+    assert_counted(key_id, start, 5)
 
 
 def test_a_failed_read_fails_alone_and_a_lost_connection_is_replaced(loraq_env: LoraqEnv) -> None:
@@ -314,3 +300,16 @@ def test_a_silent_redis_lets_concurrent_requests_through_in_bounded_time(
     assert elapsed < 2 * ratelimit.REDIS_TIMEOUT_S + 0.5, elapsed
     assert lag < 0.1, lag  # the queued ones did not wait for a round trip of their own
     assert ratelimit._broken_until > 0
+
+
+def assert_counted(key_id: str, start: float, count: int) -> None:
+    """The key's rate-limit counter of the window holding `start` in Redis holds `count` and
+    expires with the window (then it is deleted)."""
+    counter = f"loraq:rl:{key_id}:{int(start // ratelimit.WINDOW_SECONDS)}"
+    r = redis.Redis.from_url(shared_redis_url())
+    try:
+        assert int(r.get(counter) or 0) == count
+        assert 0 < r.ttl(counter) <= ratelimit.WINDOW_SECONDS + 5
+        r.delete(counter)
+    finally:
+        r.close()
