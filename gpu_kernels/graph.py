@@ -106,6 +106,19 @@ class GraphedStep:
             return self._eager_on_side_stream(timed)
         return self._capture_and_replay()
 
+    def release(self) -> None:
+        """Free the graph now; later calls run the step eagerly. A process that captured NCCL
+        collectives must do this before it destroys its process group: NCCL's teardown waits for
+        every graph that holds its kernels, so destroy_process_group() would hang (PyTorch issue
+        115388). The graph's step function usually closes over this object, so waiting for the
+        garbage collector is no answer."""
+        if self.graph is not None:
+            self.graph.reset()
+        self.graph = None
+        self.static_outputs = None
+        if self.fallback_reason is None:
+            self.fallback_reason = "graph released"
+
     def _timed_replay(self) -> StepOutputs:
         assert self.graph is not None and self.static_outputs is not None
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

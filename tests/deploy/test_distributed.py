@@ -269,3 +269,20 @@ def test_flat_grads_accumulate_in_place_at_fixed_addresses() -> None:
     assert grads.flat.data_ptr() == address
     with pytest.raises(ValueError, match="fp32"):
         distributed.FlatGrads([torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))], distributed.SINGLE)
+
+
+def test_cleanup_frees_the_step_graph_before_the_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL's teardown waits for every CUDA graph holding its kernels, so a job's cleanup frees
+    the captured step before distributed.shutdown destroys the process group (on two H100s it
+    hung there, after the last step, until this order was kept)."""
+    order: list[str] = []
+
+    class Step:  # stands in for CapturedTrainStep, whose graph a CPU cannot capture
+        def release(self) -> None:
+            order.append("release")
+
+    run = recipe.LoRAFinetuneRecipe.__new__(recipe.LoRAFinetuneRecipe)
+    run.__dict__.update(step_fn=Step(), loaded=None, _given=None, dist=distributed.SINGLE)
+    monkeypatch.setattr(distributed, "shutdown", lambda ctx: order.append("shutdown"))
+    run.cleanup()
+    assert order == ["release", "shutdown"] and "step_fn" not in run.__dict__

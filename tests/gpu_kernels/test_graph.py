@@ -57,3 +57,31 @@ def test_graph_is_dropped_only_when_measurably_slower() -> None:
     assert graph_is_slower(100.0 * (1 + 2 * GRAPH_MARGIN), 100.0)
     assert graph_is_slower(250.0, 100.0)  # cuDNN attention inside a graph, measured 2.5x
     assert not graph_is_slower(90.0, 100.0)
+
+
+def test_release_resets_the_graph_and_later_calls_run_eagerly() -> None:
+    """A rank that captured NCCL collectives releases its graph before its process group is
+    destroyed (the teardown would wait for the graph forever): reset() is called, and the step
+    still runs after it, eagerly."""
+
+    class CapturedGraph:  # stands in for torch.cuda.CUDAGraph, which a CPU cannot capture
+        resets = 0
+
+        def reset(self) -> None:
+            self.resets += 1
+
+    runs: list[int] = []
+
+    def step() -> dict[str, torch.Tensor]:
+        runs.append(1)
+        return {"x": torch.zeros(())}
+
+    graphed = gpu_kernels.GraphedStep(step, warmup=1)
+    captured = CapturedGraph()
+    graphed.graph = captured  # type: ignore[assignment]
+    graphed.release()
+    assert captured.resets == 1 and not graphed.captured and graphed.fallback_reason == "graph released"
+    graphed.release()  # a second release is harmless
+    assert captured.resets == 1
+    graphed()
+    assert runs == [1]

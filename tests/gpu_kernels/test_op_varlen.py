@@ -5,7 +5,8 @@ sequence).
 The reference's own fp64 checks run everywhere (against attention written out with a
 block-diagonal causal mask); the flash op against the reference, forward and backward, in bf16
 (flash attention takes 16-bit inputs only), GQA, with the zero-length sequences that pad
-cu_seqlens to a fixed size, needs a CUDA device (`gpu`).
+cu_seqlens to a fixed size, and replayed from a CUDA graph with new offsets, needs a CUDA
+device (`gpu`).
 """
 
 from __future__ import annotations
@@ -77,7 +78,10 @@ def test_reference_rejects_bad_offsets() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("lengths", "heads", "kv", "d"),
-    shapes([([1], 1, 1, 16), ([5, 1, 17, 0], 4, 2, 16)], [([300, 41, 700, 128, 513, 366], 32, 8, 64)]),
+    shapes(
+        [([1], 1, 1, 16), ([5, 1, 17, 0], 4, 2, 16)],
+        [([300, 41, 700, 128, 513, 366], 32, 8, 64), ([2004, 20, 24], 9, 3, 64), ([96, 1100], 32, 8, 128)],
+    ),
 )
 def test_varlen_attention_matches_reference(
     lengths: list[int], heads: int, kv: int, d: int, record_property: Recorder
@@ -114,3 +118,42 @@ def test_varlen_attention_matches_one_sdpa_per_sequence() -> None:
     assert rel(out, want) < 2e-2
     for g, g2 in ((q.grad, q2.grad), (k.grad, k2.grad), (v.grad, v2.grad)):
         assert g is not None and g2 is not None and rel(g, g2) < 2e-2
+
+
+@pytest.mark.gpu
+def test_varlen_attention_replays_from_a_cuda_graph() -> None:
+    """Forward and backward captured once with one packing, replayed after new offsets are copied
+    into the static cu_seqlens (as the job step refills it): the output of an eager call on the
+    new packing bit for bit, its gradients within the backward's atomics (its dq accumulation
+    order varies), and far from the first packing's."""
+    n, heads, kv, d, segments = 2048, 9, 3, 64, 8
+    first, second = [700, 1000, 348], [20, 2000, 28]
+    q, k, v = (
+        torch.randn(n, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (heads, kv, kv)
+    )
+    gy = torch.randn(n, heads, d, device="cuda", dtype=torch.bfloat16)
+    cu = cu_seqlens(first, pad=segments - len(first), device="cuda")
+
+    def step() -> torch.Tensor:
+        for t in (q, k, v):
+            t.grad = None
+        out = varlen.varlen_attention(q, k, v, cu, n)
+        out.backward(gy)
+        return out.detach()
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up off the default stream, as GraphedStep does
+        stale = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+        grads = [t.grad for t in (q, k, v)]
+    cu.copy_(cu_seqlens(second, pad=segments - len(second), device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = step()
+    assert torch.equal(captured, want) and rel(stale, want) > 0.1
+    for g, t in zip(grads, (q, k, v), strict=True):
+        assert g is not None and t.grad is not None and rel(g, t.grad) < 1e-2

@@ -693,7 +693,12 @@ class LoRAFinetuneRecipe:
         return greedy_samples(self.model, self.loaded.tokenizer, self.config.eval_prompts, self.device)
 
     def cleanup(self) -> None:
-        """Remove the adapters so a cached base model is pristine for the next job; free the rest."""
+        """Remove the adapters so a cached base model is pristine for the next job; free the rest.
+        The step's CUDA graph goes first: one that captured NCCL collectives would otherwise make
+        the process group's teardown wait forever."""
+        step_fn: CapturedTrainStep | None = self.__dict__.get("step_fn")
+        if step_fn is not None:
+            step_fn.release()
         if self.loaded is not None and lora_modules(self.loaded.model):
             remove_lora(self.loaded.model)
             self.loaded.model.eval()

@@ -242,6 +242,10 @@ class CapturedTrainStep:
         for dst, src in pairs:
             dst.copy_(src.pin_memory() if pin else src, non_blocking=pin)
 
+    def release(self) -> None:
+        """Free the captured graph (before a multi-GPU run destroys its process group)."""
+        self.graphed.release()
+
     def set_lr(self, lr: float) -> None:
         if isinstance(self.lr, torch.Tensor):
             self.lr.fill_(lr)
