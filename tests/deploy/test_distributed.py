@@ -286,3 +286,30 @@ def test_cleanup_frees_the_step_graph_before_the_process_group(monkeypatch: pyte
     monkeypatch.setattr(distributed, "shutdown", lambda ctx: order.append("shutdown"))
     run.cleanup()
     assert order == ["release", "shutdown"] and "step_fn" not in run.__dict__
+
+
+@pytest.mark.parametrize(
+    ("here", "elsewhere", "ahead"), [(False, False, True), (False, True, False), (True, False, False)]
+)
+def test_ranks_run_ahead_only_when_every_rank_may(
+    monkeypatch: pytest.MonkeyPatch, here: bool, elsewhere: bool, ahead: bool
+) -> None:
+    """Queueing step N + 1 before step N's loss is read is decided by all ranks together (each
+    rank's clock decides its time-based checkpoint and wall-clock limit, and every rank must queue
+    the same collectives): one exchange, where another rank's due checkpoint holds this one back."""
+    exchanged: list[bool] = []
+
+    def any_rank(flag: bool, ctx: distributed.DistContext) -> bool:  # the other rank's answer
+        exchanged.append(flag)
+        return flag or elsewhere
+
+    run = recipe.LoRAFinetuneRecipe.__new__(recipe.LoRAFinetuneRecipe)
+    run.__dict__.update(on_cuda=True, total_steps=10, batches_per_epoch=100, valid_data=None)
+    run.__dict__.update(dist=distributed.DistContext(0, 2, 0, True, None))
+    monkeypatch.setattr(run, "_checkpoint_due", lambda step, epoch_end: here)
+    monkeypatch.setattr(run, "_limit_reason", lambda: None)
+    monkeypatch.setattr(distributed, "any_rank", any_rank)
+    assert run._may_run_ahead(3, 0, 4) is ahead
+    assert exchanged == [here]
+    run.__dict__["on_cuda"] = False  # on the CPU nothing runs ahead, and nothing is exchanged
+    assert run._may_run_ahead(3, 0, 4) is False and exchanged == [here]

@@ -572,16 +572,21 @@ class LoRAFinetuneRecipe:
 
     def _may_run_ahead(self, step: int, epoch_before: int, micro_after: int) -> bool:
         """May the step after `step` be queued before `step`'s results are read? Only on a GPU
-        (where queueing is asynchronous; on the CPU it would just run the next step first), in a
-        single process (ranks must take the same decisions), and where nothing between the two
-        needs the weights of `step` alone: no checkpoint, validation or limit is due. Callbacks
-        then see step N's report while step N + 1 runs: they must not read the model."""
-        if not self.on_cuda or self.dist.active or step >= self.total_steps:
+        (where queueing is asynchronous; on the CPU it would just run the next step first), and
+        where nothing between the two needs the weights of `step` alone: no checkpoint,
+        validation or limit is due. Callbacks then see step N's report while step N + 1 runs:
+        they must not read the model. Ranks decide together (one host exchange, made while the
+        GPUs run step N): the time-based checkpoint and wall-clock limit differ between ranks,
+        and every rank must queue the same collectives."""
+        if not self.on_cuda or step >= self.total_steps:
             return False
         epoch_end = micro_after // self.batches_per_epoch > epoch_before
-        if self.valid_data is not None and self._eval_due(step, epoch_end):
-            return False
-        return not self._checkpoint_due(step, epoch_end) and self._limit_reason() is None
+        due = bool(
+            (self.valid_data is not None and self._eval_due(step, epoch_end))
+            or self._checkpoint_due(step, epoch_end)
+            or self._limit_reason() is not None
+        )
+        return not distributed.any_rank(due, self.dist)
 
     def _launch(self, micro: list[Batch], host: HostStep | None, lr: float, started: float) -> _Launched:
         """Queue one captured step on the GPU and its (loss, grad norm) read-back; nothing waits."""
