@@ -110,8 +110,8 @@ class GraphedStep:
         """Free the graph now; later calls run the step eagerly. A process that captured NCCL
         collectives must do this before it destroys its process group: NCCL's teardown waits for
         every graph that holds its kernels, so destroy_process_group() would hang
-        (pytorch/pytorch#115388). The graph's step function usually closes over this object, so waiting for the
-        garbage collector is no answer."""
+        (pytorch/pytorch#115388). The graph's step function usually closes over this object, so
+        waiting for the garbage collector is no answer."""
         if self.graph is not None:
             self.graph.reset()
         self.graph = None
