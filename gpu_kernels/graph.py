@@ -113,6 +113,8 @@ class GraphedStep:
         (pytorch/pytorch#115388). The graph's step function usually closes over this object, so
         waiting for the garbage collector is no answer."""
         if self.graph is not None:
+            if torch.cuda.is_available():  # a replay still in flight ends before its pool is freed
+                torch.cuda.synchronize()
             self.graph.reset()
         self.graph = None
         self.static_outputs = None
