@@ -134,7 +134,8 @@ class CudnnRaggedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> Any:
         q, k, v, out, lse, cu, seed, offset = ctx.saved_tensors
-        m = ctx.m  # None: the undefined attn_bias tensor of "no bias"
+        m = ctx.m
+        # None: the undefined attn_bias tensor of "no bias"
         grads = torch.ops.aten._cudnn_attention_backward(
             dout.contiguous(), q, k, v, out, lse, seed, offset, None, cu, cu, m, m, 0.0, True
         )
