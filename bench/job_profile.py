@@ -11,8 +11,13 @@ both` as subprocesses), on a CUDA host:
   moment of peak allocation; the blocks alive then, grouped by the innermost frame of this repo
   that allocated them, so the job's and the fixed step's peaks can be compared line by line.
 
+- kernels (`--part kernels`, run on its own): one step of the job, as the graph replays it and
+  as the same step function runs eagerly, under torch.profiler; every CUDA kernel's time and
+  count, summed by kind (GEMM, attention forward / backward, LoRA, cross-entropy, norms, ...),
+  so the step's time can be set against the per-step floor (GEMMs + attention + lm_head).
+
 Usage: python bench/job_profile.py --preset smollm2-135m [--steps 20] --out DIR
-Writes DIR/job-profile-<preset>.json.
+Writes DIR/job-profile-<preset>.json (`--part kernels`: DIR/job-kernels-<preset>.json).
 """
 
 from __future__ import annotations
@@ -157,6 +162,128 @@ def part_job(preset: str, steps: int) -> dict[str, Any]:
     }
 
 
+# kernel name patterns (lower case, first match wins) → kind
+KERNEL_KINDS = (
+    ("flash_fwd", "attention forward"),
+    ("flash_bwd", "attention backward"),
+    ("cudnn", "attention (cuDNN)"),
+    ("fmha", "attention (cuDNN)"),
+    ("cross_entropy", "cross-entropy"),
+    ("rank_update", "LoRA kernels"),
+    ("dropout", "LoRA kernels"),
+    ("rms", "norms"),
+    ("swiglu", "SwiGLU"),
+    ("rope", "rope"),
+    ("clip", "clip"),
+    ("nonfinite", "clip"),
+    ("multi_tensor", "optimizer"),
+    ("adam", "optimizer"),
+    ("gemm", "GEMM"),
+    ("xmma", "GEMM"),
+    ("cutlass", "GEMM"),
+    ("nvjet", "GEMM"),
+    ("splitk", "GEMM"),
+    ("reduce", "reductions"),
+    ("index", "gather / scatter"),
+    ("scatter", "gather / scatter"),
+    ("gather", "gather / scatter"),
+    ("memcpy", "copies"),
+    ("memset", "copies"),
+    ("elementwise", "elementwise"),
+    ("vectorized", "elementwise"),
+    ("unrolled", "elementwise"),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for pattern, kind in KERNEL_KINDS if pattern in low), "other")
+
+
+def kernel_table(prof: Any, top: int = 40) -> dict[str, Any]:
+    """The profiled CUDA kernels: total ms by kind, and the `top` kernels by time."""
+    from torch.autograd import DeviceType
+
+    rows = [
+        (e.key, e.count, e.self_device_time_total / 1e3)
+        for e in prof.key_averages()
+        if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0
+    ]
+    kinds: dict[str, list[float]] = {}
+    for name, count, ms in rows:
+        k = kinds.setdefault(kernel_kind(name), [0.0, 0])
+        k[0] += ms
+        k[1] += count
+    rows.sort(key=lambda r: -r[2])
+    ranked = sorted(kinds.items(), key=lambda kv: -kv[1][0])
+    return {
+        "total_ms": round(sum(r[2] for r in rows), 3),
+        "by_kind": {k: {"ms": round(v[0], 3), "kernels": int(v[1])} for k, v in ranked},
+        "top": [
+            {"name": n[:160], "count": c, "ms": round(ms, 4), "kind": kernel_kind(n)}
+            for n, c, ms in rows[:top]
+        ],
+    }
+
+
+def part_kernels(preset: str, steps: int) -> dict[str, Any]:
+    """Profile one replay of the job's captured step and one eager run of its step function,
+    taken mid-run from inside recipe.train (the buffers hold a real packed step then)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from worker.engine import train_step as ts_mod
+    from worker.engine.recipe import train
+
+    batch, seq, _, _ = JOB_SHAPES[preset]
+    seen: dict[str, Any] = {}
+    orig_run = ts_mod.CapturedTrainStep.run
+
+    def run(self: Any) -> Any:
+        seen["step"] = self
+        return orig_run(self)
+
+    ts_mod.CapturedTrainStep.run = run  # type: ignore[method-assign]
+    report: dict[str, Any] = {"part": "kernels", "batch": batch, "seq": seq}
+    at = JOB_WARMUP + 2
+
+    def measure() -> None:
+        ts = seen["step"]
+        torch.cuda.synchronize()
+        runs = [("eager", ts.graphed.step_fn)]
+        if ts.graphed.captured:
+            runs.insert(0, ("replay", ts.graphed.graph.replay))
+        for label, fn in runs:
+            fn()  # once unprofiled: the eager run's allocations settle
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+            report[label] = {"step_ms": round(start.elapsed_time(end), 3), **kernel_table(prof)}
+        report["shape"] = ts.shape.__dict__ if ts.shape is not None else None
+
+    class Collector:
+        def on_step(self, m: Any) -> None:
+            if m.step == at:
+                measure()
+
+        def on_event(self, level: str, message: str, data: Any = None) -> None:
+            return None
+
+        def on_checkpoint(self, c: Any) -> None:
+            return None
+
+        def should_stop(self) -> bool:
+            return False
+
+    config = job_config(preset, batch, seq, max(steps, 4), Path(tempfile.mkdtemp()))
+    train(config, Collector())
+    return report
+
+
 def part_fixed(preset: str, steps: int) -> dict[str, Any]:
     import torch
 
@@ -185,9 +312,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="smollm2-135m")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--part", choices=["both", "job", "fixed"], default="both")
+    ap.add_argument("--part", choices=["both", "job", "fixed", "kernels"], default="both")
     ap.add_argument("--out", type=Path, default=Path("."))
     a = ap.parse_args()
+    if a.part == "kernels":
+        kernels = {"preset": a.preset, "command": " ".join(sys.argv), **part_kernels(a.preset, a.steps)}
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / f"job-kernels-{a.preset}.json").write_text(json.dumps(kernels, indent=1))
+        for label in ("replay", "eager"):
+            if label in kernels:
+                print(label, kernels[label]["step_ms"], "ms; kernels", kernels[label]["total_ms"], "ms")
+                print(json.dumps(kernels[label]["by_kind"], indent=1))
+        return
     if a.part != "both":
         result = part_job(a.preset, a.steps) if a.part == "job" else part_fixed(a.preset, a.steps)
         print("RESULT " + json.dumps(result))

@@ -11,6 +11,7 @@ path. `configure(KernelConfig(...))` sets the switches (see gpu_kernels.config).
 from gpu_kernels.config import KernelConfig, configure, current_config
 from gpu_kernels.dispatch import (
     KernelStatus,
+    adapter_casts,
     available,
     clip_grad_norm_,
     dropout_seed_step_,
@@ -30,12 +31,15 @@ from gpu_kernels.dispatch import (
 )
 from gpu_kernels.graph import GraphedStep
 from gpu_kernels.monitor import NonFiniteMonitor
+from gpu_kernels.ops.adapter_casts import AdapterCasts
 
 __all__ = [
+    "AdapterCasts",
     "GraphedStep",
     "KernelConfig",
     "KernelStatus",
     "NonFiniteMonitor",
+    "adapter_casts",
     "available",
     "clip_grad_norm_",
     "configure",

@@ -29,6 +29,7 @@ _u32 = ctypes.c_uint32
 SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "loraq_rank_update": (_i32, [_p, _i32, _i64, _i64, _i64, _p, _i64, _p, _i64, _i32, _f32, _p]),
     "loraq_dropout": (_i32, [_p, _p, _i32, _i64, _f32, _p, _u32, _p]),
+    "loraq_adapter_cast": (_i32, [_p, _i32, _i64, _i32, _p]),
     "loraq_clip_partials": (_i64, [_p, _i32]),
     "loraq_clip_grad_norm": (_i32, [_p, _p, _i32, _f32, _p, _p, _p, _p, _p]),
     "loraq_rmsnorm_fwd": (_i32, [_p, _p, _p, _p, _i32, _i64, _i64, _f32, _p]),

@@ -16,6 +16,7 @@ import torch
 
 from gpu_kernels import _lib, reference
 from gpu_kernels.ops import lora_multi
+from gpu_kernels.ops.adapter_casts import AdapterCasts
 
 Backend = Literal["auto", "reference"]
 _backend: Backend = "auto"
@@ -99,14 +100,29 @@ def lora_linear_grouped(
     adapters: Sequence[tuple[torch.Tensor, torch.Tensor, float]],
     dropout_p: float = 0.0,
     training: bool = False,
+    operands: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Several LoRA projections of one input, stacked: (..., Σ out_j). See reference."""
+    """Several LoRA projections of one input, stacked: (..., Σ out_j). See reference.
+    `operands`: the adapters in x's dtype from an AdapterCasts (`adapter_casts`), used by the
+    compiled path when given (the reference reads the factors)."""
     tensors = [t for a, b, _ in adapters for t in (a, b)]
     if _compiled(x, weight, bias, *tensors) and _kernel_dtype(x, weight) and x.dtype == weight.dtype:
         from gpu_kernels.ops import lora
 
-        return lora.lora_linear_grouped(x, weight, bias, adapters, dropout_p, training)
+        if operands is not None and operands[0].dtype != x.dtype:
+            operands = None
+        return lora.lora_linear_grouped(x, weight, bias, adapters, dropout_p, training, operands)
     return reference.lora_linear_grouped(x, weight, bias, adapters, dropout_p, training)
+
+
+def adapter_casts(
+    ops: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor, float]]], dtype: torch.dtype
+) -> AdapterCasts:
+    """The `dtype` operands of these LoRA ops (each a list of (A, B, scale)), refreshed in one
+    launch on the compiled path (torch ops otherwise): see gpu_kernels.ops.adapter_casts."""
+    factors = [t for adapters in ops for a, b, _ in adapters for t in (a, b)]
+    compiled = bool(factors) and _compiled(*factors) and dtype in (torch.float32, torch.bfloat16)
+    return AdapterCasts(ops, dtype, compiled=compiled)
 
 
 def lora_linear_multi(

@@ -149,6 +149,28 @@ __global__ void dropout_kernel(const T* __restrict__ x, T* __restrict__ out, int
   }
 }
 
+// One entry of loraq_adapter_cast's table, kCastFields int64 each: src (fp32, rows x cols,
+// row-major), dst, rows, cols, dst row stride (elements), scale (fp32 bits), transpose.
+constexpr int kCastFields = 7;
+
+// dst[i·ld + j] = scale·src[i·cols + j] (transpose 0) or dst[j·ld + i] = scale·src[i·cols + j]
+// (transpose 1), in the destination dtype; blockIdx.y picks the entry, the x blocks stride over
+// its elements.
+template <typename T>
+__global__ void adapter_cast_kernel(const int64_t* __restrict__ table) {
+  const int64_t* e = table + static_cast<int64_t>(blockIdx.y) * kCastFields;
+  const float* src = reinterpret_cast<const float*>(e[0]);
+  T* dst = reinterpret_cast<T*>(e[1]);
+  const int64_t cols = e[3], ld = e[4], total = e[2] * e[3];
+  const float scale = __int_as_float(static_cast<int>(e[5]));
+  const bool transpose = e[6] != 0;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = idx / cols, j = idx - i * cols;
+    loraq_store(dst, transpose ? j * ld + i : i * ld + j, scale * src[idx]);
+  }
+}
+
 int grid_for(int64_t n, int threads) {
   const int64_t blocks = (n + threads - 1) / threads;
   return static_cast<int>(blocks < 65536 ? (blocks > 0 ? blocks : 1) : 65536);
@@ -193,6 +215,25 @@ int loraq_dropout(const void* x, void* out, int dtype, int64_t n, float p, const
   } else if (dtype == LORAQ_F32) {
     dropout_kernel<float><<<grid_for(n, threads), threads, 0, stream>>>(
         static_cast<const float*>(x), static_cast<float*>(out), n, p, seed, salt);
+  } else {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  LORAQ_RETURN_LAST_ERROR;
+}
+
+// The activation-dtype operands of many LoRA factors in one launch: table (device, n_entries x
+// kCastFields int64, see adapter_cast_kernel), max_elems the largest rows·cols of an entry.
+int loraq_adapter_cast(const int64_t* table, int n_entries, int64_t max_elems, int dst_dtype,
+                       cudaStream_t stream) {
+  if (n_entries == 0 || max_elems == 0) return 0;
+  if (n_entries > 65535) return static_cast<int>(cudaErrorInvalidValue);
+  const int threads = 256;
+  const int64_t per_entry = (max_elems + threads - 1) / threads;
+  const dim3 grid(static_cast<unsigned>(per_entry < 16 ? per_entry : 16), static_cast<unsigned>(n_entries));
+  if (dst_dtype == LORAQ_BF16) {
+    adapter_cast_kernel<__nv_bfloat16><<<grid, threads, 0, stream>>>(table);
+  } else if (dst_dtype == LORAQ_F32) {
+    adapter_cast_kernel<float><<<grid, threads, 0, stream>>>(table);
   } else {
     return static_cast<int>(cudaErrorInvalidValue);
   }

@@ -16,8 +16,24 @@ import torch
 
 from gpu_kernels import _lib
 
-# rows per chunk: 1024 rows of a 128k vocabulary is 256 MiB of bf16 logits
-DEFAULT_CHUNK_ROWS = 1024
+# Logits bytes per chunk (`auto_chunk_rows`); one chunk's logits are alive at a time. Larger
+# chunks run faster (bigger GEMMs, fewer launches) and take more memory at the step's peak, which
+# is here. On an H100 (bench/ce_chunks.py, bench/results/ce-chunks-h100-2026-11-27.json), fwd +
+# bwd of smollm2's head (M 5,176, d 576, V 49,152) took 1.41 ms in chunks of 1,024 rows (one of
+# them 56 rows), 1.33 ms in chunks of 2,048 and 2.79 ms in chunks of 256 (logits that fit the L2
+# cache). 200 MiB is about 800 rows of a 128k vocabulary and 2,100 of a 49k one.
+CHUNK_BYTES = 200 << 20
+
+
+def auto_chunk_rows(vocab: int, dtype: torch.dtype, rows: int | None = None) -> int:
+    """Rows per chunk: as many as fit CHUNK_BYTES of logits, spread evenly over `rows` when
+    given (no short tail chunk), a multiple of 8."""
+    per_row = vocab * torch.finfo(dtype).bits // 8
+    target = max(8, CHUNK_BYTES // per_row // 8 * 8)
+    if rows is None or rows <= target:
+        return target if rows is None else max(rows, 1)
+    chunks = -(-rows // target)
+    return (-(-rows // chunks) + 7) // 8 * 8
 
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
@@ -28,7 +44,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         weight: torch.Tensor,
         targets: torch.Tensor,
         ignore_index: int,
-        chunk_rows: int,
+        chunk_rows: int | None,
         scale: torch.Tensor | None,
     ) -> torch.Tensor:
         d = hidden.shape[-1]
@@ -45,6 +61,8 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             inv_count = scale.to(device=h2.device, dtype=torch.float32).reshape(())
         losses = torch.empty(n, dtype=torch.float32, device=h2.device)
         dh = torch.empty_like(h2) if hidden.requires_grad else None
+        if chunk_rows is None:
+            chunk_rows = auto_chunk_rows(v, h2.dtype, n)
         lib = _lib.load()
         code = _lib.dtype_code(h2.dtype)
         stream = _lib.stream(h2.device)
@@ -58,6 +76,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             _lib.check(rc, "loraq_cross_entropy_fwd_bwd")
             if dh is not None:
                 torch.mm(logits, w, out=dh[start:end])  # (c, V)·(V, d)
+            del logits  # before the next chunk's: one chunk's logits alive at a time
         ctx.save_for_backward(dh)
         ctx.shape = hidden.shape
         return losses.sum() * inv_count
@@ -76,12 +95,13 @@ def fused_linear_cross_entropy(
     weight: torch.Tensor,
     targets: torch.Tensor,
     ignore_index: int = -100,
-    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    chunk_rows: int | None = None,
     *,
     scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean CE over the non-ignored targets, or with `scale` (0-d fp32 device tensor) their sum
-    times scale; the kernel writes d(loss)/dlogits with that same factor."""
+    times scale; the kernel writes d(loss)/dlogits with that same factor. `chunk_rows` None:
+    `auto_chunk_rows`."""
     out = FusedLinearCrossEntropyFunction.apply(hidden, weight, targets, ignore_index, chunk_rows, scale)
     assert isinstance(out, torch.Tensor)
     return out

@@ -146,6 +146,7 @@ class LoRALinearFunction(torch.autograd.Function):
         bias: torch.Tensor | None,
         scales: tuple[float, ...],
         dropout_p: float,
+        operands: tuple[torch.Tensor, torch.Tensor] | None,
         *adapters: torch.Tensor,  # A_1, B_1, A_2, B_2, ...
     ) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -166,11 +167,15 @@ class LoRALinearFunction(torch.autograd.Function):
             salt = next(_salts)
             xd = dropout(x2, dropout_p, seed, salt)
 
-        a_cat = torch.cat(a_list) if len(a_list) > 1 else a_list[0]  # (R, K)
-        # adapters in the activation dtype, cast once per call and kept for the backward:
-        # A (R, K) and D = blockdiag(s_j·B_jᵀ) (R, N), the scales folded in
-        a_act = a_cat.detach().to(x.dtype)
-        d_act = _scaled_block_diag(b_list, scales, x.dtype)
+        # adapters in the activation dtype, kept for the backward: A (R, K) and
+        # D = blockdiag(s_j·B_jᵀ) (R, N), the scales folded in; from an AdapterCasts refreshed
+        # since the last optimizer step, or cast here (a cat, a cast and a scale per adapter)
+        if operands is not None:
+            a_act, d_act = operands
+        else:
+            a_cat = torch.cat(a_list) if len(a_list) > 1 else a_list[0]  # (R, K)
+            a_act = a_cat.detach().to(x.dtype)
+            d_act = _scaled_block_diag(b_list, scales, x.dtype)
         xa = xd @ a_act.t()  # (M, R): one read of x for every adapter
         if _accumulates_in_epilogue(x2, weight, bias):
             y = torch.addmm(bias, xa, d_act) if bias is not None else xa @ d_act  # (M, N) LoRA term
@@ -220,21 +225,25 @@ class LoRALinearFunction(torch.autograd.Function):
         xd = x2 if dropout_p == 0 else dropout(x2, dropout_p, seed, salt)
         grads_ad: list[torch.Tensor | None] = []
         da_cat = (u.t() @ xd).to(a_list[0].dtype)  # (R, K); rows of adapter j are a contiguous slice
+        # dB_j = s_j·dY_jᵀ·xa_j is block j of G = dYᵀ·xa (N, R): one skinny GEMM (and one split-K
+        # reduction) for every adapter instead of one each; the off-diagonal blocks are waste,
+        # but tiny next to reading dY
+        g = dy2.t() @ xa  # (N, R)
         col = r0 = 0
         for j, (a, b, r, n, s) in enumerate(zip(a_list, b_list, ranks, widths, scales, strict=True)):
-            # inputs are (x, weight, bias, scales, dropout_p, A_1, B_1, ...): A_j at 5 + 2j
-            need_a, need_b_j = ctx.needs_input_grad[5 + 2 * j], ctx.needs_input_grad[6 + 2 * j]
+            # inputs are (x, weight, bias, scales, dropout_p, operands, A_1, B_1, ...): A_j at 6 + 2j
+            need_a, need_b_j = ctx.needs_input_grad[6 + 2 * j], ctx.needs_input_grad[7 + 2 * j]
             da = da_cat[r0 : r0 + r].to(a.dtype) if need_a else None
             db = None
-            if need_b_j:
-                db = (dy2[:, col : col + n].t() @ xa[:, r0 : r0 + r]).to(b.dtype).mul_(s)  # (N_j, r_j)
+            if need_b_j:  # scaled and cast into the factor's dtype by one kernel
+                db = torch.mul(g[col : col + n, r0 : r0 + r], s, out=torch.empty_like(b))  # (N_j, r_j)
             grads_ad.extend([da, db])
             col += n
             r0 += r
 
         dw = dy2.t() @ x2 if need_w else None
         dbias = dy2.sum(0) if (has_bias and need_b) else None
-        return (dx, dw, dbias, None, None, *grads_ad)
+        return (dx, dw, dbias, None, None, None, *grads_ad)
 
 
 def lora_linear_grouped(
@@ -244,11 +253,14 @@ def lora_linear_grouped(
     adapters: Sequence[tuple[torch.Tensor, torch.Tensor, float]],
     dropout_p: float = 0.0,
     training: bool = False,
+    operands: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
+    """`operands`: (A_cat, D) in x's dtype from an AdapterCasts refreshed since the factors
+    last changed, or None to cast them in this call."""
     p = dropout_p if training else 0.0
     flat = [t for a, b, _ in adapters for t in (a, b)]
     scales = tuple(float(s) for _, _, s in adapters)
-    out = LoRALinearFunction.apply(x, weight, bias, scales, p, *flat)
+    out = LoRALinearFunction.apply(x, weight, bias, scales, p, operands, *flat)
     assert isinstance(out, torch.Tensor)
     return out
 

@@ -53,6 +53,17 @@ def test_reference_gradients_pass_gradcheck() -> None:
     assert torch.autograd.gradcheck(lambda h, w: ref.fused_linear_cross_entropy(h, w, t), (h, w))
 
 
+@pytest.mark.parametrize(
+    ("rows", "vocab"), [(5176, 49152), (5176, 128256), (2592, 128256), (8192, 32000), (9, 7)]
+)
+def test_auto_chunks_split_rows_evenly_within_the_byte_budget(rows: int, vocab: int) -> None:
+    c = cross_entropy.auto_chunk_rows(vocab, torch.bfloat16, rows)
+    chunks = -(-rows // c)
+    assert c % 8 == 0 or c == rows
+    assert (c - 7) * vocab * 2 <= cross_entropy.CHUNK_BYTES  # rounded up to 8 rows at most
+    assert rows - (chunks - 1) * c > 0 and (chunks == 1 or rows - (chunks - 1) * c > c // 2)  # no stub tail
+
+
 # ------------------------------------------------------------ the compiled op, on a CUDA device
 
 
@@ -74,6 +85,25 @@ def test_fused_linear_ce_matches_reference(
         t[torch.rand(n, device="cuda") < 0.2] = -100
     assert_matches_reference(
         lambda h: cross_entropy.fused_linear_cross_entropy(h, w, t, -100, 1024),
+        lambda h: ref.fused_linear_cross_entropy(h, w.to(h.dtype), t),
+        [h], None, ["loss", "dh"], dtype, record_property,
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_linear_ce_in_automatic_chunks_matches_reference(
+    dtype: torch.dtype, record_property: Recorder
+) -> None:
+    """The default chunking (auto_chunk_rows: 2,500 rows of a 49k vocabulary in even chunks)."""
+    n, d, v = 2500, 256, 49152
+    h = randn(n, d, dtype=dtype, grad=True)
+    w = randn(v, d, dtype=dtype, scale=d**-0.5 * 4)
+    t = torch.randint(0, v, (n,), device="cuda")
+    t[torch.rand(n, device="cuda") < 0.2] = -100
+    assert -(-n // cross_entropy.auto_chunk_rows(v, dtype, n)) >= 2
+    assert_matches_reference(
+        lambda h: cross_entropy.fused_linear_cross_entropy(h, w, t),
         lambda h: ref.fused_linear_cross_entropy(h, w.to(h.dtype), t),
         [h], None, ["loss", "dh"], dtype, record_property,
     )  # fmt: skip

@@ -72,13 +72,17 @@ class LoRAGroup:
                 self.bias = torch.cat(biases)
         # outputs handed from the leader to the other members: id(member) -> (input, output)
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.cast_slot: tuple[gpu_kernels.AdapterCasts, int] | None = None  # see LoRALinear
+
+    def adapters(self) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+        return [(m.lora_A, m.lora_B, m.scale) for m in self.members]
 
     def forward_all(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in) -> (..., Σ out): every member's LoRA projection, stacked on the last dim."""
         lead = self.members[0]
-        adapters = [(m.lora_A, m.lora_B, m.scale) for m in self.members]
+        operands = self.cast_slot[0].operands(self.cast_slot[1]) if self.cast_slot is not None else None
         return gpu_kernels.lora_linear_grouped(
-            x, self.weight, self.bias, adapters, lead.dropout, lead.training
+            x, self.weight, self.bias, self.adapters(), lead.dropout, lead.training, operands
         )
 
 
@@ -318,6 +322,32 @@ def fuse_llama(model: nn.Module) -> FuseReport:
             setattr(parent, leaf, FusedSwiGLUMLP(members[0], members[1], module.down_proj))
             report.mlps += 1
     return report
+
+
+def attach_adapter_casts(model: nn.Module) -> gpu_kernels.AdapterCasts | None:
+    """One AdapterCasts over every LoRA op of the model (each q/k/v or gate/up group, each
+    ungrouped LoRA layer), wired into those ops: inside its `in_step()` they take their adapters
+    in the activation dtype from it, refreshed by one launch, instead of casting them per call.
+    None where the compiled kernels are not in use, or the ops' activation dtypes differ."""
+    if not gpu_kernels.available().compiled:
+        return None
+    sites: list[LoRAGroup | LoRALinear] = []
+    for module in model.modules():
+        if isinstance(module, GroupedLoRALinear):
+            if module.group.members[0] is module:
+                sites.append(module.group)
+        elif isinstance(module, LoRALinear):
+            sites.append(module)
+    dtypes = {site.weight.dtype for site in sites}
+    if not sites or len(dtypes) != 1:
+        return None
+    ops = [s.adapters() if isinstance(s, LoRAGroup) else [(s.lora_A, s.lora_B, s.scale)] for s in sites]
+    casts = gpu_kernels.adapter_casts(ops, dtypes.pop())
+    if not casts.compiled:
+        return None
+    for i, site in enumerate(sites):
+        site.cast_slot = (casts, i)
+    return casts
 
 
 def lm_loss_sum(selected: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,10 @@ def lora_scale(cfg: LoraConfig) -> float:
 class LoRALinear(nn.Module):
     """A frozen `nn.Linear` (`.base`) plus trainable fp32 factors `lora_A` (r, in), `lora_B` (out, r)."""
 
+    # (casts, i): op i of a model-wide AdapterCasts holds this layer's factors in the activation
+    # dtype during a training step (worker.engine.fused_llama.attach_adapter_casts)
+    cast_slot: tuple[gpu_kernels.AdapterCasts, int] | None = None
+
     def __init__(self, base: nn.Linear, r: int, scale: float, dropout: float = 0.0) -> None:
         super().__init__()
         if r < 1:
@@ -63,6 +67,12 @@ class LoRALinear(nn.Module):
         return self.base.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
+        operands = self.cast_slot[0].operands(self.cast_slot[1]) if self.cast_slot is not None else None
+        if operands is not None:
+            adapter = [(self.lora_A, self.lora_B, self.scale)]
+            return gpu_kernels.lora_linear_grouped(
+                x, self.base.weight, self.base.bias, adapter, self.dropout, self.training, operands
+            )
         return gpu_kernels.lora_linear(
             x,
             self.base.weight,

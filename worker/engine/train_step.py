@@ -33,7 +33,7 @@ from torch import nn
 
 import gpu_kernels
 from worker.engine.data import IGNORE_INDEX, Batch
-from worker.engine.fused_llama import PackedInputs, causal_lm_loss, packed_lm_loss
+from worker.engine.fused_llama import PackedInputs, attach_adapter_casts, causal_lm_loss, packed_lm_loss
 
 
 class GradSync(Protocol):
@@ -184,6 +184,8 @@ class CapturedTrainStep:
         self.optimizer = optimizer
         self.lr = optimizer.param_groups[0]["lr"]
         self.monitor = gpu_kernels.NonFiniteMonitor(device, every=check_every)
+        # every LoRA op's adapters in the activation dtype, one launch per step (fused CUDA models)
+        self.casts = attach_adapter_casts(model) if fused_ok else None
         self.graphed = gpu_kernels.GraphedStep(
             self._step, warmup=warmup, enabled=capture and fused_ok, on_fallback=on_fallback, agree=agree
         )
@@ -207,7 +209,11 @@ class CapturedTrainStep:
         else:  # the backward adds into the flat buffer's views
             self.grads.zero_()
         gpu_kernels.dropout_seed_step_(self.device)
-        loss = self._loss()
+        if self.casts is None:
+            loss = self._loss()
+        else:  # the adapters as the last optimizer step left them, cast once for the whole step
+            with self.casts.in_step():
+                loss = self._loss()
         if self.grads is not None:  # one all_reduce: every rank's gradients and loss summed
             loss = self.grads.all_reduce_(loss)
         norm = gpu_kernels.clip_grad_norm_(self.params, self.max_grad_norm, self.monitor.state)
