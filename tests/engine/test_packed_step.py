@@ -208,6 +208,9 @@ def _one_step(
     batches = [collate(rows[i * per : (i + 1) * per], 0, packed=True) for i in range(micro)]
     host = host_step(batches, step.shape)  # type: ignore[arg-type]
     step.load_step(host)
+    assert step.fixed is None  # a packed step keeps no (B, T) buffers of the fixed-shape kind
+    with pytest.raises(ValueError, match="use load_step"):
+        step.load_batch(batches[0].input_ids, batches[0].labels)
     out = step.run()
     return float(out["loss"]), [p.detach().clone() for p in params]
 

@@ -97,7 +97,9 @@ def test_captured_step_pads_to_its_budget_and_trains(base: LlamaForCausalLM) -> 
     step = CapturedTrainStep(model, params, batch=2, seq=16, lr=1e-2)
     ids = torch.randint(0, 400, (1, 10), generator=torch.Generator().manual_seed(4))
     losses = [step(ids, ids, 1e-2)["loss"].item() for _ in range(5)]
-    assert step.labels[1].eq(-100).all() and step.labels[0, 10:].eq(-100).all()
+    assert step.fixed is not None and step.packed is None
+    labels = step.fixed[1]
+    assert labels[1].eq(-100).all() and labels[0, 10:].eq(-100).all()
     assert losses[-1] < losses[0]
     assert step.graphed.fallback_reason is not None  # CPU: eager, with a reason
     with pytest.raises(ValueError, match="exceeds the captured budget 2x16"):

@@ -163,11 +163,16 @@ class CapturedTrainStep:
         self.shape = shape
         self.max_grad_norm = max_grad_norm
         self.grads = grads
-        self.input_ids = torch.zeros(batch, seq, dtype=torch.int64, device=device)
-        self.labels = torch.full((batch, seq), IGNORE_INDEX, dtype=torch.int64, device=device)
+        # the (B, T) input_ids and labels of `load_batch`; a packed step has its own buffers instead
+        self.fixed: tuple[torch.Tensor, torch.Tensor] | None = None
         self.packed: PackedInputs | None = None
         fused_ok = device.type == "cuda"
-        if shape is not None:
+        if shape is None:
+            self.fixed = (
+                torch.zeros(batch, seq, dtype=torch.int64, device=device),
+                torch.full((batch, seq), IGNORE_INDEX, dtype=torch.int64, device=device),
+            )
+        else:
             k, m = shape.micro_batches, shape.loss_tokens
             self.packed = PackedInputs(
                 input_ids=torch.zeros(k, batch, seq, dtype=torch.int64, device=device),
@@ -193,7 +198,8 @@ class CapturedTrainStep:
     def _loss(self) -> torch.Tensor:
         """The step's loss, after running its backward (gradients accumulate over micro-batches)."""
         if self.packed is None:
-            loss = causal_lm_loss(self.model, self.input_ids, self.labels)
+            assert self.fixed is not None
+            loss = causal_lm_loss(self.model, *self.fixed)
             loss.backward()
             return loss.detach()
         total = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -222,13 +228,16 @@ class CapturedTrainStep:
 
     def load_batch(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
         """Copy a (b <= batch, s <= seq) batch into the static buffers, padding the rest."""
+        if self.fixed is None:
+            raise ValueError("this step was built with a StepShape: use load_step")
         b, s = input_ids.shape
         if b > self.batch or s > self.seq:
             raise ValueError(f"batch {b}x{s} exceeds the captured budget {self.batch}x{self.seq}")
-        self.input_ids.zero_()
-        self.labels.fill_(IGNORE_INDEX)
-        self.input_ids[:b, :s].copy_(input_ids, non_blocking=True)
-        self.labels[:b, :s].copy_(labels, non_blocking=True)
+        ids, lab = self.fixed
+        ids.zero_()
+        lab.fill_(IGNORE_INDEX)
+        ids[:b, :s].copy_(input_ids, non_blocking=True)
+        lab[:b, :s].copy_(labels, non_blocking=True)
 
     def load_step(self, host: HostStep) -> None:
         """Copy one packed step's inputs into the static buffers (asynchronously: pinned memory
