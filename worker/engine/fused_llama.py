@@ -443,7 +443,7 @@ def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tens
 class PackedInputs:
     """Static device buffers of a packed step: k micro-batches of B rows of S tokens."""
 
-    input_ids: torch.Tensor  # (k, B, S) int64
+    input_ids: torch.Tensor  # (k, B, S) int32
     position_ids: torch.Tensor  # (k, B, S) int64, restarting at 0 at every sequence start
     cu_seqlens: torch.Tensor  # (k, K + 1) int32, sequence offsets into the flattened B·S tokens
     max_seqlen: int  # bound on every sequence's length (S)

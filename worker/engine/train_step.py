@@ -63,7 +63,7 @@ class StepShape:
 class HostStep:
     """One optimizer step's inputs as CPU tensors, laid out for `StepShape`."""
 
-    input_ids: torch.Tensor  # (k, B, T) int64
+    input_ids: torch.Tensor  # (k, B, T) int32 (the embedding takes int32 indices: half the bytes)
     position_ids: torch.Tensor  # (k, B, T) int64, restarting at 0 at every sequence start
     cu_seqlens: torch.Tensor  # (k, K + 1) int32, offsets into the flattened B·T tokens
     loss_index: torch.Tensor  # (k, M) int64, flat positions t whose next token is trained
@@ -90,7 +90,7 @@ def host_step(batches: Sequence[Batch], shape: StepShape) -> HostStep:
     if not 0 < len(batches) <= k:
         raise ValueError(f"{len(batches)} micro-batches for a step of {k}")
     n = b_max * t_max
-    input_ids = torch.zeros(k, b_max, t_max, dtype=torch.int64)
+    input_ids = torch.zeros(k, b_max, t_max, dtype=torch.int32)
     position_ids = torch.arange(t_max, dtype=torch.int64).repeat(k, b_max, 1)
     cu_seqlens = torch.full((k, segs + 1), n, dtype=torch.int32)
     loss_index = torch.zeros(k, m_max, dtype=torch.int64)
@@ -175,7 +175,7 @@ class CapturedTrainStep:
         else:
             k, m = shape.micro_batches, shape.loss_tokens
             self.packed = PackedInputs(
-                input_ids=torch.zeros(k, batch, seq, dtype=torch.int64, device=device),
+                input_ids=torch.zeros(k, batch, seq, dtype=torch.int32, device=device),
                 position_ids=torch.zeros(k, batch, seq, dtype=torch.int64, device=device),
                 cu_seqlens=torch.zeros(k, shape.segments + 1, dtype=torch.int32, device=device),
                 max_seqlen=seq,
