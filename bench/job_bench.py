@@ -56,7 +56,9 @@ def _rows(preset: str, seq: int) -> tuple[Any, Any]:
     return load_dataset(DATASET, tok, seq, pack=False), tok
 
 
-class _Collector:
+class StepCollector:
+    """Training callbacks that keep every step's metrics and every event."""
+
     def __init__(self) -> None:
         self.steps: list[Any] = []
         self.events: list[tuple[str, str]] = []
@@ -106,7 +108,7 @@ def job_cell(
 
     tmp = Path(tempfile.mkdtemp())
     config = job_config(preset, batch, seq, steps, tmp, pack)
-    rec = _Collector()
+    rec = StepCollector()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
     if n_gpus == 1:

@@ -37,7 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.job_bench import JOB_SHAPES, JOB_WARMUP, job_config  # noqa: E402
+from bench.job_bench import JOB_SHAPES, JOB_WARMUP, StepCollector, job_config  # noqa: E402
 
 REPO_DIRS = ("/worker/", "/gpu_kernels/", "/bench/", "/service/")
 
@@ -265,19 +265,11 @@ def part_kernels(preset: str, steps: int) -> dict[str, Any]:
             report[label] = {"step_ms": round(start.elapsed_time(end), 3), **kernel_table(prof)}
         report["shape"] = ts.shape.__dict__ if ts.shape is not None else None
 
-    class Collector:
+    class Collector(StepCollector):
         def on_step(self, m: Any) -> None:
+            super().on_step(m)
             if m.step == at:
                 measure()
-
-        def on_event(self, level: str, message: str, data: Any = None) -> None:
-            return None
-
-        def on_checkpoint(self, c: Any) -> None:
-            return None
-
-        def should_stop(self) -> bool:
-            return False
 
     config = job_config(preset, batch, seq, max(steps, 4), Path(tempfile.mkdtemp()))
     train(config, Collector())

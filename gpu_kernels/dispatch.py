@@ -109,8 +109,6 @@ def lora_linear_grouped(
     if _compiled(x, weight, bias, *tensors) and _kernel_dtype(x, weight) and x.dtype == weight.dtype:
         from gpu_kernels.ops import lora
 
-        if operands is not None and operands[0].dtype != x.dtype:
-            operands = None
         return lora.lora_linear_grouped(x, weight, bias, adapters, dropout_p, training, operands)
     return reference.lora_linear_grouped(x, weight, bias, adapters, dropout_p, training)
 

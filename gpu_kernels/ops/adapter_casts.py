@@ -27,6 +27,7 @@ from contextlib import contextmanager
 import torch
 
 from gpu_kernels import _lib
+from gpu_kernels.ops.lora import _scaled_block_diag
 
 Adapters = Sequence[tuple[torch.Tensor, torch.Tensor, float]]  # (A_j, B_j, s_j) of one op
 # one table row: src, dst, rows, cols, dst row stride, scale (fp32 bits), transpose
@@ -112,12 +113,7 @@ class AdapterCasts:
 
 
 def _reference_fill(adapters: Adapters, a_act: torch.Tensor, d_act: torch.Tensor) -> None:
-    """What the kernel writes, with torch ops: A_cat rows and D's diagonal blocks."""
-    col = r0 = 0
+    """What the kernel writes, built as LoRALinearFunction builds it per call."""
     with torch.no_grad():
-        for a, b, s in adapters:
-            r, n = a.shape[0], b.shape[0]
-            a_act[r0 : r0 + r].copy_(a)
-            d_act[r0 : r0 + r, col : col + n].copy_(b.t() * s)
-            col += n
-            r0 += r
+        a_act.copy_(torch.cat([a for a, _, _ in adapters]))
+        d_act.copy_(_scaled_block_diag([b for _, b, _ in adapters], [s for _, _, s in adapters], d_act.dtype))

@@ -25,13 +25,13 @@ from gpu_kernels import _lib
 CHUNK_BYTES = 200 << 20
 
 
-def auto_chunk_rows(vocab: int, dtype: torch.dtype, rows: int | None = None) -> int:
-    """Rows per chunk: as many as fit CHUNK_BYTES of logits, spread evenly over `rows` when
-    given (no short tail chunk), a multiple of 8."""
+def auto_chunk_rows(vocab: int, dtype: torch.dtype, rows: int) -> int:
+    """Rows per chunk: as many as fit CHUNK_BYTES of logits, spread evenly over `rows` (no short
+    tail chunk), a multiple of 8."""
     per_row = vocab * torch.finfo(dtype).bits // 8
     target = max(8, CHUNK_BYTES // per_row // 8 * 8)
-    if rows is None or rows <= target:
-        return target if rows is None else max(rows, 1)
+    if rows <= target:
+        return max(rows, 1)
     chunks = -(-rows // target)
     return (-(-rows // chunks) + 7) // 8 * 8
 

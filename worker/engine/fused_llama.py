@@ -34,7 +34,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 import gpu_kernels
-from worker.engine.lora import LoRALinear
+from worker.engine.lora import LoRALinear, slot_operands
 
 
 class FusedRMSNorm(nn.Module):
@@ -75,12 +75,12 @@ class LoRAGroup:
         self.cast_slot: tuple[gpu_kernels.AdapterCasts, int] | None = None  # see LoRALinear
 
     def adapters(self) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
-        return [(m.lora_A, m.lora_B, m.scale) for m in self.members]
+        return [adapter for m in self.members for adapter in m.adapters()]
 
     def forward_all(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in) -> (..., Σ out): every member's LoRA projection, stacked on the last dim."""
         lead = self.members[0]
-        operands = self.cast_slot[0].operands(self.cast_slot[1]) if self.cast_slot is not None else None
+        operands = slot_operands(self.cast_slot)
         return gpu_kernels.lora_linear_grouped(
             x, self.weight, self.bias, self.adapters(), lead.dropout, lead.training, operands
         )
@@ -341,8 +341,7 @@ def attach_adapter_casts(model: nn.Module) -> gpu_kernels.AdapterCasts | None:
     dtypes = {site.weight.dtype for site in sites}
     if not sites or len(dtypes) != 1:
         return None
-    ops = [s.adapters() if isinstance(s, LoRAGroup) else [(s.lora_A, s.lora_B, s.scale)] for s in sites]
-    casts = gpu_kernels.adapter_casts(ops, dtypes.pop())
+    casts = gpu_kernels.adapter_casts([site.adapters() for site in sites], dtypes.pop())
     if not casts.compiled:
         return None
     for i, site in enumerate(sites):

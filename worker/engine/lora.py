@@ -30,6 +30,14 @@ def lora_scale(cfg: LoraConfig) -> float:
     return cfg.alpha / math.sqrt(cfg.r) if cfg.use_rslora else cfg.alpha / cfg.r
 
 
+def slot_operands(
+    slot: tuple[gpu_kernels.AdapterCasts, int] | None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The activation-dtype (A_cat, D) that a LoRA op's cast slot holds now, or None (no slot,
+    or outside the casts' `in_step()`: the op casts for itself)."""
+    return slot[0].operands(slot[1]) if slot is not None else None
+
+
 class LoRALinear(nn.Module):
     """A frozen `nn.Linear` (`.base`) plus trainable fp32 factors `lora_A` (r, in), `lora_B` (out, r)."""
 
@@ -66,12 +74,15 @@ class LoRALinear(nn.Module):
         """The frozen base weight: code that inspects `module.weight` (dtype, device) keeps working."""
         return self.base.weight
 
+    def adapters(self) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+        """(A, B, scale) of this layer, as the grouped LoRA op takes them."""
+        return [(self.lora_A, self.lora_B, self.scale)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
-        operands = self.cast_slot[0].operands(self.cast_slot[1]) if self.cast_slot is not None else None
+        operands = slot_operands(self.cast_slot)
         if operands is not None:
-            adapter = [(self.lora_A, self.lora_B, self.scale)]
             return gpu_kernels.lora_linear_grouped(
-                x, self.base.weight, self.base.bias, adapter, self.dropout, self.training, operands
+                x, self.base.weight, self.base.bias, self.adapters(), self.dropout, self.training, operands
             )
         return gpu_kernels.lora_linear(
             x,

@@ -25,6 +25,7 @@ Two ways to fill the buffers:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -215,11 +216,9 @@ class CapturedTrainStep:
         else:  # the backward adds into the flat buffer's views
             self.grads.zero_()
         gpu_kernels.dropout_seed_step_(self.device)
-        if self.casts is None:
+        # the adapters as the last optimizer step left them, cast once for the whole step
+        with self.casts.in_step() if self.casts is not None else nullcontext():
             loss = self._loss()
-        else:  # the adapters as the last optimizer step left them, cast once for the whole step
-            with self.casts.in_step():
-                loss = self._loss()
         if self.grads is not None:  # one all_reduce: every rank's gradients and loss summed
             loss = self.grads.all_reduce_(loss)
         norm = gpu_kernels.clip_grad_norm_(self.params, self.max_grad_norm, self.monitor.state)
