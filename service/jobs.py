@@ -3,7 +3,8 @@
     validating_files ─► queued ─► running ─► succeeded | failed | cancelled
                           │          ▲  │
                           │          └──┘ requeue (a silent worker's job goes back; `fail_stale`
-                          │                once its attempts are used up)
+                          │                once its attempts are used up; `cancel_stale` ends it
+                          │                `cancelled` if a cancel was requested)
                           └─► cancelled   (and `failed` at claim time if its dataset file vanished)
 
 Every transition is one conditional UPDATE guarded by the expected status and, for a worker's
@@ -975,13 +976,51 @@ def finish(
 # ---------------------------------------------------------------- reliability hooks
 
 
+def _silent_attempt(job_id: str, attempt_token: str, *, cancel_requested: bool) -> Update:
+    """The UPDATE that releases attempt `attempt_token` of a running job, fenced on the token and
+    on whether a cancel was requested."""
+    return update(Job).where(
+        Job.id == job_id,
+        Job.status == "running",
+        Job.attempt_token == attempt_token,
+        Job.cancel_requested.is_(cancel_requested),
+    )
+
+
+def cancel_stale(session: Session, *, job_id: str, attempt_token: str, reason: str) -> bool:
+    """running → cancelled for a silent attempt whose job had a cancel requested: the worker that
+    would have ended it `cancelled` is gone, so the cancel ends it here instead of a re-queue."""
+    stmt = _silent_attempt(job_id, attempt_token, cancel_requested=True).values(
+        status="cancelled", attempt_token=None, finished_at=now_s(), estimated_finish=None
+    )
+    if _run(session, stmt) != 1:
+        return False
+    add_event(session, job_id=job_id, level="info", message=f"Fine-tuning job cancelled: {reason}")
+    return True
+
+
+def cancel_requested_queued(session: Session) -> list[str]:
+    """queued → cancelled for every queued job with a cancel requested (no worker claims such a
+    job, and a cancel request on a queued job ends it at once: one left by a release before
+    `cancel_stale` existed would otherwise wait for a second cancel). Their ids."""
+    ids = list(session.scalars(select(Job.id).where(Job.status == "queued", Job.cancel_requested.is_(True))))
+    ended = [
+        job_id
+        for job_id in ids
+        if _transition(session, job_id, "queued", "cancelled", finished_at=now_s(), estimated_finish=None)
+    ]
+    for job_id in ended:
+        add_event(session, job_id=job_id, level="info", message="Fine-tuning job cancelled")
+    return ended
+
+
 def requeue(session: Session, *, job_id: str, attempt_token: str, reason: str) -> bool:
     """running → queued for a job whose attempt `attempt_token` went silent; the token is cleared
-    so the silent worker's later writes are refused. The caller re-sends the job after commit."""
-    stmt = (
-        update(Job)
-        .where(Job.id == job_id, Job.status == "running", Job.attempt_token == attempt_token)
-        .values(status="queued", attempt_token=None, worker_id=None, heartbeat_at=None)
+    so the silent worker's later writes are refused. The caller re-sends the job after commit.
+    Never a job with a cancel requested (`cancel_stale` ends that one): a cancel that lands
+    between the two leaves the job running for the next tick, which cancels it."""
+    stmt = _silent_attempt(job_id, attempt_token, cancel_requested=False).values(
+        status="queued", attempt_token=None, worker_id=None, heartbeat_at=None
     )
     if _run(session, stmt) != 1:
         return False
@@ -990,12 +1029,11 @@ def requeue(session: Session, *, job_id: str, attempt_token: str, reason: str) -
 
 
 def fail_stale(session: Session, *, job_id: str, attempt_token: str, reason: str) -> bool:
-    """running → failed for a silent attempt that used up its retries."""
+    """running → failed for a silent attempt that used up its retries (and had no cancel
+    requested: `cancel_stale` ends that one)."""
     error = {"code": "worker_lost", "message": reason, "param": None}
-    stmt = (
-        update(Job)
-        .where(Job.id == job_id, Job.status == "running", Job.attempt_token == attempt_token)
-        .values(status="failed", error=error, finished_at=now_s(), estimated_finish=None)
+    stmt = _silent_attempt(job_id, attempt_token, cancel_requested=False).values(
+        status="failed", error=error, finished_at=now_s(), estimated_finish=None
     )
     if _run(session, stmt) != 1:
         return False

@@ -3,10 +3,13 @@
 Each tick (every `reaper_interval_seconds`):
 
 1. Reaper. A `running` job whose heartbeat is older than `heartbeat_timeout_seconds` lost its
-   worker (killed, frozen, cut off). While it has attempts left (`attempt < max_attempts`) it goes
-   back to `queued` (`jobs.requeue`, which clears the attempt token so the silent worker's later
-   writes are refused) and is sent again; the next worker resumes it from its last checkpoint.
-   Otherwise it ends `failed` with code `worker_lost` and the reason (`jobs.fail_stale`).
+   worker (killed, frozen, cut off). If a cancel was requested, it ends `cancelled`
+   (`jobs.cancel_stale`): the worker that would have stopped it is gone. Otherwise, while it has
+   attempts left (`attempt < max_attempts`) it goes back to `queued` (`jobs.requeue`, which
+   clears the attempt token so the silent worker's later writes are refused) and is sent again;
+   the next worker resumes it from its last checkpoint. Else it ends `failed` with code
+   `worker_lost` and the reason (`jobs.fail_stale`). A `queued` job with a cancel requested
+   (which no worker claims) ends `cancelled`.
 2. Reconciler. The database is the source of truth and Redis only carries wake-ups, so a Redis
    restart or flush, or a send that failed, can leave a `queued` job with no message. A `queued`
    job absent from its queue's Redis list on ticks at least `reconcile_grace_seconds` apart is
@@ -46,6 +49,7 @@ LOCK_KEY = "loraq:reaper:lock:{}"  # + a digest of the database URL: one lock pe
 class TickResult:
     requeued: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)  # a cancel was requested: ended, not re-queued
     resent: list[str] = field(default_factory=list)
     skipped: bool = False  # another API process holds this tick's lock
 
@@ -104,9 +108,13 @@ class Reaper:
             self._reconcile(client, now, result)
         finally:
             client.close()
-        if result.requeued or result.failed or result.resent:
+        if result.requeued or result.failed or result.cancelled or result.resent:
             log.warning(
-                "reaper: re-queued %s, failed %s, re-sent %s", result.requeued, result.failed, result.resent
+                "reaper: re-queued %s, failed %s, cancelled %s, re-sent %s",
+                result.requeued,
+                result.failed,
+                result.cancelled,
+                result.resent,
             )
         return result
 
@@ -144,6 +152,8 @@ class Reaper:
             silent = f"its worker sent no heartbeat for {timeout:g}s (attempt {attempt} of {max_attempts})"
             if release_attempt(job_id, token, attempt, silent, result):
                 self._missing_since.pop(job_id, None)
+        with session_scope() as session:
+            result.cancelled += jobs.cancel_requested_queued(session)
 
     def _reconcile(self, client: Any, now: float, result: TickResult) -> None:
         import redis
@@ -178,6 +188,9 @@ def release_attempt(job_id: str, token: str, attempt: int, why: str, result: Tic
         with session_scope() as session:
             # a row lock held elsewhere costs this job one tick, never the reaper's thread
             set_lock_timeout(session, ROW_LOCK_TIMEOUT_S)
+            if jobs.cancel_stale(session, job_id=job_id, attempt_token=token, reason=why):
+                result.cancelled.append(job_id)  # cancel means cancel: not back to the queue
+                return False
             if attempt >= max_attempts:
                 reason = f"Job failed: {why}; no attempts left"
                 if jobs.fail_stale(session, job_id=job_id, attempt_token=token, reason=reason):

@@ -264,3 +264,67 @@ def test_a_frozen_worker_holding_its_job_row_is_ended_and_the_job_requeued(
     with pytest.raises(psycopg.OperationalError):  # its session was ended
         frozen.execute("SELECT 1")
     frozen.close()
+
+
+def request_cancel(env: Env, job_id: str) -> None:
+    """POST /v1/fine_tuning/jobs/{id}/cancel's service call: on a running job it only asks."""
+    with session_scope() as s:
+        assert jobs.request_cancel(s, tenant_id=env.tenant_id, job_id=job_id).cancel_requested
+
+
+@pytest.mark.parametrize("attempts_left", [True, False])
+def test_a_cancel_on_a_job_whose_worker_went_silent_ends_it_cancelled(env: Env, attempts_left: bool) -> None:
+    """The worker went silent after the cancel was asked for: the reaper ends the job `cancelled`
+    (not back to `queued`, where it needed a second cancel), sends no message, and fences the
+    silent worker out."""
+    job_id = env.new_job()
+    env.redis.delete(env.queue)
+    reaper = Reaper()
+    if not attempts_left:  # attempt 2 of 2: without the cancel it would fail `worker_lost`
+        env.claim(job_id, heartbeat_age=TIMEOUT + 1)
+        assert reaper.tick().requeued == [job_id]
+        env.redis.delete(env.queue)
+    old = env.claim(job_id)
+    request_cancel(env, job_id)
+    assert env.job(job_id).status == "running"  # the worker is asked; it ends the job itself
+    with session_scope() as s:
+        s.execute(update(Job).where(Job.id == job_id).values(heartbeat_at=time.time() - TIMEOUT - 1))
+    result = reaper.tick()
+    assert (result.cancelled, result.requeued, result.failed) == ([job_id], [], [])
+    job = env.job(job_id)
+    assert (job.status, job.attempt_token, job.error) == ("cancelled", None, None)
+    assert job.finished_at is not None
+    assert env.messages() == []
+    with session_scope() as s:
+        assert jobs.heartbeat(s, claim=old) is False
+        events = list(s.scalars(select(JobEvent.message).where(JobEvent.job_id == job_id)))
+    assert any(m.startswith("Fine-tuning job cancelled: its worker sent no heartbeat") for m in events)
+    assert reaper.tick().cancelled == []
+
+
+def test_a_cancel_requested_on_a_job_whose_worker_process_exited_ends_it_cancelled(env: Env) -> None:
+    """`loraq up` saw the worker exit (release_jobs_of_worker, no heartbeat timeout to wait)."""
+    import socket
+
+    from service.reaper import release_jobs_of_worker
+
+    job_id = env.new_job()
+    env.redis.delete(env.queue)
+    with session_scope() as s:
+        claim = jobs.claim(s, job_id=job_id, worker_id=f"{socket.gethostname()}:cpu:4242")
+    assert claim is not None
+    request_cancel(env, job_id)
+    result = release_jobs_of_worker(4242)
+    assert (result.cancelled, result.requeued) == ([job_id], [])
+    assert env.job(job_id).status == "cancelled"
+    assert env.messages() == []
+
+
+def test_a_queued_job_left_with_a_cancel_requested_is_cancelled(env: Env) -> None:
+    """What an older release left: a job re-queued with its cancel request still set, which no
+    worker claims. The next tick ends it."""
+    job_id = env.new_job()
+    with session_scope() as s:
+        s.execute(update(Job).where(Job.id == job_id).values(cancel_requested=True))
+    assert Reaper().tick().cancelled == [job_id]
+    assert env.job(job_id).status == "cancelled"
