@@ -275,9 +275,14 @@ def files_upload(
     url: UrlOpt = None,
     api_key: KeyOpt = None,
 ) -> None:
-    """Upload a JSONL dataset; prints the file object (its id is what `jobs create` needs)."""
+    """Upload a JSONL dataset; prints the file object (its id is what `jobs create` needs). A file
+    that failed validation (`status` error) is stored but no job can use it: exit 1, naming its
+    bad lines."""
     with _client(url, api_key) as c:
-        _print_json(_api_call(c.upload_file, path, purpose))
+        file = _api_call(c.upload_file, path, purpose)
+    _print_json(file)
+    if file.get("status") == "error":
+        fail(f"{path}: {file['id']} failed validation: {file.get('status_details')}")
 
 
 @files_app.command("list")

@@ -146,6 +146,27 @@ def test_expected_errors_are_one_line_naming_the_field(live_api: LiveApi) -> Non
     assert "Traceback" not in bad.stderr + missing.stderr + wrong_key.stderr
 
 
+def test_upload_of_a_file_that_fails_validation_exits_1_naming_the_line(
+    live_api: LiveApi, tmp_path: Path
+) -> None:
+    good = tmp_path / "good.jsonl"
+    good.write_bytes(DATASET)
+    ok = loraq("files", "upload", str(good), env=live_api.env)
+    assert ok.returncode == 0 and '"status": "processed"' in ok.stdout, ok.stderr
+
+    # the last line's closing brace is missing: the column is that line's end, not "column 1"
+    line = b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "arr"}]'
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(DATASET + line + b"\n")
+    out = loraq("files", "upload", str(bad), env=live_api.env)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert '"status": "error"' in out.stdout  # the file object still prints: its id is stored
+    error = one_line(out.stderr)
+    assert error.startswith("error: ") and str(bad) in error and "failed validation" in error
+    column = f"column {len(line) + 1} (the end of the line)"
+    assert f"line 5: not valid JSON: Expecting ',' delimiter at {column}" in error
+
+
 # --------------------------------------------------------------------------- tables and cancel
 
 

@@ -69,7 +69,7 @@ def parse_line(raw: bytes) -> ParsedLine:
     try:
         record = json.loads(text, parse_int=_bounded_int)
     except json.JSONDecodeError as exc:
-        raise LineProblem(f"not valid JSON: {exc.msg} at column {exc.colno}") from exc
+        raise LineProblem(json_error(exc, text)) from exc
     except RecursionError as exc:  # _check_depth bounds nesting; this is the parser's own guard
         raise LineProblem("JSON nested too deeply") from exc
     if not isinstance(record, dict):
@@ -100,6 +100,16 @@ def parse_line(raw: bytes) -> ParsedLine:
     raise LineProblem(
         f"missing field: expected 'messages', 'prompt'+'completion' or 'text' (got keys: {keys})"
     )
+
+
+def json_error(exc: json.JSONDecodeError, line: str) -> str:
+    """A JSON error of one line, at its column counted from the line's first character. The line
+    keeps its newline, so `exc.colno` of an error at the end (a missing closing brace) counts on
+    the line after it ("line 2 column 1"): the character offset `exc.pos` is the column (one past
+    the last character when the line ends too early)."""
+    end = len(line.rstrip("\r\n"))
+    where = f"column {min(exc.pos, end) + 1}" + (" (the end of the line)" if exc.pos >= end else "")
+    return f"not valid JSON: {exc.msg} at {where}"
 
 
 def _bounded_int(digits: str) -> int:
