@@ -41,6 +41,8 @@ class JobProgressPublic(BaseModel):
     created_at: int
     started_at: int | None
     finished_at: int | None
+    # one job's page only: what the run validates on, in the words of its event
+    validation: str | None = None
 
 
 class JobProgressListPublic(BaseModel):

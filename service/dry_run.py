@@ -32,6 +32,7 @@ from service.schemas import (
     TrainingData,
 )
 from service.settings import Settings
+from worker.engine.holdout import holdout_sentence
 from worker.engine.training_config import plan_steps, resolve_auto
 
 
@@ -108,6 +109,11 @@ def plan(spec: JobCreate, request: dict[str, Any], done: dict[str, Any], setting
         packing=spec.packing,
         seed=int(request["seed"]),
         validation_split=float(request["validation_split"]),
+        validation=holdout_sentence(
+            examples=trained.examples + trained.held_out_examples,
+            fraction=float(request["validation_split"]),
+            validation_file=spec.validation_file,
+        ),
         training=trained,
         grad_accum=spec.grad_accum,
         micro_batches_per_epoch=steps.micro_batches_per_epoch,

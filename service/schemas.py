@@ -415,6 +415,8 @@ class DryRunPublic(BaseModel):
     # it holds out the same examples; another seed holds out as many, maybe other ones
     seed: int
     validation_split: float  # the share held out (0 with a validation_file)
+    # what the run validates on, in the words of the job's own event (worker/engine/holdout.py)
+    validation: str
     training: TrainingData
     grad_accum: int
     micro_batches_per_epoch: int  # batches of batch_size rows per epoch (the last may be short)

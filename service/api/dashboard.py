@@ -30,7 +30,7 @@ from pydantic import ValidationError
 
 from service import files, storage, worker_registry
 from service import jobs as job_service
-from service.api.dataset_summary import check_file
+from service.api.dataset_summary import check_file, example_count
 from service.auth import CurrentTenant
 from service.dashboard_schemas import (
     CheckpointSamplesPublic,
@@ -46,11 +46,12 @@ from service.dashboard_schemas import (
 )
 from service.db.models import Job
 from service.db.session import SessionDep
-from service.errors import UnavailableError
+from service.errors import NotFoundError, UnavailableError
 from service.job_status import JobStatus
 from service.schemas import error_responses
 from service.settings import get_settings
 from service.step_metrics import metrics_csv
+from worker.engine.holdout import holdout_sentence
 
 log = logging.getLogger("loraq.dashboard")
 
@@ -168,7 +169,25 @@ def list_jobs(
 @api.get("/jobs/{job_id}/progress", response_model=JobProgressPublic)
 def job_progress(job_id: str, tenant: CurrentTenant, session: SessionDep) -> JobProgressPublic:
     job = tenant_job(session, tenant.id, job_id)
-    return progress(job, job_service.health_warnings(session, job_ids=[job.id])[job.id])
+    found = progress(job, job_service.health_warnings(session, job_ids=[job.id])[job.id])
+    found.validation = validation(session, job)
+    return found
+
+
+def validation(session: SessionDep, job: Job) -> str:
+    """What the job validates on, in the words of its own event (`holdout_sentence`), with the
+    training file's examples as its upload check counted them (the rule alone once the file is
+    deleted)."""
+    fraction = job_service.stored_training(job).validation_split or 0.0
+    examples = None
+    if job.validation_file is None and fraction > 0:
+        try:
+            file = files.get_file(session, tenant_id=job.tenant_id, file_id=job.training_file)
+            path = storage.local_path(file.storage_key)
+            examples = example_count(path, file.sha256, get_settings().max_line_bytes)
+        except (NotFoundError, OSError):
+            examples = None
+    return holdout_sentence(examples=examples, fraction=fraction, validation_file=job.validation_file)
 
 
 @api.get(

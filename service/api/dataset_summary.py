@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -23,6 +24,7 @@ from worker.engine.dataset_rules import NO_EXAMPLES, FileFormat, LineProblem, pa
 BYTES_PER_TOKEN_ESTIMATE = 4
 MAX_BAD_LINES_SHOWN = 50
 READ_CHUNK = 1 << 20  # an oversized line is skipped in pieces of this size
+EXAMPLE_COUNTS_CACHED = 1024
 
 
 def bounded_lines(stream: BinaryIO, max_line_bytes: int) -> Iterator[bytes | int]:
@@ -125,6 +127,13 @@ def check_file(path: Path, max_line_bytes: int) -> DatasetSummary:
     """Summarize a stored JSONL file, reading it line by line within `max_line_bytes`."""
     with path.open("rb") as fh:
         return summarize(bounded_lines(fh, max_line_bytes), max_line_bytes)
+
+
+@lru_cache(maxsize=EXAMPLE_COUNTS_CACHED)
+def example_count(path: Path, sha256: str, max_line_bytes: int) -> int:
+    """The valid examples of a stored file (`check_file`), counted once per content (`sha256`):
+    a stored file never changes, and a page that polls a job reads its count many times."""
+    return check_file(path, max_line_bytes).examples
 
 
 def examples(path: Path, max_line_bytes: int) -> Iterator[tuple[int, str, dict[str, Any]]]:

@@ -10,6 +10,7 @@ import json
 import secrets
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.e2e.datasets import broken_lines, chat_lines, varied_chat_lines
@@ -23,8 +24,8 @@ def upload(c: Any, content: bytes) -> str:
 
 
 # (training examples, validation examples or None, request fields). Without a validation file and
-# from 100 examples on, the job holds out the server's default 5% (worker/engine/data.py); the
-# 120-example cases train on 114 and validate on 6.
+# from 100 examples on, the job holds out the server's default 5% (worker/engine/holdout.py); the
+# 120-example cases train on 114 and validate on 6, the 64-example one holds nothing out.
 CASES: dict[str, tuple[int, int | None, dict[str, Any]]] = {
     "validation file, packed": (10, 3, {"hyperparameters": {"n_epochs": 3}}),  # batch_size "auto"
     "holdout, grad_accum 3, packed": (120, None, {"hyperparameters": {"n_epochs": 2}, "grad_accum": 3}),
@@ -33,6 +34,7 @@ CASES: dict[str, tuple[int, int | None, dict[str, Any]]] = {
         None,
         {"hyperparameters": {"n_epochs": 1, "batch_size": 8}, "grad_accum": 2, "packing": False},
     ),
+    "too few for a holdout, packed": (64, None, {"hyperparameters": {"n_epochs": 1}}),
 }
 
 
@@ -60,7 +62,7 @@ def test_dry_run_plan_equals_the_real_run(e2e: Service, case: str) -> None:
         assert plan["object"] == "fine_tuning.job.dry_run" and plan["valid"] and plan["errors"] == []
         assert c.get("/fine_tuning/jobs").json()["data"] == []  # nothing was created
         trained = plan["training"]
-        held_out = 0 if n_valid is not None else 6  # round(0.05 · 120)
+        held_out = 0 if n_valid is not None or n_train < 100 else 6  # round(0.05 · 120)
         assert plan["validation_split"] == (0.0 if n_valid is not None else 0.05)
         assert plan["training_file"]["examples"] == n_train and trained["held_out_examples"] == held_out
         assert trained["examples"] == n_train - held_out
@@ -86,6 +88,16 @@ def test_dry_run_plan_equals_the_real_run(e2e: Service, case: str) -> None:
     )
     if held_out:
         assert _event(events, "Validation:").startswith(f"Validation: {held_out} examples held out")
+    if n_valid is None:  # the plan and the job's page say what the engine's event says, word for word
+        assert plan["validation"] in [e["message"] for e in events]
+        assert plan["validation"].startswith("Validation: 6 " if held_out else "No validation holdout: 64 ")
+        auth = {"Authorization": f"Bearer {key}"}
+        page = httpx.get(f"{e2e.url}/dashboard/api/jobs/{job['id']}/progress", headers=auth).json()
+        assert page["validation"] == plan["validation"]
+    else:
+        assert plan["validation"] == f"Validation on the validation file {body['validation_file']}; " + (
+            "nothing held out of the training file"
+        )
 
 
 def test_dry_run_lists_invalid_lines_and_estimates_gpu_classes(e2e: Service) -> None:

@@ -1,6 +1,6 @@
 """The API process lists models through worker.engine.catalog, checks uploads with
-worker.engine.dataset_rules and validates jobs with worker.engine.training_config: none of them
-may pull in torch."""
+worker.engine.dataset_rules, says what a job holds out with worker.engine.holdout and validates
+jobs with worker.engine.training_config: none of them may pull in torch."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def test_catalog_and_cli_models_import_no_torch() -> None:
 
 
 def test_dataset_rules_and_upload_summary_import_no_torch() -> None:
-    code = "import worker.engine.dataset_rules, service.api.dataset_summary"
+    code = "import worker.engine.dataset_rules, worker.engine.holdout, service.api.dataset_summary"
     assert loaded_after(code, ("torch", "transformers", "tokenizers")) == []
 
 

@@ -38,6 +38,7 @@ from worker.engine.dataset_rules import (
     LineProblem,
     parse_line,
 )
+from worker.engine.holdout import holdout_size
 from worker.engine.training_config import batches_per_epoch
 from worker.engine.types import DatasetError, LineError, ModelError
 
@@ -303,17 +304,6 @@ def read_examples(
 
 def validate_dataset(path: Path, tokenizer: PreTrainedTokenizerBase, max_seq_len: int) -> ValidationReport:
     return read_examples(path, tokenizer, max_seq_len)[1]
-
-
-HOLDOUT_MIN_EXAMPLES = 100  # fewer examples: every one is needed for training, none held out
-HOLDOUT_MAX_EXAMPLES = 200  # enough for a steady validation loss; more only slows evaluation
-
-
-def holdout_size(examples: int, fraction: float) -> int:
-    """How many examples a `fraction` holdout takes from a file of `examples` examples."""
-    if fraction <= 0 or examples < HOLDOUT_MIN_EXAMPLES:
-        return 0
-    return min(HOLDOUT_MAX_EXAMPLES, max(1, round(fraction * examples)))
 
 
 def split_holdout(examples: list[Example], fraction: float, seed: int) -> tuple[list[Example], list[Example]]:

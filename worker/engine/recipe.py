@@ -38,7 +38,6 @@ from worker.engine.checkpoint import (
 )
 from worker.engine.config_file import validate_config
 from worker.engine.data import (
-    HOLDOUT_MIN_EXAMPLES,
     IGNORE_INDEX,
     Batch,
     BatchSampler,
@@ -49,6 +48,7 @@ from worker.engine.data import (
 from worker.engine.export import export_adapter
 from worker.engine.fused_llama import FuseReport, fuse_llama, fused_stack, lm_loss_sum
 from worker.engine.health import Finding, HealthMonitor
+from worker.engine.holdout import holdout_sentence
 from worker.engine.lora import apply_lora, lora_modules, remove_lora, trainable_parameters
 from worker.engine.models import LoadedModel, load_base_model
 from worker.engine.sampling import greedy_samples
@@ -243,18 +243,10 @@ class LoRAFinetuneRecipe:
         cfg = self.config
         if cfg.validation_file is not None or cfg.validation_split <= 0:
             return
-        if self.valid_data is None:
-            self.callbacks.on_event(
-                "info",
-                f"No validation holdout: {self.train_data.examples} examples are fewer than "
-                f"{HOLDOUT_MIN_EXAMPLES}; give a validation_file for a validation curve",
-            )
-            return
-        self.callbacks.on_event(
-            "info",
-            f"Validation: {self.valid_data.examples} examples held out of the training file "
-            f"({cfg.validation_split:.0%}, at most 200); validation_split 0 trains on all of them",
-        )
+        held = self.valid_data.examples if self.valid_data is not None else 0
+        examples = self.train_data.examples + held
+        sentence = holdout_sentence(examples=examples, fraction=cfg.validation_split, validation_file=None)
+        self.callbacks.on_event("info", sentence)
 
     def _eager_reason(self, report: FuseReport) -> str | None:
         """Why this run cannot take the packed fused step (None: it can). On the CPU the stack is

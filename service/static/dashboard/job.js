@@ -221,8 +221,8 @@ function renderJob(j, progress) {
     ["Duration", loraq.jobDuration(p)],
     ["Trained tokens", loraq.int(j.trained_tokens)],
     ["Training file", loraq.esc(j.training_file)],
-    ["Validation", loraq.esc(j.validation_file || (j.validation_split
-      ? `${Math.round(j.validation_split * 100)}% of the examples held out (from 100 examples on)` : "none"))],
+    // the server's sentence: the rule and the words of the job's own event (worker/engine/holdout.py)
+    ["Validation", loraq.esc(p.validation || "–")],
     ["Created", `${loraq.ago(j.created_at)} <span class="muted">(${loraq.esc(loraq.time(j.created_at))})</span>`],
   ]);
   const method = j.method && j.method.supervised && j.method.supervised.hyperparameters;
