@@ -14,12 +14,21 @@ Delivery semantics (why each option):
   this many seconds, which must never happen to a job that is still training.
 - No result backend: job state lives in the database, never in Celery results.
 
+Redis outages (a stall, a restart, an append-only file replaying) are ridden out, never fatal:
+- the worker reconnects forever (`broker_connection_max_retries=None`), with Celery's backoff;
+- an acknowledgement that meets a stalled Redis is retried until Redis answers
+  (service/broker_transport.py), since a lost one would stop the consumer for good;
+- a running job keeps training through an outage (it needs the database, not Redis:
+  `worker_cancel_long_running_tasks_on_connection_loss=False`) and is acknowledged afterwards;
+- should the consumer stop taking messages anyway, the worker notices and restarts itself
+  (worker/consumer_watch.py).
+
 No torch here, nor anything of `worker/`: the task module is named as a string (`include`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from service.settings import Settings
 
@@ -27,7 +36,14 @@ if TYPE_CHECKING:
     from celery import Celery
 
 RUN_JOB_TASK = "loraq.run_job"
+# Kombu's Redis transport keeps one list per priority step: "<queue>" for priority 0 and
+# "<queue>\x06\x16<p>" for the others (default steps 0, 3, 6, 9); "unacked" holds delivered,
+# not yet acknowledged messages of every queue.
+KOMBU_PRIORITY_SEP = "\x06\x16"
+KOMBU_PRIORITY_STEPS = (0, 3, 6, 9)
+KOMBU_UNACKED_KEY = "unacked"
 TASK_MODULES = ["worker.tasks"]
+BROKER_TRANSPORT = "service.broker_transport:Transport"  # Kombu's Redis transport, acks retried
 # Redis visibility timeout = longest job wall time + this margin (seconds).
 VISIBILITY_MARGIN_SECONDS = 3600
 
@@ -50,11 +66,21 @@ def celery_queue(worker_class: str, n_gpus: int = 1) -> str:
     return worker_class if n_gpus == 1 else f"{worker_class}-x{n_gpus}"
 
 
+def kombu_queue_depth(client: Any, queue: str) -> int:
+    """Messages waiting in `queue` across Kombu's priority lists."""
+    keys = [queue if p == 0 else f"{queue}{KOMBU_PRIORITY_SEP}{p}" for p in KOMBU_PRIORITY_STEPS]
+    pipe = client.pipeline()
+    for key in keys:
+        pipe.llen(key)
+    return int(sum(pipe.execute()))
+
+
 def make_celery(settings: Settings) -> Celery:
     from celery import Celery
 
     app = Celery("loraq", broker=settings.resolved_redis_url, include=TASK_MODULES)
     app.conf.update(
+        broker_transport=BROKER_TRANSPORT,
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
@@ -64,6 +90,9 @@ def make_celery(settings: Settings) -> Celery:
         task_serializer="json",
         accept_content=["json"],
         broker_connection_retry_on_startup=True,
+        broker_connection_retry=True,
+        broker_connection_max_retries=None,  # an outage of any length is waited out
+        worker_cancel_long_running_tasks_on_connection_loss=False,
         # Bounded broker calls: every socket operation and connect has a timeout, and a
         # publish retries at most `broker_publish_retries` times (service.queue adds a deadline).
         broker_connection_timeout=settings.redis_connect_timeout_seconds,

@@ -198,6 +198,10 @@ def worker(
     if hostname:
         argv.append(f"--hostname={hostname}")
     celery_app.worker_main(argv)
+    from worker import consumer_watch
+
+    # 75 (EX_TEMPFAIL) when its consumer stopped taking messages: `loraq up` restarts it, no crash
+    raise typer.Exit(consumer_watch.exit_code())
 
 
 @app.command()

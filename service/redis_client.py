@@ -12,6 +12,10 @@ import redis.asyncio
 
 from service.settings import Settings
 
+# What an unreachable Redis raises (refused, reset, timed out, still loading its append-only file):
+# a caller that rides out outages retries on these; any other RedisError is a bug to surface.
+REDIS_OUTAGE: tuple[type[Exception], ...] = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
 
 def _options(
     settings: Settings, socket_timeout: float | None, connect_timeout: float | None

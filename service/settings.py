@@ -68,6 +68,9 @@ class Settings(BaseSettings):
     auto_pull: bool = True
 
     worker_queue: str = "default"
+    # A worker whose consumer takes no message for this long while messages wait in its queue,
+    # it runs no job and Redis answers, restarts itself (worker/consumer_watch.py).
+    worker_stuck_seconds: float = Field(60.0, gt=0)
     # `loraq worker --gpus` writes one Prometheus file_sd target per GPU process into this
     # directory (default <data_dir>/prometheus-targets), naming this host as Prometheus reaches
     # it: `worker_metrics_advertise`, else this host's address.

@@ -8,6 +8,10 @@ Policy (what an operator running this on one box expects):
   `loraq_up_restarts_total{child}` (the API outlives none of its own restarts, the file does).
 - `CRASH_LOOP_EXITS` exits of one child within `CRASH_LOOP_WINDOW_S` is a crash loop: `poll()`
   raises `CrashLoopError` naming the child and the tail of its log, and the caller stops everything.
+- A dependency outage is not a crash: an exit with `EXIT_DEPENDENCY_DOWN` (the child gave up on a
+  dependency), or any exit while the child's `dependency` check says that dependency is down
+  (Redis stalled or restarting), is restarted with the same backoff but never counted towards the
+  crash-loop rule, so an outage of any length stops nothing that is healthy.
 - Every child runs in its own process group (a terminal's Ctrl-C reaches only the supervisor,
   which stops the children together, and the first one started, the private Redis, last) and
   dies with the supervisor: the kernel sends it SIGKILL when the supervisor dies, even by
@@ -30,6 +34,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from service.dependency import EXIT_DEPENDENCY_DOWN
 
 GRACE_SECONDS = 15.0
 BACKOFF_FIRST_S = 0.5
@@ -100,6 +106,9 @@ class Child:
     restarts: int = 0
     backoff: float = BACKOFF_FIRST_S
     restart_at: float | None = None  # set while the child is down and waiting for its restart
+    # Why a dependency this child needs is down (e.g. "Redis does not answer"), or None while it is
+    # up: asked when the child exits, so that an exit during an outage is not counted as a crash.
+    dependency: Callable[[], str | None] | None = None
 
     @property
     def pid(self) -> int:
@@ -119,8 +128,16 @@ class Supervisor:
     on_exit: dict[str, Callable[[Child, int], None]] = field(default_factory=dict)
     _stopping: threading.Event = field(default_factory=threading.Event)
 
-    def spawn(self, name: str, argv: list[str], *, env: dict[str, str], log_path: Path | None) -> Child:
-        child = Child(name, argv, env, log_path, self._popen(argv, env, log_path))
+    def spawn(
+        self,
+        name: str,
+        argv: list[str],
+        *,
+        env: dict[str, str],
+        log_path: Path | None,
+        dependency: Callable[[], str | None] | None = None,
+    ) -> Child:
+        child = Child(name, argv, env, log_path, self._popen(argv, env, log_path), dependency=dependency)
         self.children.append(child)
         self._write_state()
         return child
@@ -153,9 +170,13 @@ class Supervisor:
     def _exited(self, child: Child, now: float) -> None:
         if now - child.started_at >= STABLE_SECONDS:
             child.backoff = BACKOFF_FIRST_S
-        child.exits.append(now)
         how = describe_exit(child.proc.returncode)
         where = f"log: {child.log_path}" if child.log_path else "no log"
+        outage = self._outage(child)
+        if outage is not None:
+            how = f"{how} ({outage}: not counted as a crash)"
+        else:
+            child.exits.append(now)
         if len(child.exits) == CRASH_LOOP_EXITS and now - child.exits[0] <= CRASH_LOOP_WINDOW_S:
             raise CrashLoopError(
                 f"{child.name} (pid {child.pid}) {how}: its {CRASH_LOOP_EXITS}th exit within "
@@ -171,6 +192,18 @@ class Supervisor:
                 self.echo(f"{child.name}: after-exit step failed: {type(e).__name__}: {e}")
         child.restart_at = now + child.backoff
         child.backoff = min(child.backoff * 2, BACKOFF_MAX_S)
+
+    @staticmethod
+    def _outage(child: Child) -> str | None:
+        """Why this exit is a dependency outage rather than a crash, or None."""
+        if child.proc.returncode == EXIT_DEPENDENCY_DOWN:
+            return "it gave up on a dependency"
+        if child.dependency is None:
+            return None
+        try:
+            return child.dependency()
+        except Exception:  # a check that fails says nothing about the child: count the exit
+            return None
 
     def _restart(self, child: Child, now: float) -> None:
         old = child.pid

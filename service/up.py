@@ -7,7 +7,9 @@ unset; append-only file under the data dir), database migrations, the API key, t
 one Celery worker and one inference worker (`loraq inference`, chat completions).
 service/supervisor.py watches the children: one that exits is restarted
 with backoff, a crash loop stops everything with a non-zero exit, and children die with this
-process even on `kill -9`. The children's PIDs are in `<data_dir>/up.pids.json` while they run.
+process even on `kill -9`. An exit of the API or a worker while Redis or the database does not
+answer is an outage, not a crash: restarted, never counted as part of a crash loop. The
+children's PIDs are in `<data_dir>/up.pids.json` while they run.
 
 Without `LORAQ_API_KEY`, the first start creates one admin key for tenant `default` and stores it
 (with its hash as the database holds it) in `<data_dir>/admin_key.json`, readable by the owner
@@ -27,6 +29,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
@@ -129,13 +132,11 @@ def start_redis(sup: Supervisor, settings: Settings, env: dict[str, str]) -> str
 
 
 def _redis_ping(settings: Settings, url: str) -> bool:
-    import redis
-
-    from service.redis_client import redis_client
+    from service.redis_client import REDIS_OUTAGE, redis_client
 
     try:
         return bool(redis_client(settings, url=url, socket_timeout=0.5).ping())
-    except redis.exceptions.ConnectionError:
+    except REDIS_OUTAGE:
         return False
 
 
@@ -259,11 +260,14 @@ def _run_locked(settings: Settings, data_dir: Path, echo: Callable[[str], None])
         key, key_line = prepare_database_and_key(settings)
         env["LORAQ_API_KEY"] = key
 
-        api = sup.spawn("api", api_argv(settings), env=env, log_path=logs / "api.log")
-        sup.spawn("worker", worker_argv(settings), env=env, log_path=logs / "worker.log")
+        down = partial(dependency_down, settings)
+        api = sup.spawn("api", api_argv(settings), env=env, log_path=logs / "api.log", dependency=down)
+        sup.spawn("worker", worker_argv(settings), env=env, log_path=logs / "worker.log", dependency=down)
         sup.on_exit["worker"] = lambda _child, pid: _release_jobs_of(pid, echo)
         # chat completions are served by their own worker, never by the API
-        sup.spawn("inference", inference_argv(settings), env=env, log_path=logs / "inference.log")
+        sup.spawn(
+            "inference", inference_argv(settings), env=env, log_path=logs / "inference.log", dependency=down
+        )
         base = f"http://{settings.host}:{settings.port}"
         _wait_until(lambda: _http_ready(f"{base}/readyz"), api, "the API", timeout=READY_TIMEOUT_SECONDS)
 
@@ -292,6 +296,18 @@ def _run_locked(settings: Settings, data_dir: Path, echo: Callable[[str], None])
             signal.signal(s, handler)
         if stop_signal:
             echo("Stopped.")
+
+
+def dependency_down(settings: Settings) -> str | None:
+    """What the API and the workers need, checked when one of them exits: why Redis or the
+    database does not answer, or None when both do (then the exit counts as a crash)."""
+    from service.dependency import database_down, redis_down
+
+    if why := redis_down(settings):
+        return f"Redis does not answer: {why}"
+    if why := database_down():
+        return f"the database does not answer: {why}"
+    return None
 
 
 def _release_jobs_of(worker_pid: int, echo: Callable[[str], None]) -> None:

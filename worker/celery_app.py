@@ -10,6 +10,9 @@ from __future__ import annotations
 import logging
 
 from celery.signals import (
+    task_postrun,
+    task_prerun,
+    task_received,
     worker_init,
     worker_process_shutdown,
     worker_ready,
@@ -19,6 +22,7 @@ from celery.signals import (
 
 from service.broker import RUN_JOB_TASK, make_celery
 from service.settings import get_settings
+from worker import consumer_watch
 
 __all__ = ["RUN_JOB_TASK", "celery_app", "make_celery"]
 
@@ -34,6 +38,31 @@ def _log_worker_start(**_: object) -> None:
     from worker.runner import on_worker_start
 
     on_worker_start()
+
+
+# The consumer watch (worker/consumer_watch.py): a worker whose consumer stops taking messages
+# restarts itself. It starts once the consumer is up, and follows messages and jobs.
+@worker_ready.connect
+def _watch_consumer(**_: object) -> None:
+    consumer_watch.start()
+
+
+@task_received.connect
+def _message_received(**_: object) -> None:
+    if (watch := consumer_watch.current()) is not None:
+        watch.received()
+
+
+@task_prerun.connect
+def _job_started(**_: object) -> None:
+    if (watch := consumer_watch.current()) is not None:
+        watch.job_started()
+
+
+@task_postrun.connect
+def _job_ended(**_: object) -> None:
+    if (watch := consumer_watch.current()) is not None:
+        watch.job_ended()
 
 
 @worker_shutting_down.connect
@@ -74,6 +103,7 @@ def _start_worker_metrics(**_: object) -> None:
 def _stop_worker_metrics(**_: object) -> None:
     from worker.metrics import on_worker_shutdown
 
+    consumer_watch.stop()
     on_worker_shutdown()
 
 

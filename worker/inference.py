@@ -8,11 +8,17 @@ per base). Every row carries its adapter's slot (worker.engine.serving). Base mo
 an LRU of `inference_max_adapters` slots per base model.
 
 Prometheus (own registry, port `inference_metrics_port`): time to first token, generated tokens/s
-per request, requests by outcome.
+per request, requests by outcome, and `loraq_redis_up`.
+
+A Redis outage (stalled, restarting, reloading its append-only file) is ridden out: the loop
+retries with backoff (service/dependency.py) and serves again once Redis answers, re-registering
+first. Requests being decoded when Redis went away are dropped (outcome `dropped`): their replies
+could not be delivered, and their callers have been told `inference_timeout`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -24,11 +30,11 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-import redis
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from service.dependency import DependencyHealth
 from service.inference import REPLY_TTL_SECONDS, reply_key, requests_key, workers_key
-from service.redis_client import redis_client
+from service.redis_client import REDIS_OUTAGE, redis_client
 from service.settings import Settings
 from worker.engine.types import EngineError
 
@@ -66,6 +72,9 @@ class Metrics:
         self.requests = Counter(
             "loraq_inference_requests", "Requests by outcome", ["outcome"], registry=self.registry
         )
+        self.redis_up = Gauge(
+            "loraq_redis_up", "1 while this process's last Redis call succeeded", registry=self.registry
+        )
 
 
 class ModelsBusy(RuntimeError):
@@ -97,6 +106,8 @@ class InferenceWorker:
         self.waiting: list[Pending] = []  # chat requests not admitted yet
         self._tokenizers: dict[str, Any] = {}
         self.metrics = Metrics()
+        self.redis_health = DependencyHealth("Redis", log)
+        self.registered = False  # in the workers zset since the last outage
         self._stop = threading.Event()
 
     # -- lifecycle
@@ -116,32 +127,57 @@ class InferenceWorker:
             log.exception("inference metrics could not start on port %d; serving without /metrics", port)
         for name in self.settings.inference_preload:
             self.model(name)
-        # Registered before "ready": the API refuses requests while no worker is registered.
-        self.redis.zadd(workers_key(self.queue), {self.worker_id: time.time()})
         threading.Thread(target=self._heartbeat, name="inference-heartbeat", daemon=True).start()
-        log.info("inference worker %s ready on queue %s", self.worker_id, self.queue)
 
     def stop(self) -> None:
         self._stop.set()
 
+    def _register(self) -> None:
+        """Join the workers zset: the API refuses chat requests while no worker is in it."""
+        self.redis.zadd(workers_key(self.queue), {self.worker_id: time.time()})
+        if not self.registered:
+            self.registered = True
+            log.info("inference worker %s ready on queue %s", self.worker_id, self.queue)
+
     def _heartbeat(self) -> None:
-        key = workers_key(self.queue)
         while not self._stop.is_set():
-            try:
-                self.redis.zadd(key, {self.worker_id: time.time()})
-            except redis.exceptions.RedisError:
-                log.warning("inference heartbeat failed", exc_info=True)
+            if self.registered:
+                # a failure is the serving loop's to report and retry; this thread only keeps trying
+                with contextlib.suppress(*REDIS_OUTAGE):
+                    self._register()
             self._stop.wait(HEARTBEAT_SECONDS)
 
     def serve_forever(self) -> None:
         self.start()
         while not self._stop.is_set():
             try:
+                if not self.registered:
+                    self._register()
+                    self._redis_answers()
                 self.serve_once(POP_TIMEOUT_SECONDS)
-            except redis.exceptions.ConnectionError:
-                log.warning("Redis unreachable; retrying", exc_info=True)
-                time.sleep(1.0)
-        self.redis.zrem(workers_key(self.queue), self.worker_id)
+            except REDIS_OUTAGE as exc:
+                self._redis_lost(exc)
+                continue
+            self._redis_answers()
+        with contextlib.suppress(*REDIS_OUTAGE):
+            self.redis.zrem(workers_key(self.queue), self.worker_id)
+
+    def _redis_answers(self) -> None:
+        self.redis_health.ok()
+        self.metrics.redis_up.set(1)
+
+    def _redis_lost(self, exc: BaseException) -> None:
+        """Drop what is in flight (its replies cannot be delivered), then wait out the backoff."""
+        self.metrics.redis_up.set(0)
+        self.registered = False
+        dropped = self.waiting + [row.key for batch in self.batches.values() for row in batch.rows]
+        self.waiting = []
+        for batch in self.batches.values():
+            batch.keep([])
+        if dropped:
+            log.warning("dropped %d request(s) in flight: Redis went away", len(dropped))
+            self.metrics.requests.labels("dropped").inc(len(dropped))
+        self._stop.wait(self.redis_health.failed(exc))
 
     def serve_once(self, timeout: float) -> int:
         """Wait up to `timeout` for requests, then decode until every batch has drained, admitting
@@ -328,6 +364,8 @@ class InferenceWorker:
 
         try:
             done = self.models[base].step(batch, on_text)
+        except REDIS_OUTAGE:
+            raise  # a streamed delta could not be pushed: the serving loop rides the outage out
         except Exception as exc:
             log.exception("a decode step of %d rows failed", len(batch.rows))
             for row in batch.rows:

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import time
 
-import redis
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
-from sqlalchemy import text
 
-from service.db.session import get_engine
-from service.redis_client import redis_client
+from service.dependency import database_down, redis_down
 from service.schemas import HealthPublic
 from service.settings import get_settings
 
@@ -25,24 +22,13 @@ async def healthz() -> HealthPublic:
 
 
 def _check_db() -> str:
-    try:
-        with get_engine().connect() as conn:
-            conn.execute(text("SELECT 1"))
-    except Exception as e:
-        return f"error: {type(e).__name__}"
-    return "ok"
+    why = database_down()
+    return "ok" if why is None else f"error: {why}"
 
 
 def _check_redis() -> str:
-    try:
-        client = redis_client(get_settings())
-        try:
-            client.ping()
-        finally:
-            client.close()
-    except (redis.RedisError, ValueError) as e:  # ValueError: a malformed LORAQ_REDIS_URL
-        return f"error: {type(e).__name__}"
-    return "ok"
+    why = redis_down(get_settings())
+    return "ok" if why is None else f"error: {why}"
 
 
 @router.get("/readyz", response_model=HealthPublic, responses={503: {"model": HealthPublic}})

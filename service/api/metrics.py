@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -30,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.broker import KOMBU_UNACKED_KEY, kombu_queue_depth
 from service.errors import AuthenticationError
 from service.job_status import JOB_STATUSES
 from service.redis_client import redis_client
@@ -40,12 +40,6 @@ log = logging.getLogger("loraq.api.metrics")
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 UNMATCHED_ROUTE = "<unmatched>"
-# Kombu's Redis transport keeps one list per priority step: "<queue>" for priority 0 and
-# "<queue>\x06\x16<p>" for the others (default steps 0, 3, 6, 9); "unacked" holds delivered,
-# not yet acknowledged messages of every queue.
-KOMBU_PRIORITY_SEP = "\x06\x16"
-KOMBU_PRIORITY_STEPS = (0, 3, 6, 9)
-KOMBU_UNACKED_KEY = "unacked"
 
 
 class RequestMetrics:
@@ -176,15 +170,6 @@ class ServiceStateCollector(Collector):
         yield GaugeMetricFamily(
             "loraq_workers_alive", "Workers whose registry entry is fresh", value=self.sources.workers_alive()
         )
-
-
-def kombu_queue_depth(client: Any, queue: str) -> int:
-    """Messages waiting in `queue` across Kombu's priority lists."""
-    keys = [queue if p == 0 else f"{queue}{KOMBU_PRIORITY_SEP}{p}" for p in KOMBU_PRIORITY_STEPS]
-    pipe = client.pipeline()
-    for key in keys:
-        pipe.llen(key)
-    return int(sum(pipe.execute()))
 
 
 def check_metrics_token(request: Request) -> None:

@@ -1,12 +1,17 @@
 """The worker registry in Redis, which the dashboard's Workers page and the API read (key names in
 `service.worker_registry`):
 
-- `loraq:workers:<node>`      JSON: hostname, pid, metrics port, queue, kernels, GPUs, last_seen;
-                              refreshed every `REGISTRY_INTERVAL_SECONDS` by a thread of the main
-                              process (`RegistryBeat`), expires after `REGISTRY_TTL_SECONDS` without
-                              a refresh.
+- `loraq:workers:<node>`      JSON: hostname, pid, metrics port, queue, kernels, GPUs, last_seen,
+                              and `consumer` (whether its consumer is taking messages:
+                              worker/consumer_watch.py); refreshed every `REGISTRY_INTERVAL_SECONDS`
+                              by a thread of the main process (`RegistryBeat`), expires after
+                              `REGISTRY_TTL_SECONDS` without a refresh.
 - `loraq:workers:<node>:job`  JSON: the job the worker runs (id, model, step, total), written by
                               the process running it (`record_job`); deleted when the job ends.
+
+During a Redis outage these writes are skipped until the backoff since the last failure is over
+(one `DependencyHealth` per process), so a training step never waits on a Redis timeout, and the
+outage is logged once.
 """
 
 from __future__ import annotations
@@ -17,14 +22,17 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
 import redis
 
-from service.redis_client import redis_client
+from service.dependency import DependencyHealth
+from service.redis_client import REDIS_OUTAGE, redis_client
 from service.settings import Settings, get_settings
 from service.worker_registry import job_key, worker_key
+from worker import consumer_watch
 from worker.metrics.gpus import local_gpus
 
 log = logging.getLogger("loraq.worker.metrics")
@@ -43,6 +51,7 @@ def node_id() -> str:
 
 
 _redis_client: redis.Redis | None = None
+_health = DependencyHealth("Redis (worker registry)", log)
 
 
 def _redis(settings: Settings | None = None) -> redis.Redis:
@@ -52,24 +61,34 @@ def _redis(settings: Settings | None = None) -> redis.Redis:
     return _redis_client
 
 
+def _write(what: str, write: Callable[[redis.Redis], object]) -> None:
+    """One registry write, skipped during an outage's backoff. Never raises."""
+    if not _health.may_try():
+        return
+    try:
+        write(_redis())
+        _health.ok()
+    except REDIS_OUTAGE as exc:
+        _health.failed(exc)
+    except Exception:
+        log.warning("registry: could not %s", what, exc_info=True)
+
+
 def record_job(body: dict[str, Any]) -> None:
     """Write this worker's `loraq:workers:<node>:job`. Never raises: the registry is for reading."""
     if not os.environ.get(NODE_ENV):  # not inside a started worker (a test calling the runner)
         return
-    try:
-        _redis().set(job_key(node_id()), json.dumps(body), ex=JOB_KEY_TTL_SECONDS)
-    except Exception:
-        log.warning("registry: could not record the current job", exc_info=True)
+    _write(
+        "record the current job",
+        lambda r: r.set(job_key(node_id()), json.dumps(body), ex=JOB_KEY_TTL_SECONDS),
+    )
 
 
 def clear_job() -> None:
     """Delete this worker's `loraq:workers:<node>:job`. Never raises."""
     if not os.environ.get(NODE_ENV):
         return
-    try:
-        _redis().delete(job_key(node_id()))
-    except Exception:
-        log.warning("registry: could not clear the current job", exc_info=True)
+    _write("clear the current job", lambda r: r.delete(job_key(node_id())))
 
 
 _kernels: dict[str, Any] = {}
@@ -99,6 +118,7 @@ def registry_entry(*, node: str, metrics_port: int | None, queue: str, started_a
         "last_seen": time.time(),
         "kernels": kernels_status(),
         "gpus": [asdict(g) for g in local_gpus()],
+        "consumer": watch.status() if (watch := consumer_watch.current()) is not None else None,
     }
 
 
@@ -125,6 +145,7 @@ class RegistryBeat:
             started_at=self.started_at,
         )
         _redis(self.settings).set(worker_key(self.node), json.dumps(entry), ex=REGISTRY_TTL_SECONDS)
+        _health.ok()
 
     def stop(self) -> None:
         self._stop.set()
@@ -138,5 +159,7 @@ class RegistryBeat:
         while not self._stop.wait(REGISTRY_INTERVAL_SECONDS):
             try:
                 self.beat()
-            except Exception:  # Redis blip: the next beat retries; the entry expires meanwhile
+            except REDIS_OUTAGE as exc:  # the next beat retries; the entry expires meanwhile
+                _health.failed(exc)
+            except Exception:
                 log.warning("registry beat failed", exc_info=True)

@@ -2,8 +2,9 @@
 
 The worker's main process serves `/metrics` on `settings.worker_metrics_port` (started by Celery's
 `worker_init`, before any pool forks), merging the training series every process wrote
-(`worker.metrics.training`), the live jobs' gauges (`worker.metrics.live_jobs`) and the GPUs'
-(`worker.metrics.gpus`); it also keeps this worker's registry entry fresh (`worker.metrics.registry`).
+(`worker.metrics.training`), the live jobs' gauges (`worker.metrics.live_jobs`), the GPUs'
+(`worker.metrics.gpus`) and the consumer's (`loraq_redis_up`, `loraq_worker_consuming`:
+`worker.consumer_watch`); it also keeps this worker's registry entry fresh (`worker.metrics.registry`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from service.settings import Settings, get_settings
+from worker.consumer_watch import ConsumerCollector
 from worker.metrics.gpus import NvmlCollector
 from worker.metrics.live_jobs import LiveJobCollector, clear_live_job
 from worker.metrics.registry import NODE_ENV, RegistryBeat, kernels_status
@@ -58,6 +60,7 @@ def start_worker_metrics(settings: Settings | None = None, *, port: int | None =
     MultiProcessCollector(registry, path=str(multiproc_dir))
     registry.register(LiveJobCollector(multiproc_dir))
     registry.register(NvmlCollector(node=node))
+    registry.register(ConsumerCollector())
     bind_port = settings.worker_metrics_port if port is None else port
     host = settings.worker_metrics_host or settings.host
     try:
