@@ -1,6 +1,8 @@
 #!/bin/sh
 # API container start: migrations (alembic upgrade head, idempotent), the LORAQ_API_KEY for the
-# default tenant, then uvicorn in the foreground as PID 1's replacement so signals reach it.
+# default tenant, then `loraq api` (uvicorn with the connection limits of service/api_server.py;
+# LORAQ_API_WORKERS processes, proxies in LORAQ_FORWARDED_ALLOW_IPS believed) in the foreground as
+# PID 1's replacement so signals reach it.
 # Run one API replica per database while migrating; more replicas may start once it is healthy.
 set -eu
 
@@ -15,7 +17,4 @@ if generated:
 print("database migrated; API key ready", flush=True)
 PY
 
-exec uvicorn service.app:create_app --factory \
-  --host "${LORAQ_HOST:-0.0.0.0}" --port "${LORAQ_PORT:-8000}" --workers "${LORAQ_API_WORKERS:-1}" \
-  --proxy-headers --forwarded-allow-ips "${LORAQ_FORWARDED_ALLOW_IPS:-127.0.0.1}" \
-  --no-access-log --timeout-graceful-shutdown 10
+exec loraq api

@@ -16,6 +16,7 @@ from service.api.docs import mount_docs
 from service.api.metrics import install_service_metrics
 from service.api.plain_route import install_plain_routes
 from service.api.query_guard import refuse_nul_in_query
+from service.api.security_headers import SecureHeadersApp
 from service.db.pipelined_reads import close_read_pools
 from service.errors import install_error_handlers
 from service.settings import Settings, get_settings
@@ -55,8 +56,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 reaper.stop()
             await close_read_pools()
 
-    # /docs and /redoc are ours (service/api/docs.py): FastAPI's load their scripts from a CDN
-    app = FastAPI(
+    # /docs and /redoc are ours (service/api/docs.py): FastAPI's load their scripts from a CDN.
+    # Every response carries the security headers (service/api/security_headers.py).
+    app = SecureHeadersApp(
         title="Loraq",
         version="0.1.0",
         description=DESCRIPTION,

@@ -150,6 +150,15 @@ def up() -> None:
 
 
 @app.command()
+def api() -> None:
+    """Serve the API (uvicorn on LORAQ_HOST:LORAQ_PORT) with its per-connection limits."""
+    from service.api_server import serve
+    from service.settings import get_settings
+
+    serve(get_settings())
+
+
+@app.command()
 def worker(
     queue: Annotated[str | None, typer.Option(help="Queue to consume (default LORAQ_WORKER_QUEUE).")] = None,
     concurrency: Annotated[int, typer.Option(min=1, max=1, help="Jobs at once: one per GPU.")] = 1,

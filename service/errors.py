@@ -16,9 +16,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.routing import Match, Mount
 
 log = logging.getLogger("loraq.api")
+
+# scope["state"] key: why the server cut a request body off (service/api_server.py sets it)
+DISCONNECT_REASON = "loraq.disconnect_reason"
 
 
 class LoraqError(Exception):
@@ -184,6 +188,15 @@ def install_error_handlers(app: FastAPI) -> None:
         err.headers = dict(exc.headers or {})
         return error_response(err)
 
+    async def on_client_gone(request: Request, _: Exception) -> JSONResponse:
+        # An upload cut off by its client, or by the server's body timeout: one line, no traceback.
+        why = request.scope.get("state", {}).get(DISCONNECT_REASON, "the client disconnected")
+        log.warning("%s %s: the request body ended early (%s)", request.method, request.url.path, why)
+        # nobody reads this answer (the connection is gone); request metrics count it as a 400
+        return error_response(
+            InvalidRequestError(f"request body incomplete: {why}", code="client_disconnected")
+        )
+
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
         return error_response(LoraqError("internal server error"))
@@ -191,4 +204,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(LoraqError, on_loraq_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(ClientDisconnect, on_client_gone)
     app.add_exception_handler(Exception, on_unexpected)

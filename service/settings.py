@@ -39,6 +39,19 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     api_workers: int = Field(1, ge=1, le=64)  # uvicorn worker processes `loraq up` starts
+    # The API's HTTP server (`loraq api`, service/api_server.py) bounds what one connection costs,
+    # per API process: a request's line and headers (431 past either size, checked as the bytes
+    # arrive), how long its head may take to arrive (then 408), how long its body may stall and
+    # how long a kept-alive connection may idle (then closed), and how many connections are open
+    # at once (503 beyond; capped at half the process's file-descriptor limit).
+    max_header_bytes: int = Field(16 * 1024, ge=1024)
+    max_request_head_bytes: int = Field(64 * 1024, ge=4096)
+    header_timeout_seconds: float = Field(10.0, gt=0)
+    body_idle_timeout_seconds: float = Field(30.0, gt=0)
+    keep_alive_timeout_seconds: int = Field(5, ge=1)
+    max_connections: int = Field(1000, ge=1)
+    # Proxies whose X-Forwarded-For/-Proto the API believes (uvicorn's forwarded_allow_ips).
+    forwarded_allow_ips: str = "127.0.0.1"
     api_key: str | None = None  # accepted for the default tenant by `loraq up`
     secret_key: str | None = None  # HMAC key for stored API-key hashes; generated under data_dir if unset
     cors_origins: list[str] = Field(default_factory=list)

@@ -208,12 +208,8 @@ def child_env(settings: Settings, redis_url: str) -> dict[str, str]:
 
 
 def api_argv(settings: Settings) -> list[str]:
-    return [
-        sys.executable, "-m", "uvicorn", "service.app:create_app", "--factory",
-        "--host", settings.host, "--port", str(settings.port),
-        "--workers", str(settings.api_workers),
-        "--no-access-log", "--timeout-graceful-shutdown", "5",
-    ]  # fmt: skip
+    """`loraq api`: uvicorn with the connection limits (service/api_server.py), as in the image."""
+    return [sys.executable, "-m", "service.cli", "api"]
 
 
 def worker_argv(settings: Settings) -> list[str]:

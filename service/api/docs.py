@@ -3,7 +3,8 @@
 FastAPI's own pages load Swagger UI and ReDoc from a CDN, so they are blank offline and carry an
 inline script. Ours take the JS and CSS that the `fastapi-offline` package ships (MIT; Swagger UI and
 ReDoc's standalone builds) under `/docs-assets`, and start Swagger UI from a static script
-(`static/docs/swagger-init.js`), so a Content-Security-Policy of 'self' holds.
+(`static/docs/swagger-init.js`), so a Content-Security-Policy of 'self' holds for scripts (the
+pages send `DOCS_CSP`; ReDoc needs inline styles).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import fastapi_offline
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
+
+from service.api.security_headers import DOCS_CSP
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 VENDOR_DIR = Path(fastapi_offline.__file__).resolve().parent / "static"
@@ -28,14 +31,18 @@ def _page(name: str) -> str:
     return (STATIC_DIR / "docs" / name).read_text()
 
 
+def _html(name: str) -> HTMLResponse:
+    return HTMLResponse(_page(name), headers={"Content-Security-Policy": DOCS_CSP})
+
+
 @router.get("/docs", response_class=HTMLResponse)
-def swagger_ui() -> str:
-    return _page("swagger.html")
+def swagger_ui() -> HTMLResponse:
+    return _html("swagger.html")
 
 
 @router.get("/redoc", response_class=HTMLResponse)
-def redoc() -> str:
-    return _page("redoc.html")
+def redoc() -> HTMLResponse:
+    return _html("redoc.html")
 
 
 @router.get("/favicon.ico")

@@ -65,7 +65,7 @@ def test_api_image_is_slim_python_without_cuda_or_torch() -> None:
     assert "/readyz" in health.args
     (entry,) = df.final.all("ENTRYPOINT")
     entrypoint = (ROOT / entry.args.strip('[]"').replace("/app/", "", 1)).read_text()
-    assert entrypoint.index("prepare_database_and_key") < entrypoint.index("exec uvicorn")
+    assert entrypoint.index("prepare_database_and_key") < entrypoint.index("exec loraq api")
 
 
 def api_excluded_deps() -> list[str]:

@@ -1,6 +1,7 @@
 """HTTP hygiene. 405 names every method of the path in `Allow`; the dashboard's pages
-carry a CSP without inline script, anti-framing, nosniff and a referrer policy; /metrics can
-require a bearer token; a results CSV answers text/csv; the dashboard API documents its 4xx."""
+carry a CSP without inline script, anti-framing, nosniff and a referrer policy, and every other
+response (docs, assets, the REST API, errors) the same headers; /metrics can require a bearer
+token; a results CSV answers text/csv; the dashboard API documents its 4xx."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import re
 import pytest
 
 from service import files
+from service.api.security_headers import DOCS_CSP
 from service.db.session import session_scope
 from service.settings import get_settings
-from tests.conftest import ApiClient
+from tests.conftest import ApiClient, LoraqEnv
 
 pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 
@@ -48,6 +50,55 @@ def test_dashboard_pages_set_security_headers_and_hold_no_inline_script(api: Api
     scripts = re.findall(r"<script\b([^>]*)>(.*?)</script>", html, flags=re.S)
     assert scripts and all("src=" in attrs and not body.strip() for attrs, body in scripts)
     assert not re.search(r"\son[a-z]+\s*=", html) and "style=" not in html and "javascript:" not in html
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/docs",
+        "/redoc",
+        "/openapi.json",
+        "/docs-assets/swagger-ui.css",
+        "/static/dashboard/app.css",
+        "/favicon.ico",
+        "/v1/models",
+        "/v1/files/file-nope",
+        "/dashboard/api/jobs",
+        "/healthz",
+        "/metrics",
+        "/no/such/url",
+    ],
+)
+@pytest.mark.parametrize("authorized", [True, False])
+def test_every_response_carries_the_security_headers(api: ApiClient, path: str, authorized: bool) -> None:
+    """Not only the dashboard's pages: docs, assets, the REST API and its errors too."""
+    r = api.get(path) if authorized else api.client.get(path)
+    assert r.headers["X-Content-Type-Options"] == "nosniff", r.status_code
+    assert r.headers["X-Frame-Options"] == "DENY"
+    assert "frame-ancestors 'none'" in r.headers["Content-Security-Policy"]
+    assert r.headers["Referrer-Policy"] == "same-origin"
+    if path in ("/docs", "/redoc"):  # pages: same-origin scripts only, never inline ones
+        assert r.headers["Content-Security-Policy"] == DOCS_CSP
+        assert "script-src 'self';" in DOCS_CSP
+    else:  # data and assets load nothing
+        assert r.headers["Content-Security-Policy"].startswith("default-src 'none'")
+
+
+def test_an_unexpected_error_carries_the_security_headers_too(loraq_env: LoraqEnv) -> None:
+    from fastapi.testclient import TestClient
+
+    from service.app import create_app
+
+    app = create_app()
+
+    def boom() -> None:
+        raise RuntimeError("a bug")
+
+    app.add_api_route("/boom", boom)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.get("/boom")
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+    assert r.headers["X-Content-Type-Options"] == "nosniff" and r.headers["X-Frame-Options"] == "DENY"
 
 
 def test_metrics_bearer_token(api: ApiClient, monkeypatch: pytest.MonkeyPatch) -> None:
