@@ -14,7 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from service.supervisor import CrashLoopError, Supervisor
+from service.dependency import EXIT_DEPENDENCY_DOWN
+from service.supervisor import CRASH_LOOP_EXITS, Child, CrashLoopError, Supervisor
 from tests.e2e.procs import ROOT, wait_for
 
 
@@ -95,3 +96,52 @@ def test_children_die_with_their_supervisor_even_on_sigkill(tmp_path: Path) -> N
     # Each child is in its own session (a terminal's Ctrl-C never reaches it), so only the
     # parent-death signal can end it.
     wait_for(lambda: not any(alive(pid) for pid in pids), "children gone after kill -9 of the supervisor", 5)
+
+
+def exits_until(sup: Supervisor, child: Child, exits: int) -> list[str]:
+    """Poll on a clock of our own (one second a turn, so the backoffs pass at once) until `child`
+    has exited `exits` times; returns the supervisor's lines. Raises what `poll` raises."""
+    lines: list[str] = []
+    sup.echo = lines.append
+    now, deadline = 0.0, time.monotonic() + 30
+    while sum("; restarting in" in line for line in lines) < exits:
+        assert time.monotonic() < deadline, lines
+        sup.poll(now)
+        now += 1.0
+        time.sleep(0.02)  # the restarted `sh` exits on its own
+    return lines
+
+
+def test_a_child_that_gives_up_on_a_dependency_is_restarted_and_never_a_crash_loop(tmp_path: Path) -> None:
+    sup = Supervisor(grace=1)
+    argv = ["sh", "-c", f"exit {EXIT_DEPENDENCY_DOWN}"]
+    child = sup.spawn("worker", argv, env=dict(os.environ), log_path=tmp_path / "w.log")
+    try:
+        lines = exits_until(sup, child, CRASH_LOOP_EXITS * 2)  # twice what a crash loop takes
+    finally:
+        sup.stop()
+    assert lines[0].endswith(
+        f"exited with code {EXIT_DEPENDENCY_DOWN} (it gave up on a dependency: not counted as a crash); "
+        f"restarting in 0.5s (log: {tmp_path / 'w.log'})"
+    ), lines
+    assert not child.exits  # none of them counted
+
+
+@pytest.mark.parametrize("outage", ["Redis does not answer: TimeoutError", None], ids=["down", "up"])
+def test_exits_while_a_dependency_is_down_are_not_counted(outage: str | None) -> None:
+    sup = Supervisor(grace=1)
+    argv = ["sh", "-c", "exit 1"]
+    child = sup.spawn("inference", argv, env=dict(os.environ), log_path=None, dependency=lambda: outage)
+    try:
+        if outage is None:  # the dependency answers: the child is broken, and a crash loop is one
+            with pytest.raises(
+                CrashLoopError, match=r"inference \(pid \d+\) exited with code 1: its 5th exit"
+            ):
+                exits_until(sup, child, CRASH_LOOP_EXITS)
+            return
+        lines = exits_until(sup, child, CRASH_LOOP_EXITS * 2)
+    finally:
+        sup.stop()
+    restarts = [line for line in lines if "; restarting in" in line]
+    assert all(f"exited with code 1 ({outage}: not counted as a crash)" in line for line in restarts), lines
+    assert not child.exits
