@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
 from dataclasses import dataclass
 from functools import lru_cache
@@ -26,6 +25,7 @@ from service.db.models import ApiKey, Tenant, now_s
 from service.db.session import read_first
 from service.errors import AuthenticationError, InvalidRequestError, NotFoundError
 from service.ratelimit import check_rate
+from service.secret_files import read_or_create
 from service.settings import Settings, get_settings
 
 KEY_PREFIX = "sk-lq-"
@@ -55,21 +55,9 @@ def _secret_for(secret_key: str | None, data_dir: Path) -> bytes:
     if secret_key:
         return secret_key.encode()
     path = data_dir / SECRET_FILE
-    if not path.exists():
-        data_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            # O_EXCL: two processes starting at once agree on the first one's secret
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            pass
-        else:
-            with os.fdopen(fd, "w") as fh:
-                fh.write(secrets.token_hex(32))
-                fh.flush()
-                os.fsync(fh.fileno())
-    secret = path.read_text().strip()
+    secret = read_or_create(path, lambda: secrets.token_hex(32))
     if len(secret) < 32:
-        raise RuntimeError(f"server secret {path} is too short or still being written")
+        raise RuntimeError(f"server secret {path} is too short: restore it from a backup")
     return secret.encode()
 
 

@@ -121,7 +121,8 @@ class Settings(BaseSettings):
     accept_unserved_jobs: bool = False
     # An Idempotency-Key is remembered this long (Stripe: 24 h); after that it may be used again.
     idempotency_key_ttl_seconds: int = Field(24 * 3600, ge=1)
-    # `/metrics` answers only with `Authorization: Bearer <token>` when this is set.
+    # `/metrics` answers only with `Authorization: Bearer <token>`: this one, else one generated once
+    # in <data_dir>/metrics_token (service/api/metrics.py).
     metrics_bearer_token: str | None = None
 
     # Checkpoints: every `checkpoint_every` steps (0: off), at every epoch end, and at

@@ -149,6 +149,16 @@ class ApiClient:
     def delete(self, path: str, **kw: Any) -> Any:
         return self.request("DELETE", path, **kw)
 
+    def scrape_metrics(self) -> str:
+        """GET /metrics with its bearer token (service/api/metrics.py)."""
+        from service.api.metrics import metrics_token
+        from service.settings import get_settings
+
+        token = metrics_token(get_settings())
+        r = self.client.get("/metrics", headers={"Authorization": f"Bearer {token}"})
+        assert r.status_code == 200, r.text
+        return str(r.text)
+
     def upload(self, data: bytes, filename: str = "train.jsonl", purpose: str = "fine-tune") -> str:
         r = self.post("/v1/files", data={"purpose": purpose}, files={"file": (filename, data)})
         assert r.status_code == 200, r.text

@@ -1,4 +1,6 @@
-"""The API's Prometheus endpoint, `GET /metrics` (no auth: scraped by Prometheus on a private network).
+"""The API's Prometheus endpoint, `GET /metrics`, behind a bearer token: `metrics_bearer_token`,
+else one generated once in `<data_dir>/metrics_token` (owner-only; `metrics_token`). Prometheus
+sends it (`authorization: {credentials_file: ...}`, docker/prometheus.yml).
 
 Two kinds of series:
 - per request, from `RequestMetricsMiddleware`: `loraq_http_requests_total` and
@@ -17,6 +19,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import secrets
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,6 +36,7 @@ from service.broker import KOMBU_UNACKED_KEY, kombu_queue_depth
 from service.errors import AuthenticationError
 from service.job_status import JOB_STATUSES
 from service.redis_client import redis_client
+from service.secret_files import read_or_create
 from service.settings import Settings, get_settings
 from service.supervisor import RESTARTS_FILE
 
@@ -40,6 +44,7 @@ log = logging.getLogger("loraq.api.metrics")
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 UNMATCHED_ROUTE = "<unmatched>"
+METRICS_TOKEN_FILE = "metrics_token"
 
 
 class RequestMetrics:
@@ -172,15 +177,23 @@ class ServiceStateCollector(Collector):
         )
 
 
+def metrics_token(settings: Settings) -> str:
+    """The token /metrics wants: `metrics_bearer_token`, else the one in `<data_dir>/metrics_token`
+    (generated on first use; read at each scrape, so replacing the file rotates it)."""
+    if settings.metrics_bearer_token:
+        return settings.metrics_bearer_token
+    return read_or_create(settings.resolved_data_dir / METRICS_TOKEN_FILE, lambda: secrets.token_urlsafe(32))
+
+
 def check_metrics_token(request: Request) -> None:
-    """With `LORAQ_METRICS_BEARER_TOKEN` set, /metrics answers only `Authorization: Bearer <it>`
-    (Prometheus: `authorization: {credentials: ...}` in the scrape config); 401 otherwise."""
-    token = get_settings().metrics_bearer_token
-    if not token:
-        return
+    """/metrics answers only `Authorization: Bearer <metrics_token>`; 401 otherwise."""
+    token = metrics_token(get_settings())
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-        raise AuthenticationError("/metrics needs 'Authorization: Bearer <LORAQ_METRICS_BEARER_TOKEN>'")
+        raise AuthenticationError(
+            f"/metrics needs 'Authorization: Bearer <token>': LORAQ_METRICS_BEARER_TOKEN, else the "
+            f"token in {METRICS_TOKEN_FILE} of the API's data dir"
+        )
 
 
 def metrics_endpoint(registry: CollectorRegistry) -> Callable[[Request], Response]:
@@ -260,7 +273,9 @@ class UpRestartsCollector(Collector):
 
 
 def install_service_metrics(app: FastAPI, settings: Settings) -> CollectorRegistry:
-    """What `create_app()` calls: request metrics + /metrics over the service's real sources."""
+    """What `create_app()` calls: request metrics + /metrics over the service's real sources.
+    The token is made now, so its file exists once the API runs."""
+    metrics_token(settings)
     registry = install_metrics(app, service_sources(settings), JOB_STATUSES)
     registry.register(UpRestartsCollector(settings.resolved_data_dir / RESTARTS_FILE))
     return registry

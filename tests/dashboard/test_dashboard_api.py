@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from service import storage, worker_registry
+from service.api.metrics import metrics_token
 from service.settings import get_settings
 from tests.servers import create_pg_database, drop_pg_database, shared_redis_url
 
@@ -148,7 +149,7 @@ def test_jobs_progress_and_metrics(env: dict[str, Any]) -> None:
             assert r.status_code == 404 and r.json()["error"]["param"] == "job_id"
 
         # The API's /metrics counts every tenant's jobs by status, from the same database.
-        text = c.get("/metrics").text
+        text = c.get("/metrics", headers=auth(metrics_token(get_settings()))).text
     got = {(s.name, tuple(sorted(s.labels.items()))): s.value
            for f in text_string_to_metric_families(text) for s in f.samples}  # fmt: skip
     assert got[("loraq_jobs", (("status", "running"),))] == 2

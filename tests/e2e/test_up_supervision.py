@@ -267,7 +267,8 @@ def test_sigkill_of_the_api_training_goes_on_and_the_api_comes_back(up: Up) -> N
     up.wait_restarted("api", old, timeout=10)
     wait_for(lambda: api_ready(up.url), "API back", 60, up.proc)
     up.assert_succeeded_once(job_id)
-    metrics = httpx.get(up.url + "/metrics").text
+    token = (up.data_dir / "metrics_token").read_text()  # `loraq up`'s API made it
+    metrics = httpx.get(up.url + "/metrics", headers={"Authorization": f"Bearer {token}"}).text
     assert 'loraq_up_restarts_total{child="api"} 1.0' in metrics, metrics[-2000:]
     assert 'loraq_up_restarts_total{child="redis"} 0.0' in metrics
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Iterator
 
 import pytest
 import redis
@@ -15,13 +16,25 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service import worker_registry
 from service.api.metrics import StateSources, StoredCounts, install_metrics, kombu_queue_depth
+from service.settings import get_settings
 from tests.servers import shared_redis_url
 
 STATUSES = ("queued", "running", "succeeded")
+TOKEN = "scrape-token"
+SCRAPE = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(autouse=True)
+def metrics_bearer_token(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """/metrics wants a token: this one (unset, the API would make one in the data dir)."""
+    monkeypatch.setenv("LORAQ_METRICS_BEARER_TOKEN", TOKEN)
+    get_settings.cache_clear()
+    yield
+    get_settings.cache_clear()
 
 
 def scrape(client: TestClient) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    text = client.get("/metrics").text
+    text = client.get("/metrics", headers=SCRAPE).text
     return {
         (s.name, frozenset(s.labels.items())): s.value
         for fam in text_string_to_metric_families(text)
@@ -118,7 +131,7 @@ def test_failing_source_is_reported_not_raised() -> None:
     sources = redis_sources(dead, "q", {"queued": 1})
     app = make_app(sources)
     with TestClient(app) as client:
-        resp = client.get("/metrics")
+        resp = client.get("/metrics", headers=SCRAPE)
         assert resp.status_code == 200
         got = scrape(client)
     assert got[("loraq_scrape_source_up", frozenset({("source", "redis_queue")}))] == 0

@@ -18,14 +18,33 @@ from worker import launcher
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "docker/grafana"
+SECRET_FILE = "/run/secrets/loraq_metrics_token"  # compose mounts secrets under /run/secrets
 
 
-def test_promtool_accepts_the_scrape_config() -> None:
+def test_promtool_accepts_the_scrape_config(tmp_path: Path) -> None:
+    """promtool also checks that the API's token file exists: here it is a file of this test's,
+    where compose mounts the secret in the Prometheus container."""
     promtool = require_binary("promtool")
-    out = subprocess.run(
-        [promtool, "check", "config", str(ROOT / "docker/prometheus.yml")], capture_output=True, text=True
-    )
+    token = tmp_path / "token"
+    token.write_text("t")
+    config = tmp_path / "prometheus.yml"
+    config.write_text((ROOT / "docker/prometheus.yml").read_text().replace(SECRET_FILE, str(token)))
+    out = subprocess.run([promtool, "check", "config", str(config)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_prometheus_sends_the_api_its_metrics_token() -> None:
+    """The API's /metrics wants LORAQ_METRICS_BEARER_TOKEN, which compose requires and hands to
+    Prometheus as a secret, the file its scrape of the API sends."""
+    prom = yaml.safe_load((ROOT / "docker/prometheus.yml").read_text())
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    (api_job,) = [job for job in prom["scrape_configs"] if job["job_name"] == "loraq-api"]
+    assert api_job["authorization"] == {"type": "Bearer", "credentials_file": SECRET_FILE}
+    env = compose["services"]["api"]["environment"]
+    assert env["LORAQ_METRICS_BEARER_TOKEN"].startswith("${LORAQ_METRICS_BEARER_TOKEN:?")
+    name = SECRET_FILE.removeprefix("/run/secrets/")
+    assert compose["services"]["prometheus"]["secrets"] == [name]
+    assert compose["secrets"][name] == {"environment": "LORAQ_METRICS_BEARER_TOKEN"}
 
 
 def test_scrape_targets_match_the_compose_services() -> None:

@@ -108,7 +108,12 @@ def test_prometheus_scrapes_api_and_worker_during_a_job(
             {
                 "global": {"scrape_interval": SCRAPE_INTERVAL},
                 "scrape_configs": [
-                    {"job_name": "loraq-api", "static_configs": [{"targets": [api_target]}]},
+                    {
+                        "job_name": "loraq-api",
+                        # as docker/prometheus.yml: the token file, here the one the API made
+                        "authorization": {"credentials_file": str(svc.data_dir / "metrics_token")},
+                        "static_configs": [{"targets": [api_target]}],
+                    },
                     {
                         "job_name": "loraq-worker",
                         "static_configs": [{"targets": [worker_metrics_target(svc, stack_redis_url)]}],

@@ -101,13 +101,21 @@ def test_an_unexpected_error_carries_the_security_headers_too(loraq_env: LoraqEn
     assert r.headers["X-Content-Type-Options"] == "nosniff" and r.headers["X-Frame-Options"] == "DENY"
 
 
-def test_metrics_bearer_token(api: ApiClient, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert api.client.get("/metrics").status_code == 200  # unset: open (bind it to a private address)
+def test_metrics_needs_a_bearer_token(
+    api: ApiClient, loraq_env: LoraqEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unset, the token is generated once in the data dir (owner-only); set, the setting's."""
+    path = loraq_env.data_dir / "metrics_token"
+    generated = path.read_text()  # made when the app was
+    assert len(generated) >= 40 and path.stat().st_mode & 0o777 == 0o600
+    assert "loraq_" in api.scrape_metrics()
     monkeypatch.setenv("LORAQ_METRICS_BEARER_TOKEN", "scrape-secret")
     get_settings.cache_clear()
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic scrape-secret"}):
-        r = api.client.get("/metrics", headers=headers)
-        assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer", headers
+    for token in ("scrape-secret", generated):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {token}"}):
+            r = api.client.get("/metrics", headers=headers)
+            assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer", headers
+    assert api.client.get("/metrics", headers={"Authorization": f"Bearer {generated}"}).status_code == 401
     ok = api.client.get("/metrics", headers={"Authorization": "Bearer scrape-secret"})
     assert ok.status_code == 200 and "loraq_" in ok.text
 

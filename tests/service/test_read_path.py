@@ -154,7 +154,7 @@ def test_status_read_is_rate_limited_and_counted(api: ApiClient, monkeypatch: py
 
     samples = {
         (s.labels.get("route"), s.labels.get("status")): s.value
-        for fam in text_string_to_metric_families(api.client.get("/metrics").text)
+        for fam in text_string_to_metric_families(api.scrape_metrics())
         for s in fam.samples
         if s.name == "loraq_http_requests_total" and s.labels.get("method") == "GET"
     }
@@ -191,7 +191,7 @@ def test_status_read_route_answers_as_the_fastapi_route(api: ApiClient) -> None:
     assert_error(api.client.get(url), 401)  # no key
     samples = {
         (s.labels.get("method"), s.labels.get("status")): s.value
-        for fam in text_string_to_metric_families(api.client.get("/metrics").text)
+        for fam in text_string_to_metric_families(api.scrape_metrics())
         for s in fam.samples
         if s.name == "loraq_http_requests_total" and s.labels.get("route") == ROUTE
     }
