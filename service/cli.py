@@ -693,7 +693,7 @@ if importlib.util.find_spec("service.cli_train") is not None:
 if importlib.util.find_spec("service.cli_models") is not None:
     from service.cli_models import models_app
 
-    app.add_typer(models_app, name="models", help="Base models: list, pull, add.")
+    app.add_typer(models_app, name="models", help="Base models: list, pull, add, path.")
 
 if importlib.util.find_spec("service.cli_export") is not None:
     from service.cli_export import export_app

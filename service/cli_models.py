@@ -1,4 +1,4 @@
-"""`loraq models list|pull|add`: the base-model store under `LORAQ_DATA_DIR/models`.
+"""`loraq models list|pull|add|path`: the base-model store under `LORAQ_DATA_DIR/models`.
 
 Works on the local store directly (no API, no torch import), so it runs on a worker host before
 the service is up.
@@ -18,7 +18,7 @@ from service.settings import get_settings
 from worker.engine.catalog import get_model_info, list_models, register_local_model
 from worker.engine.types import ModelError
 
-models_app = typer.Typer(help="Base models: list, pull, add.", no_args_is_help=True)
+models_app = typer.Typer(help="Base models: list, pull, add, path.", no_args_is_help=True)
 
 console = Console()
 err_console = Console(stderr=True)
@@ -92,6 +92,29 @@ def add_command(
         err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True, highlight=False)
         raise typer.Exit(1) from None
     console.print(f"registered [green]{info.name}[/green] -> {info.path}")
+
+
+@models_app.command("path")
+def path_command(
+    name: Annotated[str, typer.Argument(help="A pulled or added model, e.g. smollm2-135m-instruct.")],
+) -> None:
+    """Print where a model's weights are: a pulled model's .gguf file, an added model's directory."""
+    try:
+        info = get_model_info(name, _store())
+    except ModelError as exc:
+        err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True, highlight=False)
+        raise typer.Exit(1) from None
+    if info.path is None or not info.pulled:
+        if info.kind == "pretrained":
+            why = f"{name} is not pulled yet; run `loraq models pull {name}`"
+        elif info.kind == "random":
+            why = f"{name} is random-init: its weights are made when it loads, never stored"
+        else:
+            why = f"{name}'s directory {info.path} is missing"
+        err_console.print(f"[red]error:[/red] {why}", soft_wrap=True, highlight=False)
+        raise typer.Exit(1)
+    # Plain print, not rich: `$(loraq models path ...)` must get the path unwrapped and uncoloured.
+    print(info.path)
 
 
 @models_app.command("show", hidden=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -95,6 +96,36 @@ def test_cli_models_pull_and_list(pulled_store: Path, cli_env: CliRunner) -> Non
         assert "random" in rows[name], rows[name]
 
 
+def test_cli_models_path_prints_the_gguf_unwrapped(
+    pulled_store: Path, cli_env: CliRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "20")  # narrower than the path: `$(loraq models path ...)` needs one line
+    result = cli_env.invoke(models_app, ["path", "smollm2-135m-instruct"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == f"{pulled_store / 'smollm2-135m-instruct' / SMOLLM2_SOURCE.filename}\n"
+
+
+def test_cli_models_path_errors_exit_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAQ_DATA_DIR", str(tmp_path))  # an empty store: nothing pulled
+    monkeypatch.setenv("COLUMNS", "200")
+    get_settings.cache_clear()
+    try:
+        runner = CliRunner()
+        for name, message in [
+            (
+                "smollm2-135m-instruct",
+                "smollm2-135m-instruct is not pulled yet; run `loraq models pull smollm2-135m-instruct`",
+            ),
+            ("tiny-llama", "tiny-llama is random-init: its weights are made when it loads, never stored"),
+            ("nope", "unknown model 'nope'"),
+        ]:
+            result = runner.invoke(models_app, ["path", name])
+            assert result.exit_code == 1 and result.stdout == "", result.output
+            assert message in result.stderr
+    finally:
+        get_settings.cache_clear()
+
+
 def test_cli_models_add_errors_exit_1(cli_env: CliRunner, tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     (tmp_path / "model.pt").write_bytes(b"pickle")
@@ -121,5 +152,12 @@ def test_cli_models_add_then_list(tiny: LoadedModel, tmp_path: Path, monkeypatch
         result = runner.invoke(models_app, ["list"])
         (row,) = [line for line in result.output.splitlines() if "my-tiny" in line]
         assert "local" in row and "ok" in row and "random" not in row
+        result = runner.invoke(models_app, ["path", "my-tiny"])
+        assert result.exit_code == 0 and result.stdout == f"{directory.resolve()}\n", result.output
+        shutil.rmtree(directory)
+        result = runner.invoke(models_app, ["path", "my-tiny"])
+        assert (
+            result.exit_code == 1 and f"my-tiny's directory {directory.resolve()} is missing" in result.stderr
+        )
     finally:
         get_settings.cache_clear()

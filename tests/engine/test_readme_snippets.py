@@ -1,16 +1,19 @@
-"""The README's "Use your adapter" snippets, run as written, on the real SmolLM2 (slow).
+"""The README's "Use your adapter" section, run as written on the real SmolLM2 with no network.
 
-A two-step fine-tune of smollm2-135m-instruct gives a real adapter; its adapter_config.json must
-name the upstream base, `HuggingFaceTB/SmolLM2-135M-Instruct`. The tests have no network, so the
-hub id resolves to a local copy of the base: a directory of that relative name in the snippets'
-working directory (the GGUF the store holds, dequantized and saved as safetensors), which is where
-transformers looks first. Then, each in its own process, with HF_HUB_OFFLINE=1:
-- the transformers + PEFT snippet, verbatim;
-- `loraq export merged adapter.zip -o merged`, verbatim, then the merged-model snippet, verbatim.
+- The install line pins the versions of requirements/cpu.txt, torch's CPU build from PyTorch's CPU
+  index, and covers what the snippet imports (quick; no download: the CPU index is not reachable).
+- The rest (slow): a two-step fine-tune of smollm2-135m-instruct gives a real adapter, zipped as
+  `loraq jobs download` gives it. In a directory holding only `adapter.zip` and the Python snippet
+  saved as `use_adapter.py`, the section's shell lines run verbatim in bash: unzip, then the
+  snippet on the GGUF that `loraq models path` names, whose answer must differ from the base's;
+  beside it `loraq export merged`, verbatim, then the merged-model snippet, verbatim. Each runs
+  offline: HF_HUB_OFFLINE=1, TRANSFORMERS_OFFLINE=1, an empty HF_HOME (no hub cache to fall back
+  on), proxies on a closed port, and in a network namespace of its own where `unshare` may make one.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -18,19 +21,23 @@ import shlex
 import shutil
 import subprocess
 import sys
+from functools import cache
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.engine.conftest import TEST_DATA_DIR, smollm2_pirate_config
 from worker.engine.models import load_base_model
 from worker.engine.recipe import train
+from worker.engine.sampling import greedy_samples
 from worker.engine.types import NullCallbacks
 
 ROOT = Path(__file__).resolve().parents[2]
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+CLOSED_PORT_PROXY = "http://127.0.0.1:9"  # discard port: nothing listens, a request fails at once
+SNIPPET_FILE = "use_adapter.py"  # the name the README saves the snippet under
 
 
 def readme_section(title: str) -> str:
@@ -44,42 +51,119 @@ def code_blocks(section: str, lang: str) -> list[str]:
     return re.findall(rf"```{lang}\n(.*?)```", section, flags=re.S)
 
 
-def run(argv: list[str], cwd: Path) -> str:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAQ_")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", LORAQ_DATA_DIR=str(TEST_DATA_DIR))
-    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"  # `loraq` of this venv
-    out = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, f"{argv} failed:\n{out.stdout}\n{out.stderr}"
-    return out.stdout
+def sh_block_with(section: str, needle: str) -> str:
+    (block,) = [b for b in code_blocks(section, "sh") if needle in b]
+    return block
 
 
-def test_use_your_adapter_snippets_run(pulled_store: Path, tmp_path: Path) -> None:
+def locked_versions() -> dict[str, str]:
+    """requirements/cpu.txt's pins: {"torch": "2.13.0+cpu", ...}."""
+    text = (ROOT / "requirements" / "cpu.txt").read_text()
+    return dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", text, flags=re.M))
+
+
+def test_install_line_pins_the_cpu_lock() -> None:
     section = readme_section("Use your adapter")
-    python_snippets = code_blocks(section, "python")
-    assert len(python_snippets) == 2, "the section's Python snippets changed: update this test"
-    peft_snippet, merged_snippet = python_snippets
-    export_line = next(
-        line for block in code_blocks(section, "sh") for line in block.splitlines()
-        if line.startswith("loraq export merged")
-    )  # fmt: skip
+    (line,) = [
+        line for line in sh_block_with(section, "pip install").splitlines() if line.startswith("pip install")
+    ]
+    args = shlex.split(line)
+    pins = dict(arg.split("==") for arg in args if "==" in arg)
+    locked = locked_versions()
+    assert {name: locked[name] for name in pins} == pins  # every pin is the lock's
+    assert pins["torch"].endswith("+cpu")  # the CPU build: only PyTorch's CPU index has it
+    assert args[args.index("--extra-index-url") + 1] == CPU_INDEX
+    assert f"`torch=={pins['torch'].removesuffix('+cpu')}`" in section  # the macOS note, same version
+    # Everything the snippet imports, and what transformers needs to read a GGUF.
+    peft_snippet = code_blocks(section, "python")[0]
+    imported = {
+        alias.name.split(".")[0] if isinstance(node, ast.Import) else str(node.module).split(".")[0]
+        for node in ast.walk(ast.parse(peft_snippet))
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    }
+    assert (imported - sys.stdlib_module_names) | {"torch", "gguf"} == set(pins)
+
+
+@cache
+def no_network_prefix() -> tuple[str, ...]:
+    """`unshare` into a user + network namespace (no interfaces but a down loopback), if allowed here."""
+    argv = ("unshare", "--net", "--map-root-user")
+    if shutil.which("unshare") and subprocess.run([*argv, "true"], capture_output=True).returncode == 0:
+        return argv
+    return ()
+
+
+def start_offline(argv: list[str], cwd: Path, hf_home: Path, log: Path) -> subprocess.Popen[str]:
+    """Start `argv` offline; its stdout goes to `log`, its stderr to `log` + ".err" (files, not pipes:
+    two of these run at once, and a full pipe would stall one)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LORAQ_", "HF_"))}
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_HOME=str(hf_home),
+        LORAQ_DATA_DIR=str(TEST_DATA_DIR),
+        PATH=f"{Path(sys.executable).parent}:{env['PATH']}",  # `python` and `loraq` of this venv
+    )
+    for proxy in ("http_proxy", "https_proxy", "all_proxy"):
+        env[proxy] = env[proxy.upper()] = CLOSED_PORT_PROXY
+    env.pop("no_proxy", None)
+    env.pop("NO_PROXY", None)
+    with log.open("w") as out, log.with_suffix(".err").open("w") as err:
+        return subprocess.Popen(
+            [*no_network_prefix(), *argv], cwd=cwd, env=env, stdout=out, stderr=err, text=True
+        )
+
+
+def output_of(proc: subprocess.Popen[str], log: Path) -> str:
+    """Wait for `proc`; its stdout, after checking it exited 0."""
+    proc.wait(timeout=600)
+    stdout, stderr = log.read_text(), log.with_suffix(".err").read_text()
+    assert proc.returncode == 0, f"{proc.args!r} failed:\n{stdout}\n{stderr}"
+    return stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_use_your_adapter_runs_offline_as_written(pulled_store: Path, tmp_path: Path) -> None:
+    section = readme_section("Use your adapter")
+    peft_snippet, merged_snippet = code_blocks(section, "python")
+    run_lines = sh_block_with(section, SNIPPET_FILE)
+    export_line = sh_block_with(section, "loraq export merged").strip()
+    (prompt,) = re.findall(r'"content": "([^"]+)"', peft_snippet)
+
+    # The base's greedy answer to the snippet's prompt, to tell that the snippet applied the adapter.
+    loaded = load_base_model("smollm2-135m-instruct", store=pulled_store)
+    (base_answer,) = greedy_samples(loaded.model, loaded.tokenizer, [prompt], torch.device("cpu"), 32)
 
     # A real adapter: two steps on the pirate data.
-    loaded = load_base_model("smollm2-135m-instruct", store=pulled_store)
     config = smollm2_pirate_config(pulled_store, tmp_path / "run", max_steps=2, learning_rate=1e-3)
     adapter = train(config, NullCallbacks(), loaded=loaded).adapter_dir
+    del loaded
     assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == HUB_ID
 
     work = tmp_path / "work"
-    shutil.copytree(adapter, work / "adapter")
+    work.mkdir()
     shutil.make_archive(str(work / "adapter"), "zip", adapter)  # what `loraq jobs download` gives
-    loaded.model.save_pretrained(work / HUB_ID, safe_serialization=True)  # the "hub" copy of the base
-    loaded.tokenizer.save_pretrained(work / HUB_ID)
-    del loaded
+    (work / SNIPPET_FILE).write_text(peft_snippet)
+    hf_home = tmp_path / "hf-home"
+    hf_home.mkdir()  # empty: no hub cache to fall back on
 
-    answer = run([sys.executable, "-c", peft_snippet], work)
-    assert answer.strip(), "the PEFT snippet printed no answer"
-
-    run(shlex.split(export_line), work)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    # The export runs beside the snippet (each loads the base; two cores, half the wall time).
+    export = start_offline(shlex.split(export_line), work, hf_home, logs / "export.out")
+    try:
+        bash = ["bash", "-euo", "pipefail", "-c", run_lines]
+        snippet = start_offline(bash, work, hf_home, logs / "peft.out")
+        answer = output_of(snippet, logs / "peft.out").strip()
+        assert answer, "the PEFT snippet printed no answer"
+        common = min(len(answer), len(base_answer))
+        assert answer[:common] != base_answer[:common], f"the adapter changed nothing: {answer!r}"
+        output_of(export, logs / "export.out")
+    finally:
+        export.kill()  # a no-op once it has exited
     assert (work / "merged" / "config.json").is_file()
-    answer = run([sys.executable, "-c", merged_snippet], work)
-    assert answer.strip()
+    merged = start_offline([sys.executable, "-c", merged_snippet], work, hf_home, logs / "merged.out")
+    assert output_of(merged, logs / "merged.out").strip()
+    assert not any(hf_home.iterdir()), "something wrote to the hub cache"
