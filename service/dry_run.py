@@ -4,10 +4,10 @@ The API checks what it can itself (model, files, hyperparameters: the same check
 submit); tokenizing the files needs the model's tokenizer, which only workers load, so an
 inference worker reads and tokenizes them exactly as the job would (worker/inference.py): the
 same validation holdout (`validation_split` of the examples when there is no validation file,
-drawn with the job's seed) and the same rows (packed or one example a row), by the engine's own
-`split_datasets`. From those counts this module plans the run with the engine's own arithmetic:
-"auto" resolved by `resolve_auto`, optimizer steps by `plan_steps` (grad_accum micro-batches a
-step), and
+drawn with the job's seed), the same plan ("auto" resolved from the tokenized examples by
+`plan_auto`) and the same rows (packed or one example a row), by the engine's own
+`planned_datasets`. From those counts and that plan this module counts the run with the engine's
+own arithmetic: optimizer steps by `plan_steps` (grad_accum micro-batches a step), and
 
     trained tokens = n_epochs · tokens of the trained examples     (padding is never counted)
 
@@ -33,7 +33,7 @@ from service.schemas import (
 )
 from service.settings import Settings
 from worker.engine.holdout import holdout_sentence
-from worker.engine.training_config import plan_steps, resolve_auto
+from worker.engine.training_config import plan_steps
 
 
 def worker_request(session: Session, *, tenant_id: str, spec: JobCreate) -> dict[str, Any]:
@@ -43,7 +43,7 @@ def worker_request(session: Session, *, tenant_id: str, spec: JobCreate) -> dict
     training, validation = jobs.check_job_inputs(
         session, tenant_id=tenant_id, spec=spec, refuse_invalid=False
     )
-    jobs.requested_training(spec)  # refuses hyperparameters given twice
+    requested = jobs.requested_training(spec)  # refuses hyperparameters given twice
     return {
         "kind": "dry_run",
         "id": inference.new_request_id(),
@@ -51,7 +51,8 @@ def worker_request(session: Session, *, tenant_id: str, spec: JobCreate) -> dict
         "training_file": training.storage_key,
         "validation_file": validation.storage_key if validation is not None else None,
         "max_seq_len": spec.max_seq_len,
-        "packing": spec.packing,
+        "training": requested.model_dump(mode="json"),  # the worker plans "auto" as the job will
+        "n_gpus": spec.n_gpus,
         "validation_split": jobs.validation_split(spec),
         "seed": jobs.job_seed(spec),
     }
@@ -81,10 +82,13 @@ def _step_limit_error(steps: int, settings: Settings) -> list[DryRunError]:
 
 def plan(spec: JobCreate, request: dict[str, Any], done: dict[str, Any], settings: Settings) -> DryRunPublic:
     """The plan of `request` (from `worker_request`) from the worker's counts `done`."""
-    resolved = resolve_auto(jobs.requested_training(spec))
+    requested = jobs.requested_training(spec)
     training_file, validation_file = done["training_file"], done.get("validation_file")
     trained = TrainingData(**{k: done["training"][k] for k in TrainingData.model_fields})
-    n_epochs, batch_size = int(resolved.n_epochs), int(resolved.batch_size)
+    planned = done["training"]["plan"]  # None when the file has no valid example
+    hp = planned["hyperparameters"] if planned else requested.hyperparameter_block().model_dump()
+    n_epochs = int(hp["n_epochs"]) if hp["n_epochs"] != "auto" else 0
+    batch_size = int(hp["batch_size"]) if hp["batch_size"] != "auto" else 1
     steps = plan_steps(trained.rows, batch_size=batch_size, n_epochs=n_epochs, grad_accum=spec.grad_accum)
     errors = (
         _errors("training_file", training_file)
@@ -104,7 +108,9 @@ def plan(spec: JobCreate, request: dict[str, Any], done: dict[str, Any], setting
         valid=not errors,
         training_file=_summary(training_file),
         validation_file=_summary(validation_file) if validation_file else None,
-        hyperparameters=HyperparametersPublic(**resolved.hyperparameter_block().model_dump()),
+        hyperparameters=HyperparametersPublic(**hp),
+        row_tokens=planned["row_tokens"] if planned else spec.max_seq_len,
+        plan=planned["message"] if planned else "nothing to plan: the file has no valid example",
         max_seq_len=spec.max_seq_len,
         packing=spec.packing,
         seed=int(request["seed"]),

@@ -45,7 +45,8 @@ from service.job_status import ACTIVE, TERMINAL
 from service.schemas import JobCreate, StoredCheckpointMetrics
 from service.settings import get_settings
 from service.step_metrics import StepRow, event_data
-from worker.engine.training_config import MAX_SEED, TrainingConfig, resolve_auto
+from worker.engine.catalog import random_weights_warning
+from worker.engine.training_config import MAX_SEED, TrainingConfig
 from worker.engine.types import ModelError, StepMetrics
 
 # The training fields (worker/engine/training_config.py) with a column of their own in the job
@@ -75,7 +76,7 @@ class Claim:
     model: str
     training_file: str  # storage key of the training JSONL
     validation_file: str | None  # storage key, or None
-    training: TrainingConfig  # "auto" resolved; seed and validation_split set at submit
+    training: TrainingConfig  # as requested ("auto" kept); seed and validation_split set at submit
     suffix: str | None
     resume_checkpoint: str | None  # storage key of the latest registered checkpoint zip
     n_gpus: int = 1  # > 1: the worker runs the engine under torchrun
@@ -547,6 +548,8 @@ def create_job(
     add_event(session, job_id=job.id, level="info", message=f"Validating training file: {training.id}")
     _transition(session, job.id, "validating_files", "queued")
     add_event(session, job_id=job.id, level="info", message="Files validated, moving job to queued state")
+    if warning := random_weights_warning(spec.model):
+        add_event(session, job_id=job.id, level="warn", message=warning)
     if waiting_for is not None:
         add_event(session, job_id=job.id, level="info", message=f"Waiting for {waiting_for}")
     session.refresh(job)
@@ -732,10 +735,8 @@ def claim(session: Session, *, job_id: str, worker_id: str, running_limit: int =
     if _run(session, stmt) != 1:
         return None
     job = session.scalars(select(Job).where(Job.id == job_id).execution_options(populate_existing=True)).one()
-    training = resolve_auto(stored_training(job))
-    job.hyperparameters = training_columns(training)[
-        "hyperparameters"
-    ]  # shown resolved from now on, as OpenAI does
+    # "auto" stays as requested: the engine plans it from the tokenized data (`record_plan`)
+    training = stored_training(job)
     files = {
         f.id: f.storage_key
         for f in session.scalars(
@@ -775,6 +776,12 @@ def claim(session: Session, *, job_id: str, worker_id: str, running_limit: int =
         resume_step=int(resume.step) if resume is not None else 0,
         n_gpus=job.n_gpus,
     )
+
+
+def record_plan(session: Session, *, claim: Claim, plan: dict[str, Any]) -> bool:
+    """Store the engine's plan (the hyperparameters "auto" resolved to, shown from now on as
+    OpenAI shows them once a job starts); False if this attempt was fenced out."""
+    return _run(session, _fenced(claim).values(plan=plan)) == 1
 
 
 def heartbeat(session: Session, *, claim: Claim) -> bool:

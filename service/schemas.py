@@ -99,7 +99,8 @@ class JobErrorPublic(BaseModel):
 
 
 class HyperparametersPublic(Hyperparameters):
-    """A job's hyperparameters: as requested until it starts, "auto" resolved from then on."""
+    """A job's hyperparameters: as requested until the run is planned from its tokenized data, "auto"
+    resolved from then on (as OpenAI shows them once a job starts)."""
 
 
 class SupervisedPublic(BaseModel):
@@ -156,6 +157,9 @@ class JobPublic(TrainingOptions, Placement):
     cancel_requested: bool = False
     # Loraq extension: why a queued job has not started, in words (tenant limit, no worker yet)
     waiting_for: str | None = None
+    # Loraq extension: set on a job of a random-weight preset (it runs, for tests and benchmarks,
+    # but learns nothing real), naming the real model a near-miss name was probably meant to be
+    warning: str | None = None
 
 
 class JobsPublic(BaseModel):
@@ -233,6 +237,8 @@ class ModelPublic(BaseModel):
     auto_pull: bool | None = None
     use: Literal["fine-tuning", "tests", "benchmarks"] | None = None
     upstream: str | None = None
+    # random weights (a preset, or an adapter trained on one): what a job or chat on it says
+    warning: str | None = None
 
 
 class ModelsPublic(BaseModel):
@@ -337,6 +343,10 @@ class ChatCompletion(BaseModel):
     choices: list[Choice]
     usage: Usage
     system_fingerprint: str | None = None
+    # Loraq extensions (OpenAI clients ignore them): the model has random weights (its answers are
+    # noise); the worker loaded the model for this request first, and how long that took
+    warning: str | None = None
+    notice: str | None = None
 
 
 class ChunkDelta(BaseModel):
@@ -359,6 +369,9 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChunkChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    # as on ChatCompletion, on the first chunk only (absent from the others)
+    warning: str | None = None
+    notice: str | None = None
 
 
 # ---------------------------------------------------------------- dry runs
@@ -408,8 +421,10 @@ class DryRunPublic(BaseModel):
     valid: bool
     training_file: DatasetSummary
     validation_file: DatasetSummary | None
-    hyperparameters: HyperparametersPublic  # "auto" resolved
+    hyperparameters: HyperparametersPublic  # "auto" resolved from the tokenized examples
     max_seq_len: int
+    row_tokens: int  # a packed row's length: max_seq_len, or shorter where auto made small steps
+    plan: str  # the plan in words and why (the job's first training event says the same)
     packing: bool
     # the seed the holdout is drawn with (the request's, else drawn here): a job submitted with
     # it holds out the same examples; another seed holds out as many, maybe other ones

@@ -7,6 +7,11 @@ per base). Every row carries its adapter's slot (worker.engine.serving). Base mo
 (an LRU of `inference_max_models`), adapters are loaded from the store on first use and kept in
 an LRU of `inference_max_adapters` slots per base model.
 
+From its first moment until it serves, the worker is marked as starting (`StartingBeat`): a chat
+request that comes meanwhile waits for it (service/inference.py). A request whose base model is not
+loaded yet is told so at once (a "loading" event: the API streams a comment and a `notice`), and
+its "start" event says how long loading took.
+
 Prometheus (own registry, port `inference_metrics_port`): time to first token, generated tokens/s
 per request, requests by outcome, and `loraq_redis_up`.
 
@@ -26,6 +31,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -33,7 +39,14 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from service.dependency import DependencyHealth
-from service.inference import REPLY_TTL_SECONDS, reply_key, requests_key, workers_key
+from service.inference import (
+    REPLY_TTL_SECONDS,
+    mark_starting,
+    reply_key,
+    requests_key,
+    starting_key,
+    workers_key,
+)
 from service.redis_client import REDIS_OUTAGE, redis_client
 from service.settings import Settings
 from worker.engine.types import EngineError
@@ -90,6 +103,8 @@ class Pending:
     gen: GenRequest | None = None
     first_token_at: float | None = None
     pieces: list[str] = field(default_factory=list)
+    loading_since: float | None = None  # told "loading": when its base model began to load
+    load_seconds: float | None = None  # how long that took
 
 
 class InferenceWorker:
@@ -219,7 +234,9 @@ class InferenceWorker:
         return len(raws)
 
     # -- models and adapters
-    def model(self, name: str) -> ServingModel:
+    def model(self, name: str, on_load: Callable[[str], None] | None = None) -> ServingModel:
+        """The loaded base model `name`, loading it first if need be (`on_load(name)` is called
+        right before a load starts: the requests waiting for it are told)."""
         if name in self.models:
             self.models.move_to_end(name)
             return self.models[name]
@@ -231,6 +248,8 @@ class InferenceWorker:
                 raise ModelsBusy(name)
             del self.models[idle[0]]  # the least recently used of the idle ones
             log.info("unloaded base model %s", idle[0])
+        if on_load is not None:
+            on_load(name)
         started = time.monotonic()
         self.models[name] = load_serving_model(
             name, store=self.settings.model_store, max_adapters=self.settings.inference_max_adapters
@@ -291,7 +310,7 @@ class InferenceWorker:
         for base, group in groups.items():
             batch = self.batches.setdefault(base, DecodeBatch())
             try:
-                model = self.model(base)
+                model = self.model(base, on_load=partial(self._announce_loading, group))
             except ModelsBusy:
                 still.update(id(p) for p in group)  # every loaded model is decoding: wait for one to drain
                 continue
@@ -299,6 +318,9 @@ class InferenceWorker:
                 for p in group:
                     self._fail(p, exc)
                 continue
+            for p in group:
+                if p.loading_since is not None and p.load_seconds is None:
+                    p.load_seconds = round(time.monotonic() - p.loading_since, 1)
             joining: list[tuple[Pending, GenRequest]] = []
             for p in group:
                 if (batch.rows and not model.joins) or len(batch.rows) + len(
@@ -324,8 +346,19 @@ class InferenceWorker:
                     self._fail(p, exc)
                 continue
             for p, gen in joining:
-                self._push(p, {"type": "start", "prompt_tokens": len(gen.prompt_ids)})
+                start = {"prompt_tokens": len(gen.prompt_ids), "load_seconds": p.load_seconds}
+                self._push(p, {"type": "start", **start})
         self.waiting = [p for p in self.waiting if id(p) in still]
+
+    def _announce_loading(self, group: list[Pending], name: str) -> None:
+        """Tell the requests waiting for base model `name` that it is loading (tens of seconds on
+        a CPU), before the load starts."""
+        log.info("loading base model %s for %d chat request(s)", name, len(group))
+        now = time.monotonic()
+        for p in group:
+            if p.loading_since is None:
+                p.loading_since = now
+                self._push(p, {"type": "loading", "model": name})
 
     def _prepare(self, model: ServingModel, batch: Any, p: Pending, joining: set[int]) -> GenRequest | None:
         """The request's decoding parameters, its adapter loaded into a slot; None when no slot is
@@ -422,15 +455,52 @@ class InferenceWorker:
         self._push(p, event)
 
 
+class StartingBeat:
+    """A thread that marks the worker as starting (service.inference.starting_key) from its first
+    moment (before torch is imported and its models preloaded) until it is in the workers zset,
+    then removes the mark: a chat request that comes meanwhile waits for the worker instead of
+    being told to start one. A worker that dies while starting drops out after
+    `WORKER_ALIVE_SECONDS`."""
+
+    def __init__(self, worker: InferenceWorker) -> None:
+        self.worker = worker
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="inference-starting", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        from redis.exceptions import RedisError
+
+        w = self.worker
+        try:
+            while not self._stop.is_set():
+                with contextlib.suppress(RedisError):
+                    if w.redis.zscore(workers_key(w.queue), w.worker_id) is not None:
+                        return
+                    mark_starting(w.redis, w.queue, w.worker_id)
+                self._stop.wait(HEARTBEAT_SECONDS)
+        finally:
+            with contextlib.suppress(RedisError):
+                w.redis.zrem(starting_key(w.queue), w.worker_id)
+
+
 def run_inference_worker(settings: Settings) -> int:
     """Serve until SIGINT/SIGTERM; returns the exit code."""
     import signal
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     worker = InferenceWorker(settings)
+    starting = StartingBeat(worker)
+    starting.start()
 
     def on_signal(_signum: int, _frame: object) -> None:
         worker.stop()
+        starting.stop()
 
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, on_signal)
@@ -442,23 +512,34 @@ def run_inference_worker(settings: Settings) -> int:
 def _trained_part(
     examples: list[Any], report: dict[str, Any], tokenizer: Any, raw: dict[str, Any]
 ) -> dict[str, Any]:
-    """What the job trains on: the training file's valid examples less the validation holdout,
-    formed into rows by the engine's own `split_datasets` (the holdout drawn with the job's seed)."""
-    from worker.engine.data import split_datasets
+    """What the job trains on and how: the training file's valid examples less the validation
+    holdout, the run planned from them ("auto" resolved) and formed into rows, all by the engine's
+    own `planned_datasets` (the holdout drawn with the job's seed)."""
+    from worker.engine.data import planned_datasets
+    from worker.engine.training_config import TrainingConfig, plan_job, plan_sentence, plan_steps
 
+    training = TrainingConfig(**raw["training"])
     if report["format"] is None:  # no valid example: nothing to train on
-        return dict.fromkeys(
-            ["examples", "tokens", "trainable_tokens", "rows", "longest_row", "held_out_examples"], 0
-        )
-    train, held = split_datasets(
+        return {
+            **dict.fromkeys(
+                ["examples", "tokens", "trainable_tokens", "rows", "longest_row", "held_out_examples"], 0
+            ),
+            "plan": None,
+        }
+    planned = planned_datasets(
         examples,
         tokenizer,
-        int(raw["max_seq_len"]),
+        training.max_seq_len,
         report["format"],
-        pack=bool(raw["packing"]),
+        pack=training.packing,
         holdout=float(raw["validation_split"]),
         seed=int(raw["seed"]),
+        planner=lambda shape: plan_job(training, shape, world_size=int(raw["n_gpus"])),
     )
+    train, held, plan = planned.train, planned.held_out, planned.plan
+    steps = plan_steps(
+        len(train.rows), batch_size=plan.batch_size, n_epochs=plan.n_epochs, grad_accum=training.grad_accum
+    ).steps
     return {
         "examples": train.examples,
         "tokens": train.tokens,
@@ -466,4 +547,9 @@ def _trained_part(
         "rows": len(train.rows),
         "longest_row": max((len(r.input_ids) for r in train.rows), default=0),
         "held_out_examples": held.examples if held is not None else 0,
+        "plan": {
+            "hyperparameters": plan.hyperparameters().model_dump(),
+            "row_tokens": plan.row_tokens,
+            "message": plan_sentence(planned.shape, rows=len(train.rows), steps=steps, plan=plan),
+        },
     }

@@ -127,6 +127,8 @@ class JobCallbacks:
         self.flush()  # a health warning names a step: that step's row is on the chart first
         with session_scope() as session:
             jobs.add_event(session, job_id=self.claim.job_id, level=level, message=message, data=data)
+            if data is not None and "hyperparameters" in data:  # the run's plan (recipe.setup)
+                jobs.record_plan(session, claim=self.claim, plan={**data, "message": message})
 
     def on_checkpoint(self, checkpoint: CheckpointInfo) -> None:
         self.flush()
@@ -227,8 +229,9 @@ def attempt_dir(settings: Settings, claim: jobs.Claim) -> Path:
 
 
 def build_train_config(claim: jobs.Claim, settings: Settings, out_dir: Path) -> TrainConfig:
-    """The engine's config for the claim's training configuration ("auto" already resolved), with
-    its files from the store, its output under `out_dir` and this deployment's checkpoints and limits."""
+    """The engine's config for the claim's training configuration ("auto" is planned by the engine
+    from the data), with its files from the store, its output under `out_dir` and this
+    deployment's checkpoints and limits."""
     training = claim.training
     if training.checkpoint_every is None:  # the job left it to the service
         training = training.model_copy(update={"checkpoint_every": settings.checkpoint_every})

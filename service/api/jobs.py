@@ -35,6 +35,7 @@ from service.schemas import (
 from service.settings import get_settings
 from service.storage import default_store
 from service.worker_registry import served_queues_now
+from worker.engine.catalog import random_weights_warning
 
 router = APIRouter(
     prefix="/v1/fine_tuning/jobs",
@@ -53,7 +54,9 @@ ZIP_RESPONSE: dict[int | str, dict[str, Any]] = {
 
 def job_public(job: Job) -> JobPublic:
     training = jobs.stored_training(job)
-    hp = HyperparametersPublic(**training.hyperparameter_block().model_dump())
+    # as requested until the engine planned the run, then what "auto" resolved to
+    planned = job.plan["hyperparameters"] if job.plan else training.hyperparameter_block().model_dump()
+    hp = HyperparametersPublic(**planned)
     options = {**training.options(), "validation_split": training.validation_split or 0.0}
     return JobPublic(
         **options,
@@ -81,6 +84,7 @@ def job_public(job: Job) -> JobPublic:
         started_at=job.started_at,
         cancel_requested=bool(job.cancel_requested),
         waiting_for=job.waiting_for if job.status == "queued" else None,
+        warning=random_weights_warning(job.model),
         progress=ProgressPublic(
             step=job.step,
             total_steps=job.total_steps,

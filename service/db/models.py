@@ -112,9 +112,12 @@ class Job(Base):
     model: Mapped[str] = mapped_column(String(128))
     training_file: Mapped[str] = mapped_column(String(64))
     validation_file: Mapped[str | None] = mapped_column(String(64), default=None)
-    # OpenAI's {"n_epochs", "batch_size", "learning_rate_multiplier"} (numbers or "auto" until
-    # claimed) and the other training fields without a column of their own (service.jobs.training_columns)
+    # OpenAI's {"n_epochs", "batch_size", "learning_rate_multiplier"} as requested (numbers or
+    # "auto") and the other training fields without a column of their own (service.jobs.training_columns)
     hyperparameters: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # what the engine planned once it had tokenized the data (worker.engine.training_config.plan_auto):
+    # {"hyperparameters": the three resolved, "row_tokens", "message"}; null until then
+    plan: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     method_type: Mapped[str] = mapped_column(String(32), default="supervised")
     lora: Mapped[dict[str, Any]] = mapped_column(JSON)
     max_seq_len: Mapped[int] = mapped_column(Integer)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from worker.engine.config_file import config_from_mapping, load_config_file, validate_config
-from worker.engine.training_config import AUTO_BATCH_SIZE, AUTO_N_EPOCHS, BASE_LEARNING_RATE
+from worker.engine.training_config import BASE_LEARNING_RATE
 from worker.engine.types import ConfigError, LoraConfig, TrainConfig
 
 STORE = Path("/srv/models")
@@ -105,7 +105,10 @@ def test_api_names_and_older_engine_names(tmp_path: Path) -> None:
     )
     assert cfg.pack is False and cfg.learning_rate == pytest.approx(5 * BASE_LEARNING_RATE)
     auto = config_from_mapping({**base, "n_epochs": "auto", "batch_size": "auto"}, default_model_store=STORE)
-    assert (auto.n_epochs, auto.batch_size) == (AUTO_N_EPOCHS, AUTO_BATCH_SIZE)
+    # left to the run's plan (worker/engine/training_config.py:plan_auto), which sees the data
+    assert auto.auto == ("n_epochs", "batch_size", "learning_rate")
+    local = config_from_mapping({**base, "learning_rate": 1e-3}, default_model_store=STORE)
+    assert local.auto == ("batch_size",) and local.n_epochs == 1 and local.learning_rate == 1e-3
     with pytest.raises(ConfigError, match="not both") as err:
         config_from_mapping({**base, "pack": True, "packing": True}, default_model_store=STORE)
     assert err.value.param == "pack"

@@ -171,8 +171,10 @@ def test_unexpected_error_fails_generically_and_logs_details(worker_env: WorkerE
             s, tenant_id=worker_env.tenant_id, job_id=job_id, after=None, limit=100
         )
         operator_view = jobs.operator_events(s, job_id=job_id)
-    assert tenant_view and all(
-        "\n" not in e.message and not e.data for e in tenant_view if e.type == "message"
+    assert tenant_view and all(  # data only on the run's plan (its resolved hyperparameters)
+        "\n" not in e.message and (not e.data or set(e.data) == {"hyperparameters", "row_tokens"})
+        for e in tenant_view
+        if e.type == "message"
     )
     assert not any(str(worker_env.data_dir) in f"{e.message} {e.data}" for e in tenant_view)
     assert [e.level for e in tenant_view if e.level == "error"] == ["error"]  # the one-line failure

@@ -46,6 +46,7 @@ RESUME_MUST_MATCH = (
     "warmup_ratio",
     "seed",
     "pack",
+    "row_tokens",
     "lora",
 )
 

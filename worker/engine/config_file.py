@@ -140,8 +140,9 @@ def config_from_mapping(
         run["model_store"] = default_model_store
     learning_rate = run.pop("learning_rate", None)
     config = TrainConfig.build(file, **run)
-    if learning_rate is not None:
+    if learning_rate is not None:  # an absolute rate: nothing for the plan to choose
         config.learning_rate = learning_rate
+        config.auto = tuple(name for name in config.auto if name != "learning_rate")
     return config
 
 
@@ -149,6 +150,7 @@ def validate_config(config: TrainConfig) -> None:
     """Re-check every field of a config built in code (types and ranges, as for YAML)."""
     data = config.to_dict()
     data["packing"] = data.pop("pack")
+    del data["auto"], data["row_tokens"]  # the plan's bookkeeping, not fields a config file sets
     config_from_mapping(data)
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import bisect
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,7 @@ from worker.engine.dataset_rules import (
     parse_line,
 )
 from worker.engine.holdout import holdout_size
-from worker.engine.training_config import batches_per_epoch
+from worker.engine.training_config import AutoPlan, DataShape, batches_per_epoch
 from worker.engine.types import DatasetError, LineError, ModelError
 
 IGNORE_INDEX = -100
@@ -88,7 +88,7 @@ class TokenizedDataset:
     examples: int
     tokens: int
     trainable_tokens: int
-    max_seq_len: int
+    max_seq_len: int  # a row holds at most this many tokens (the run's row_tokens when packed)
     packed: bool
     format: DatasetFormat
     pad_token_id: int
@@ -316,6 +316,17 @@ def split_holdout(examples: list[Example], fraction: float, seed: int) -> tuple[
     return train, valid
 
 
+def read_valid_examples(
+    path: Path, tokenizer: PreTrainedTokenizerBase, max_seq_len: int, *, file_label: str = "training_file"
+) -> tuple[list[Example], DatasetFormat]:
+    """A file's examples and its format; raise DatasetError listing every bad line if any line is bad."""
+    examples, report = read_examples(path, tokenizer, max_seq_len)
+    if report.errors:
+        raise DatasetError(report.errors, file_label=file_label)
+    assert report.format is not None
+    return examples, report.format
+
+
 def load_dataset(
     path: Path,
     tokenizer: PreTrainedTokenizerBase,
@@ -324,33 +335,31 @@ def load_dataset(
     pack: bool = False,
     file_label: str = "training_file",
 ) -> TokenizedDataset:
-    """Tokenize a JSONL file; raise DatasetError listing every bad line if any line is bad."""
-    train, _ = load_split_dataset(path, tokenizer, max_seq_len, pack=pack, file_label=file_label)
-    return train
+    """Tokenize a JSONL file into rows of at most max_seq_len tokens (DatasetError on bad lines)."""
+    examples, fmt = read_valid_examples(path, tokenizer, max_seq_len, file_label=file_label)
+    return _dataset(examples, tokenizer, max_seq_len, pack, fmt)
 
 
-def load_split_dataset(
-    path: Path,
-    tokenizer: PreTrainedTokenizerBase,
-    max_seq_len: int,
-    *,
-    pack: bool = False,
-    file_label: str = "training_file",
-    holdout: float = 0.0,
-    seed: int = 0,
-) -> tuple[TokenizedDataset, TokenizedDataset | None]:
-    """`load_dataset`, with `holdout_size(examples, holdout)` examples, drawn by `seed`, set apart as a
-    validation set (None when nothing is held out)."""
-    examples, report = read_examples(path, tokenizer, max_seq_len)
-    if report.errors:
-        raise DatasetError(report.errors, file_label=file_label)
-    assert report.format is not None
-    return split_datasets(
-        examples, tokenizer, max_seq_len, report.format, pack=pack, holdout=holdout, seed=seed
+def data_shape(examples: list[Example]) -> DataShape:
+    return DataShape(
+        examples=len(examples),
+        tokens=sum(len(e.input_ids) for e in examples),
+        longest=max((len(e.input_ids) for e in examples), default=0),
     )
 
 
-def split_datasets(
+Planner = Callable[[DataShape], AutoPlan]
+
+
+@dataclass
+class PlannedData:
+    train: TokenizedDataset
+    held_out: TokenizedDataset | None  # None when nothing is held out
+    shape: DataShape  # of the trained examples
+    plan: AutoPlan
+
+
+def planned_datasets(
     examples: list[Example],
     tokenizer: PreTrainedTokenizerBase,
     max_seq_len: int,
@@ -359,13 +368,18 @@ def split_datasets(
     pack: bool,
     holdout: float,
     seed: int,
-) -> tuple[TokenizedDataset, TokenizedDataset | None]:
+    planner: Planner,
+) -> PlannedData:
     """A file's valid examples as the run trains and validates on them: the seeded holdout set
-    apart (None when nothing is held out), the rest formed into rows. A job (`load_split_dataset`)
-    and its dry run (worker/inference.py) both come here, so the dry run's counts are the job's."""
+    apart, the run planned from the rest (`planner`: "auto" resolved, `plan_auto`), and the rest
+    formed into rows of the plan's length. A job (worker/engine/recipe.py) and its dry run
+    (worker/inference.py) both come here, so the dry run's counts and plan are the job's."""
     train, valid = split_holdout(examples, holdout, seed)
-    trained = _dataset(train, tokenizer, max_seq_len, pack, fmt)
-    return trained, (_dataset(valid, tokenizer, max_seq_len, pack, fmt) if valid else None)
+    shape = data_shape(train)
+    plan = planner(shape)
+    trained = _dataset(train, tokenizer, plan.row_tokens, pack, fmt)
+    held = _dataset(valid, tokenizer, max_seq_len, pack, fmt) if valid else None
+    return PlannedData(trained, held, shape, plan)
 
 
 def _dataset(

@@ -270,6 +270,7 @@ def config_to_json(config: TrainConfig) -> str:
 def config_from_json(text: str) -> TrainConfig:
     d = json.loads(text)
     d["lora"] = LoraConfig(**d["lora"])
+    d["auto"] = tuple(d["auto"])
     for key in ("train_file", "output_dir", "model_store", "validation_file", "resume_from"):
         if d.get(key) is not None:
             d[key] = Path(d[key])

@@ -41,9 +41,9 @@ from worker.engine.data import (
     IGNORE_INDEX,
     Batch,
     BatchSampler,
-    TokenizedDataset,
     load_dataset,
-    load_split_dataset,
+    planned_datasets,
+    read_valid_examples,
 )
 from worker.engine.export import export_adapter
 from worker.engine.fused_llama import FuseReport, fuse_llama, fused_stack, lm_loss_sum
@@ -54,7 +54,7 @@ from worker.engine.models import LoadedModel, load_base_model
 from worker.engine.sampling import greedy_samples
 from worker.engine.schedule import build_scheduler, warmup_steps
 from worker.engine.train_step import CapturedTrainStep, HostStep, StepShape, host_step
-from worker.engine.training_config import plan_steps
+from worker.engine.training_config import plan_sentence, plan_steps
 from worker.engine.types import (
     CheckpointInfo,
     ConfigError,
@@ -141,20 +141,25 @@ class LoRAFinetuneRecipe:
         model = self.model
         tokenizer = self.loaded.tokenizer
 
-        self.valid_data: TokenizedDataset | None = None
+        # The run is planned from the examples it trains on ("auto" resolved: plan_auto), then
+        # those are formed into rows of the plan's length.
+        examples, fmt = read_valid_examples(cfg.train_file, tokenizer, cfg.max_seq_len)
+        planned = planned_datasets(
+            examples,
+            tokenizer,
+            cfg.max_seq_len,
+            fmt,
+            pack=cfg.pack,
+            # without a validation file, hold some examples out (seeded) for a validation curve
+            holdout=0.0 if cfg.validation_file is not None else cfg.validation_split,
+            seed=cfg.seed,
+            planner=lambda shape: cfg.plan(shape, world_size=self.dist.world_size),
+        )
+        self.config = cfg = cfg.planned(planned.plan)
+        self.train_data, self.valid_data = planned.train, planned.held_out
         if cfg.validation_file is not None:
-            self.train_data = load_dataset(cfg.train_file, tokenizer, cfg.max_seq_len, pack=cfg.pack)
             self.valid_data = load_dataset(
                 cfg.validation_file, tokenizer, cfg.max_seq_len, pack=cfg.pack, file_label="validation_file"
-            )
-        else:  # hold some examples out (seeded), so the run has a validation curve all the same
-            self.train_data, self.valid_data = load_split_dataset(
-                cfg.train_file,
-                tokenizer,
-                cfg.max_seq_len,
-                pack=cfg.pack,
-                holdout=cfg.validation_split,
-                seed=cfg.seed,
             )
         self.sampler = BatchSampler(self.train_data, cfg.batch_size, cfg.seed)
         plan = plan_steps(
@@ -166,6 +171,18 @@ class LoRAFinetuneRecipe:
         )
         self.batches_per_epoch = plan.micro_batches_per_epoch
         self.total_micro_batches, self.total_steps = plan.micro_batches, plan.steps
+        # the plan in words, first of the run's events; its data is the job's resolved hyperparameters
+        self.callbacks.on_event(
+            "info",
+            "Plan: "
+            + plan_sentence(
+                planned.shape, rows=len(self.train_data), steps=self.total_steps, plan=planned.plan
+            ),
+            {
+                "hyperparameters": planned.plan.hyperparameters().model_dump(),
+                "row_tokens": planned.plan.row_tokens,
+            },
+        )
         self.health = HealthMonitor(warmup_steps=warmup_steps(self.total_steps, cfg.warmup_ratio))
         if cfg.step_limit is not None and self.total_steps > cfg.step_limit:
             # Known before the first step: fail now rather than train up to the limit and stop.
@@ -260,13 +277,13 @@ class LoRAFinetuneRecipe:
 
     def _step_shape(self) -> StepShape:
         """Static buffers just big enough for every micro-batch this run will see: B rows (per
-        rank) of max_seq_len tokens, and the most sequences and trainable tokens that any
+        rank) of the data's row length, and the most sequences and trainable tokens that any
         micro-batch's rows hold (the data order is a function of the seed, so this is exact).
         Tight bounds matter: flash attention's backward takes memory per sequence slot, and the
         LM head runs on every trainable-token slot."""
         cfg, data, world = self.config, self.train_data, self.dist.world_size
         rows = -(-cfg.batch_size // world)
-        seq = cfg.max_seq_len
+        seq = data.max_seq_len  # the rows' length: max_seq_len, or the shorter rows auto planned
         segments = [len(r.lines) for r in data.rows]  # padding continues a row's last sequence
         trainable = [sum(1 for x in r.labels if x != IGNORE_INDEX) for r in data.rows]
         most_segments = most_trainable = 1

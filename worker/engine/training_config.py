@@ -10,10 +10,25 @@ The models below are the one source of each field; the others are views built fr
   of the body and `Hyperparameters` under `hyperparameters` (or `method.supervised.hyperparameters`),
   as OpenAI lays a job out. The job row stores the same fields (service/jobs.py).
 
-OpenAI's three hyperparameters may be "auto"; `resolve_auto` is the one place that turns them into
-numbers (a job when it is claimed, a dry run's plan, `loraq train`), and `plan_steps` the one place
-that turns rows into optimizer steps. Pure pydantic and the standard
-library: the API process imports this module and must not load torch.
+OpenAI's three hyperparameters may be "auto"; `plan_auto` is the one place that turns them into
+numbers, from the tokenized training data (a job and its dry run, both once the examples are
+tokenized; `loraq train`), and `plan_steps` the one place that turns rows into optimizer steps.
+Pure pydantic and the standard library: the API process imports this module and must not load torch.
+
+How "auto" plans a run (`plan_auto`; the README's "Engine configuration" states the same rule):
+
+- n_epochs: 3, OpenAI's rule for small and large files: a file of N examples is seen at least
+  100 times in all (ceil(100 / N) epochs, at most 25) and at most 25,000 times (25,000 // N, at
+  least 1).
+- batch (the tokens of one optimizer step): at most 4 rows of max_seq_len tokens (the step the
+  fast path is measured at), and fewer so that the run makes at least 48 optimizer steps. With
+  packing on, a row holds several examples, so a small file used to be a handful of steps (64
+  short chats: 4 rows, 3 steps in all) and the model did not visibly change; auto now packs such a
+  file into shorter rows (n_epochs · tokens / 48 rounded down to a multiple of 64, but at least
+  its longest example) and steps of one row each. Without packing the same aim
+  picks 1 to 4 examples a step. A large file keeps 4 full rows a step.
+- learning_rate_multiplier: 1 (AdamW peak 2e-4, the usual LoRA rate; with the steps above it
+  moves a 135M model's answers within one quickstart run).
 """
 
 from __future__ import annotations
@@ -33,9 +48,14 @@ from pydantic import (
 )
 
 BASE_LEARNING_RATE = 2e-4  # the AdamW peak learning rate that learning_rate_multiplier scales
-# What "auto" resolves to (OpenAI also resolves its "auto" when the job starts).
+# What "auto" plans from (`plan_auto`; OpenAI also resolves its "auto" when the job starts).
 AUTO_N_EPOCHS = 3
-AUTO_BATCH_SIZE = 4
+AUTO_MIN_EXAMPLES_SEEN = 100  # a small file gets more epochs, up to AUTO_MAX_EPOCHS
+AUTO_MAX_EXAMPLES_SEEN = 25_000  # a large file fewer, down to 1
+AUTO_MAX_EPOCHS = 25
+AUTO_BATCH_SIZE = 4  # rows of max_seq_len a step at most (and examples a step unpacked)
+AUTO_MIN_STEPS = 48  # optimizer steps auto aims for at least, by making steps smaller
+AUTO_ROW_MULTIPLE = 64  # shortened packed rows are a multiple of this many tokens
 AUTO_LEARNING_RATE_MULTIPLIER = 1.0
 # A local run (`loraq train` YAML, a TrainConfig built in code) without n_epochs makes one pass.
 LOCAL_N_EPOCHS = 1
@@ -227,17 +247,129 @@ class TrainingConfig(Hyperparameters, TrainingOptions):
         return Hyperparameters(**{name: getattr(self, name) for name in Hyperparameters.model_fields})
 
 
-def resolve_auto(config: TrainingConfig) -> TrainingConfig:
-    """The config with every "auto" replaced by the number it means."""
-    return config.model_copy(
-        update={
-            "n_epochs": AUTO_N_EPOCHS if config.n_epochs == "auto" else config.n_epochs,
-            "batch_size": AUTO_BATCH_SIZE if config.batch_size == "auto" else config.batch_size,
-            "learning_rate_multiplier": AUTO_LEARNING_RATE_MULTIPLIER
-            if config.learning_rate_multiplier == "auto"
-            else config.learning_rate_multiplier,
-        }
+@dataclass(frozen=True)
+class DataShape:
+    """What `plan_auto` needs to know of the examples a run trains on (after the holdout)."""
+
+    examples: int
+    tokens: int  # of all those examples, one epoch
+    longest: int  # tokens of the longest example
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    """A run's hyperparameters with "auto" resolved, the packed row length it trains on, and why."""
+
+    n_epochs: int
+    batch_size: int  # rows per micro-batch
+    learning_rate_multiplier: float
+    row_tokens: int  # a packed row holds at most this many tokens (max_seq_len unless auto shortened it)
+    reason: str  # one sentence for the job's events and the dry run
+
+    def hyperparameters(self) -> Hyperparameters:
+        return Hyperparameters(
+            n_epochs=self.n_epochs,
+            batch_size=self.batch_size,
+            learning_rate_multiplier=self.learning_rate_multiplier,
+        )
+
+
+def plan_job(config: TrainingConfig, data: DataShape, *, world_size: int = 1) -> AutoPlan:
+    """`plan_auto` for a job's (or a YAML file's) training configuration."""
+    return plan_auto(
+        data,
+        n_epochs=config.n_epochs,
+        batch_size=config.batch_size,
+        learning_rate_multiplier=config.learning_rate_multiplier,
+        max_seq_len=config.max_seq_len,
+        packing=config.packing,
+        grad_accum=config.grad_accum,
+        world_size=world_size,
     )
+
+
+def auto_epochs(examples: int) -> int:
+    """OpenAI's rule: 3 epochs, more for a small file, fewer for a large one (module docstring)."""
+    n = max(examples, 1)
+    if n * AUTO_N_EPOCHS < AUTO_MIN_EXAMPLES_SEEN:
+        return min(AUTO_MAX_EPOCHS, -(-AUTO_MIN_EXAMPLES_SEEN // n))
+    if n * AUTO_N_EPOCHS > AUTO_MAX_EXAMPLES_SEEN:
+        return max(1, AUTO_MAX_EXAMPLES_SEEN // n)
+    return AUTO_N_EPOCHS
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def plan_auto(
+    data: DataShape,
+    *,
+    n_epochs: int | Auto,
+    batch_size: int | Auto,
+    learning_rate_multiplier: float | Auto,
+    max_seq_len: int,
+    packing: bool,
+    grad_accum: int = 1,
+    world_size: int = 1,
+) -> AutoPlan:
+    """Resolve the "auto" hyperparameters for `data` (the rule is the module docstring's). Numbers
+    given are kept; the rows stay max_seq_len long unless batch_size is auto. `world_size` GPUs
+    each take at least one row of a step."""
+    seq = max_seq_len
+    lr_mult = (
+        AUTO_LEARNING_RATE_MULTIPLIER
+        if learning_rate_multiplier == "auto"
+        else float(learning_rate_multiplier)
+    )
+    row_tokens = seq
+    why: list[str] = []
+    epochs = auto_epochs(data.examples) if n_epochs == "auto" else int(n_epochs)
+    if n_epochs == "auto" and epochs > AUTO_N_EPOCHS:
+        why.append(
+            f"{epochs} epochs so that {data.examples} examples are seen {AUTO_MIN_EXAMPLES_SEEN}+ times"
+        )
+    elif n_epochs == "auto" and epochs < AUTO_N_EPOCHS:
+        why.append(
+            f"{epochs} epoch(s) so that {data.examples:,} examples are seen "
+            f"at most {AUTO_MAX_EXAMPLES_SEEN:,} times"
+        )
+    elif n_epochs == "auto":
+        why.append(f"{epochs} epochs (auto)")
+    if batch_size != "auto":
+        batch = int(batch_size)
+    else:
+        # the tokens one micro-batch should carry for AUTO_MIN_STEPS steps, within [longest, 4 rows]
+        step_tokens = -(-epochs * data.tokens // (AUTO_MIN_STEPS * grad_accum))
+        if not packing:
+            per_example = max(1, data.tokens // max(data.examples, 1))
+            batch = max(world_size, min(AUTO_BATCH_SIZE, step_tokens // per_example))
+            why.append(f"{batch} example(s) a step, so that the run makes at least {AUTO_MIN_STEPS} steps")
+        elif step_tokens >= seq:
+            batch = max(world_size, min(AUTO_BATCH_SIZE, step_tokens // seq))
+            why.append(
+                f"{batch} row(s) of {seq} tokens a step"
+                + (
+                    f" (auto takes up to {AUTO_BATCH_SIZE}; fewer so that the run makes at least "
+                    f"{AUTO_MIN_STEPS} steps)"
+                    if batch < AUTO_BATCH_SIZE
+                    else ""
+                )
+            )
+        else:  # a small file: shorter packed rows, one a step (per GPU)
+            batch = world_size
+            per_row = -(-step_tokens // world_size)
+            # rounded down, so rows are no longer than the aim (the step count stays at or above it)
+            aim = per_row // AUTO_ROW_MULTIPLE * AUTO_ROW_MULTIPLE
+            row_tokens = min(seq, max(_round_up(max(data.longest, 1), AUTO_ROW_MULTIPLE), aim))
+            why.append(
+                f"packed rows of up to {row_tokens} tokens, {batch} a step, so that the run makes at "
+                f"least {AUTO_MIN_STEPS} steps (a small file in full {seq}-token rows would be a few)"
+            )
+    if learning_rate_multiplier == "auto":
+        why.append("the learning rate is the usual LoRA one (auto)")
+    reason = "; ".join(why) if why else "every hyperparameter set by the request"
+    return AutoPlan(epochs, batch, lr_mult, row_tokens, reason)
 
 
 @dataclass(frozen=True)
@@ -267,6 +399,11 @@ def plan_steps(
     return StepPlan(per_epoch, micro, -(-micro // grad_accum))
 
 
-def learning_rate(config: TrainingConfig) -> float:
-    """The AdamW peak learning rate of a config ("auto" resolved)."""
-    return BASE_LEARNING_RATE * float(resolve_auto(config).learning_rate_multiplier)
+def plan_sentence(data: DataShape, *, rows: int, steps: int, plan: AutoPlan) -> str:
+    """The plan as a job's first training event and its dry run say it."""
+    return (
+        f"{data.examples:,} examples, {data.tokens:,} tokens in {rows:,} rows -> {steps:,} optimizer "
+        f"steps over {plan.n_epochs} epoch(s), {plan.batch_size} row(s) of up to {plan.row_tokens} "
+        f"tokens a micro-batch, peak learning rate {BASE_LEARNING_RATE * plan.learning_rate_multiplier:.1e}; "
+        f"because: {plan.reason}"
+    )

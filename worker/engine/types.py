@@ -7,18 +7,20 @@ never knows about databases, queues or HTTP.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from worker.engine.training_config import (
     AUTO_BATCH_SIZE,
     AUTO_LEARNING_RATE_MULTIPLIER,
+    AUTO_N_EPOCHS,
     BASE_LEARNING_RATE,
     LOCAL_N_EPOCHS,
+    AutoPlan,
+    DataShape,
     TrainingConfig,
-    learning_rate,
-    resolve_auto,
+    plan_auto,
 )
 from worker.engine.training_config import LoraConfig as LoraConfig  # re-exported for the engine
 from worker.engine.training_config import SchedulerName as SchedulerName
@@ -32,8 +34,10 @@ _DEFAULT = TrainingConfig()
 
 @dataclass
 class TrainConfig:
-    """What one run of the engine does: a `TrainingConfig` with "auto" resolved (`build`), in the
-    engine's terms (an absolute learning rate, `pack`), plus its files and limits."""
+    """What one run of the engine does: a `TrainingConfig` in the engine's terms (an absolute
+    learning rate, `pack`), plus its files and limits. The hyperparameters named in `auto` are
+    planned from the tokenized data when the run starts (`planned`, `plan_auto`); until then their
+    fields hold the data-free defaults."""
 
     model: str
     train_file: Path
@@ -69,22 +73,65 @@ class TrainConfig:
     step_limit: int | None = None  # a run planned for more optimizer steps fails before training
     # sampled greedily (as single-turn user chats) at every checkpoint, so a user sees behaviour change
     eval_prompts: list[str] = field(default_factory=list)
+    # "n_epochs", "batch_size", "learning_rate": left to `plan_auto`, which sees the data
+    auto: tuple[str, ...] = ()
+    # a packed training row holds at most this many tokens; None: max_seq_len (auto may shorten it)
+    row_tokens: int | None = None
+
+    def plan(self, data: DataShape, *, world_size: int = 1) -> AutoPlan:
+        """The run's hyperparameters for `data`: "auto" ones planned, the others as set."""
+        plan = plan_auto(
+            data,
+            n_epochs="auto" if "n_epochs" in self.auto else self.n_epochs,
+            batch_size="auto" if "batch_size" in self.auto else self.batch_size,
+            learning_rate_multiplier="auto"
+            if "learning_rate" in self.auto
+            else self.learning_rate / BASE_LEARNING_RATE,
+            max_seq_len=self.max_seq_len,
+            packing=self.pack,
+            grad_accum=self.grad_accum,
+            world_size=world_size,
+        )
+        if "batch_size" in self.auto:
+            return plan
+        return replace(plan, row_tokens=self.row_tokens or self.max_seq_len)  # as planned before, if it was
+
+    def planned(self, plan: AutoPlan) -> TrainConfig:
+        """This config with `plan`'s numbers in place of "auto" (nothing left to plan)."""
+        return replace(
+            self,
+            n_epochs=plan.n_epochs,
+            batch_size=plan.batch_size,
+            learning_rate=BASE_LEARNING_RATE * plan.learning_rate_multiplier,
+            # rows keep their length unless auto chose the batch (then rows are part of the plan)
+            row_tokens=plan.row_tokens if plan.row_tokens != self.max_seq_len else None,
+            auto=(),
+        )
 
     @classmethod
     def build(cls, training: TrainingConfig, **run: Any) -> TrainConfig:
-        """The engine's config for `training` ("auto" resolved here; an unset seed, validation_split
-        or checkpoint_every takes the engine's default below) plus the run's fields (`model`, files,
-        limits, ...) given as keywords."""
-        resolved = resolve_auto(training)
+        """The engine's config for `training` ("auto" kept for the run to plan from its data; an
+        unset seed, validation_split or checkpoint_every takes the engine's default below) plus the
+        run's fields (`model`, files, limits, ...) given as keywords."""
         names = {f.name for f in fields(cls)} - {"eval_prompts"}
-        options = {k: v for k, v in resolved.options().items() if v is not None and k in names}
+        options = {k: v for k, v in training.options().items() if v is not None and k in names}
+        lr = training.learning_rate_multiplier
         return cls(
             **options,
-            n_epochs=int(resolved.n_epochs),
-            batch_size=int(resolved.batch_size),
-            learning_rate=learning_rate(resolved),
-            pack=resolved.packing,
-            eval_prompts=list(resolved.eval_prompts or []),
+            n_epochs=AUTO_N_EPOCHS if training.n_epochs == "auto" else int(training.n_epochs),
+            batch_size=AUTO_BATCH_SIZE if training.batch_size == "auto" else int(training.batch_size),
+            learning_rate=BASE_LEARNING_RATE * (AUTO_LEARNING_RATE_MULTIPLIER if lr == "auto" else float(lr)),
+            pack=training.packing,
+            eval_prompts=list(training.eval_prompts or []),
+            auto=tuple(
+                name
+                for name, value in (
+                    ("n_epochs", training.n_epochs),
+                    ("batch_size", training.batch_size),
+                    ("learning_rate", lr),
+                )
+                if value == "auto"
+            ),
             **run,
         )
 
