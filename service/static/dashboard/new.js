@@ -1,6 +1,9 @@
 // New job: upload the JSONL through /v1/files, show the dashboard's validation summary of the
 // stored file (examples, tokens, bad lines with their numbers), optionally a dry run (steps,
 // tokens, estimates), then POST /v1/fine_tuning/jobs with the LoRA shape and extension fields.
+// Every field starts empty and only the fields the user set are sent: the server fills the rest
+// ("auto" hyperparameters, a random seed, the LoRA shape's defaults), exactly as for a request from
+// the CLI, the API or the openai client with the same choices.
 // The Advanced section is built from the job request's JSON schema in /openapi.json, so its
 // fields, defaults, ranges and descriptions are the API's own (worker/engine/training_config.py).
 "use strict";
@@ -13,8 +16,9 @@ const NOT_ADVANCED = new Set([
   "model", "training_file", "validation_file", "hyperparameters", "method", "suffix", "metadata",
   "integrations", "dry_run", "seed", "max_seq_len", "lora", "queue", "eval_prompts",
 ]);
-// The controls above whose bounds come from the schema: input id -> [schema name, field].
-const BOUNDED = {
+// The controls above, each a field of the API's schema: input id -> [schema name, field]. Their
+// placeholders (the default), notes, bounds and the checkbox's initial state come from it.
+const BASIC = {
   n_epochs: ["Hyperparameters", "n_epochs"],
   batch_size: ["Hyperparameters", "batch_size"],
   learning_rate_multiplier: ["Hyperparameters", "learning_rate_multiplier"],
@@ -23,6 +27,8 @@ const BOUNDED = {
   lora_r: ["LoraConfig", "r"],
   lora_alpha: ["LoraConfig", "alpha"],
   lora_dropout: ["LoraConfig", "dropout"],
+  lora_target_modules: ["LoraConfig", "target_modules"],
+  lora_use_rslora: ["LoraConfig", "use_rslora"],
 };
 const advanced = []; // names of the Advanced fields the page rendered
 
@@ -95,32 +101,52 @@ function markInvalid(param) {
   el.focus();
 }
 
-function intField(id) {
-  const v = document.getElementById(id).value;
+// A number field's value, or undefined when it is empty (the server's default).
+function numberField(id) {
+  const v = document.getElementById(id).value.trim();
   return v === "" ? undefined : Number(v);
 }
 
-// The POST /v1/fine_tuning/jobs body from the form, extension fields included.
+// "all-linear" or a list of module names; undefined when empty.
+function targetModules() {
+  const v = document.getElementById("lora_target_modules").value.trim();
+  if (!v) return undefined;
+  return v === "all-linear" ? v : v.split(",").map((t) => t.trim()).filter(Boolean);
+}
+
+// A checkbox's value only when it differs from the schema's default (kept in data-default).
+function changedCheckbox(id) {
+  const el = document.getElementById(id);
+  return el.checked === (el.dataset.default === "true") ? undefined : el.checked;
+}
+
+// `fields` without its unset entries; undefined when none is set (the whole object is left out).
+function setOnly(fields) {
+  const out = Object.fromEntries(Object.entries(fields).filter(([, v]) => v !== undefined));
+  return Object.keys(out).length ? out : undefined;
+}
+
+// The POST /v1/fine_tuning/jobs body from the form: the model, the files and only the fields the
+// user set. JSON.stringify leaves out the undefined ones.
 function jobBody() {
   const body = {
     model: document.getElementById("model").value,
     training_file: uploaded.train.file.id,
-    hyperparameters: {
-      n_epochs: intField("n_epochs"),
-      batch_size: intField("batch_size"),
-      learning_rate_multiplier: intField("learning_rate_multiplier"),
-    },
-    seed: intField("seed"),
-    max_seq_len: intField("max_seq_len"),
-    lora: {
-      r: intField("lora_r"),
-      alpha: intField("lora_alpha"),
-      dropout: intField("lora_dropout"),
-      use_rslora: document.getElementById("lora_use_rslora").checked,
-    },
+    hyperparameters: setOnly({
+      n_epochs: numberField("n_epochs"),
+      batch_size: numberField("batch_size"),
+      learning_rate_multiplier: numberField("learning_rate_multiplier"),
+    }),
+    seed: numberField("seed"),
+    max_seq_len: numberField("max_seq_len"),
+    lora: setOnly({
+      r: numberField("lora_r"),
+      alpha: numberField("lora_alpha"),
+      dropout: numberField("lora_dropout"),
+      target_modules: targetModules(),
+      use_rslora: changedCheckbox("lora_use_rslora"),
+    }),
   };
-  const targets = document.getElementById("lora_target_modules").value.trim();
-  body.lora.target_modules = !targets || targets === "all-linear" ? "all-linear" : targets.split(",").map((t) => t.trim()).filter(Boolean);
   if (uploaded.valid) body.validation_file = uploaded.valid.file.id;
   const suffix = document.getElementById("suffix").value.trim();
   if (suffix) body.suffix = suffix;
@@ -196,14 +222,25 @@ function renderAdvanced(schemas) {
   }
 }
 
-// The controls above take their bounds and descriptions from the same schema.
-function boundBasicFields(schemas) {
-  for (const [id, [model, field]] of Object.entries(BOUNDED)) {
+// The controls above take their default (as the placeholder, or a checkbox's initial state), bounds
+// and descriptions from the same schema. A default of null (the seed) keeps the page's placeholder,
+// which says what the server does instead ("random").
+function describeBasicFields(schemas) {
+  for (const [id, [model, field]] of Object.entries(BASIC)) {
     const prop = (schemas[model] && schemas[model].properties[field]) || null;
     if (!prop) continue;
     const el = document.getElementById(id);
-    setBounds(el, valueSchema(prop));
+    const note = el.parentElement.querySelector("small");
+    if (note && prop.description) note.textContent = prop.description;
     el.title = [rangeText(valueSchema(prop)), prop.description || ""].filter(Boolean).join(" · ");
+    if (el.type === "checkbox") {
+      el.dataset.default = String(prop.default === true);
+      el.checked = prop.default === true;
+      continue;
+    }
+    if (el.type === "number") setBounds(el, valueSchema(prop));
+    if (prop.default === "auto") el.placeholder = "auto";
+    else if (prop.default !== undefined && prop.default !== null) el.placeholder = `default: ${prop.default}`;
   }
 }
 
@@ -212,7 +249,7 @@ async function loadSchema() {
   if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
   const schemas = (await resp.json()).components.schemas;
   renderAdvanced(schemas);
-  boundBasicFields(schemas);
+  describeBasicFields(schemas);
   document.getElementById("advanced").dataset.loaded = "true";
 }
 
@@ -249,8 +286,10 @@ async function dryRun() {
       ["Valid", plan.valid ? "yes" : "no"],
       ["Examples", `${loraq.int(t.examples)} trained, ${loraq.int(t.held_out_examples)} held out for validation`],
       ["Tokens", `${loraq.int(t.tokens)} (${loraq.int(t.trainable_tokens)} trainable) in ${loraq.int(t.rows)} rows`],
-      ["Epochs", plan.hyperparameters.n_epochs],
+      ["Epochs", `<span id="planepochs">${plan.hyperparameters.n_epochs}</span>`],
       ["Batch size", `${plan.hyperparameters.batch_size} × ${plan.grad_accum} accumulated`],
+      ["Learning rate multiplier", loraq.esc(plan.hyperparameters.learning_rate_multiplier)],
+      ["Rows", `${plan.max_seq_len} tokens at most, ${plan.packing ? "packed" : "one example each"}`],
       ["Steps", `<span id="plansteps">${plan.steps}</span> (${plan.micro_batches_per_epoch} micro-batches per epoch)`],
       ["Trained tokens", loraq.int(plan.trained_tokens)],
       ["Estimates", est],
