@@ -110,6 +110,9 @@ class WorkerJobPublic(BaseModel):
 
 class WorkerPublic(BaseModel):
     node: str
+    # "training": a Celery worker (`loraq worker`, its registry entry); "inference": a chat worker
+    # (`loraq inference`, its heartbeat), which has a node, queue and last_seen only
+    kind: Literal["training", "inference"] = "training"
     hostname: str | None = None
     pid: int | None = None
     queue: str | None = None

@@ -44,12 +44,38 @@ def requests_key(queue: str) -> str:
     return f"loraq:inference:{queue}:requests"
 
 
+WORKERS_PREFIX, WORKERS_SUFFIX = "loraq:inference:", ":workers"
+
+
 def workers_key(queue: str) -> str:
-    return f"loraq:inference:{queue}:workers"
+    return f"{WORKERS_PREFIX}{queue}{WORKERS_SUFFIX}"
 
 
 def reply_key(request_id: str) -> str:
     return f"loraq:inference:reply:{request_id}"
+
+
+@dataclass(frozen=True)
+class InferenceWorkerSeen:
+    """An inference worker whose heartbeat is recent (the dashboard's Workers page lists it)."""
+
+    queue: str
+    worker_id: str  # "host:pid"
+    last_seen: float  # its last heartbeat, unix seconds
+
+
+def live_inference_workers(client: Any) -> list[InferenceWorkerSeen]:
+    """Every inference worker of every queue heard from within `WORKER_ALIVE_SECONDS` (the rule a
+    chat request is refused by), sorted by queue and id. `client` is a synchronous Redis client."""
+    since = time.time() - WORKER_ALIVE_SECONDS
+    seen = []
+    for raw in client.scan_iter(match=workers_key("*"), count=500):
+        key = raw.decode() if isinstance(raw, bytes) else str(raw)
+        queue = key.removeprefix(WORKERS_PREFIX).removesuffix(WORKERS_SUFFIX)
+        for member, score in client.zrangebyscore(key, since, "+inf", withscores=True):
+            worker_id = member.decode() if isinstance(member, bytes) else str(member)
+            seen.append(InferenceWorkerSeen(queue=queue, worker_id=worker_id, last_seen=float(score)))
+    return sorted(seen, key=lambda w: (w.queue, w.worker_id))
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ Dashboard-only endpoints (same auth as /v1, the tenant's rows only):
 - `GET /dashboard/api/jobs/{id}/samples`          eval_prompts and their greedy answers per checkpoint
 - `GET /dashboard/api/jobs/{id}/metrics.csv`       every step so far as OpenAI's results CSV (any status)
 - `GET /dashboard/api/files/{id}/summary`         structural check of an uploaded JSONL file
-- `GET /dashboard/api/workers`                    the worker registry (Redis): GPUs, job, kernels
+- `GET /dashboard/api/workers`                    the worker registry (Redis): GPUs, job, kernels;
+                                                  then the inference workers (their heartbeats)
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from fastapi.responses import HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import ValidationError
 
-from service import files, storage, worker_registry
+from service import files, inference, storage, worker_registry
 from service import jobs as job_service
 from service.api.dataset_summary import check_file, example_count
 from service.auth import CurrentTenant
@@ -238,13 +239,17 @@ def registry_client() -> redis.Redis:
 
 @api.get("/workers", response_model=WorkersPublic, response_model_exclude_unset=True)
 def list_workers(tenant: CurrentTenant, session: SessionDep) -> WorkersPublic:
-    """Every worker (they are shared); the job a worker runs is named only to its own tenant.
-    An entry's fields are those its worker wrote (unset ones are left out, not null)."""
+    """Every worker (they are shared), training workers first, then inference workers; the job a
+    worker runs is named only to its own tenant. An entry's fields are those its worker wrote
+    (unset ones are left out, not null)."""
     try:
-        entries = worker_registry.list_workers(registry_client())
+        client = registry_client()
+        entries = worker_registry.list_workers(client)
+        serving = inference.live_inference_workers(client)
     except redis.exceptions.RedisError as e:
         raise UnavailableError(f"the worker registry (Redis) is unreachable: {e}") from e
     workers = [w for w in map(_worker_or_none, entries) if w is not None]
+    workers += [_inference_worker(w) for w in serving]
     busy = [w.job.job_id for w in workers if w.job is not None and w.job.job_id is not None]
     own = job_service.own_job_ids(session, tenant_id=tenant.id, job_ids=busy)
     for w in workers:
@@ -257,10 +262,19 @@ def _worker_or_none(entry: Any) -> WorkerPublic | None:
     """One registry entry; a malformed one (a worker of another version) is logged and left out,
     so one bad entry does not take the Workers page down."""
     try:
-        return WorkerPublic.model_validate(entry)
+        return WorkerPublic.model_validate({"kind": "training", **entry})
     except ValidationError as e:
         log.warning("worker registry entry left out: %s", e.errors(include_url=False)[:3])
         return None
+
+
+def _inference_worker(seen: inference.InferenceWorkerSeen) -> WorkerPublic:
+    """An inference worker as a row of the Workers page: its id is "host:pid"."""
+    host, _, pid = seen.worker_id.rpartition(":")
+    fields: dict[str, Any] = {"hostname": host, "pid": int(pid)} if host and pid.isdigit() else {}
+    return WorkerPublic(
+        node=seen.worker_id, kind="inference", queue=seen.queue, last_seen=seen.last_seen, **fields
+    )
 
 
 def mount_dashboard(app: FastAPI) -> None:

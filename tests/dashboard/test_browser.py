@@ -1,12 +1,15 @@
 """The dashboard in a real Chromium (Playwright) against the real stack: enter the key, upload a
 dataset through the form (a broken one first, to see its bad lines), submit a tiny-llama job,
-watch the jobs table reach `succeeded`, check the loss chart has one point per step, download
-the adapter, then cancel a second job mid-run from its page. Screenshots go to test-artifacts/."""
+watch the jobs table reach `succeeded`, check the loss chart has one point per step and shows the
+last loss, download the adapter and a checkpoint (also at 375 px), then cancel a second job mid-run
+from its page (its Cancel button in view at 375 px), and list the training and inference workers.
+Screenshots go to test-artifacts/."""
 
 from __future__ import annotations
 
 import io
 import json
+import re
 import time
 import uuid
 import zipfile
@@ -29,6 +32,55 @@ CHROMIUM_ARGS = [
     "--disable-component-update", "--disable-sync", "--no-first-run",
 ]  # fmt: skip
 JOB_TIMEOUT_MS = 240_000
+PHONE = {"width": 375, "height": 900}
+RAW_LOSS_RGB = [0x33, 0x55, 0xDD]  # job.js RAW_COLOR
+
+# Elements of `selector` (shown ones) that stick out of the viewport or, inside a scrolling table
+# box, out of that box's visible part: a user would have to scroll sideways to reach them.
+OUT_OF_VIEW = """(selector) => [...document.querySelectorAll(selector)]
+  .filter((e) => e.getClientRects().length > 0)
+  .filter((e) => {
+    const r = e.getBoundingClientRect();
+    const box = e.closest('.table-wrap, .scroll');
+    const b = box ? box.getBoundingClientRect() : { left: 0, right: window.innerWidth };
+    return r.left < Math.max(0, b.left) - 1 || r.right > Math.min(window.innerWidth, b.right) + 1;
+  })
+  .map((e) => {
+    const r = e.getBoundingClientRect();
+    const at = `${Math.round(r.left)}..${Math.round(r.right)} of ${window.innerWidth}`;
+    return `${e.outerHTML.slice(0, 100)} at x ${at}`;
+  })"""
+
+# The loss chart's last raw point: its value, where it is on the page and the colour drawn there.
+LAST_LOSS = """() => {
+  const u = window.loraqCharts.loss;
+  const i = u.data[1].length - 1;
+  const [x, y] = [u.valToPos(u.data[0][i], 'x'), u.valToPos(u.data[1][i], 'y')];
+  const over = u.over.getBoundingClientRect();
+  const [cx, cy] = [u.valToPos(u.data[0][i], 'x', true), u.valToPos(u.data[1][i], 'y', true)];
+  const rgb = [...u.ctx.getImageData(Math.round(cx), Math.round(cy), 1, 1).data.slice(0, 3)];
+  return { loss: u.data[1][i], left: over.left + x, top: over.top + y, inPlot: x >= 0 && x <= over.width
+    && y >= 0 && y <= over.height, rgb, smoothed: u.data[2], width: window.innerWidth };
+}"""
+
+
+def out_of_view(page: Any, selector: str) -> list[str]:
+    found: list[str] = page.evaluate(OUT_OF_VIEW, selector)
+    return found
+
+
+def last_loss_shown(page: Any) -> dict[str, Any]:
+    """Checks the last raw loss is drawn in view, on top, in the raw series' colour; returns it."""
+    last: dict[str, Any] = page.evaluate(LAST_LOSS)
+    assert last["inPlot"] and 0 <= last["left"] <= last["width"], last
+    assert last["rgb"] == RAW_LOSS_RGB, f"the last loss is covered: {last['rgb']} drawn there"
+    return last
+
+
+def tick_labels(page: Any, chart: str) -> list[str]:
+    """The y-axis tick labels uPlot drew on one of the job page's charts."""
+    labels: list[str] = page.evaluate(f"window.loraqCharts.{chart}.axes[1]._values")
+    return labels
 
 
 @pytest.fixture
@@ -112,10 +164,13 @@ def test_dashboard_end_to_end(stack: Service, page: Any, artifacts_dir: Path, tm
     page.fill("#batch_size", "4")
     page.fill("#learning_rate_multiplier", "5")
     page.fill("#suffix", "browser")
+    page.click("#advanced summary")
+    page.select_option("#lr_scheduler", "constant")  # a flat learning rate: its axis still has ticks
     page.screenshot(path=str(artifacts_dir / "dashboard-new-job.png"), full_page=True)
     page.click("#submit")
     page.wait_for_url("**/jobs/ftjob-*")
     job_id = page.url.rstrip("/").split("/")[-1]
+    svc.start_inference()  # for the Workers page (9.), meanwhile the job runs
 
     # 3. The jobs table updates live until the job has succeeded.
     page.goto(svc.url + "/")
@@ -140,6 +195,15 @@ def test_dashboard_end_to_end(stack: Service, page: Any, artifacts_dir: Path, tm
     assert page.evaluate("window.loraqCharts.loss.data[0]") == list(range(1, points + 1))
     assert page.evaluate("window.loraqCharts.lr.data[0].length") == points
     expect(page.locator("#losschart")).to_have_attribute("data-points", str(points))
+    # A short curve: every raw loss is drawn, none smoothed, and the last one is in view on top.
+    assert points < page.evaluate("SMOOTH_MIN_POINTS")
+    last = last_loss_shown(page)
+    assert last["loss"] == pytest.approx(progress["train_loss"]) and last["smoothed"] == [None] * points
+    expect(page.locator("#smoothing-note")).to_be_visible()
+    # The flat learning rate's axis: ticks from 0, each label different.
+    assert len(set(page.evaluate("window.loraqCharts.lr.data[1]"))) == 1
+    lr_ticks = tick_labels(page, "lr")
+    assert len(lr_ticks) >= 2 and len(set(lr_ticks)) == len(lr_ticks), lr_ticks
     expect(page.locator("#hyperparameters")).to_contain_text("n_epochs")
     expect(page.locator("#events")).to_contain_text("successfully completed")
     expect(page.locator("#cancel")).to_be_hidden()
@@ -170,6 +234,13 @@ def test_dashboard_end_to_end(stack: Service, page: Any, artifacts_dir: Path, tm
     assert dl.value.failure() is None
     with zipfile.ZipFile(dl.value.path()) as zf:
         assert "adapter_model.safetensors" in zf.namelist()
+    # On a phone every Download button and the last loss stay in view.
+    page.set_viewport_size(PHONE)
+    expect(buttons.first).to_be_visible()
+    assert out_of_view(page, "#checkpoints button[data-checkpoint]") == []
+    last_loss_shown(page)
+    page.screenshot(path=str(artifacts_dir / "dashboard-job-375.png"), full_page=True)
+    page.set_viewport_size({"width": 1360, "height": 1000})
 
     # 7. A second, long job is cancelled mid-run from its page.
     file_id = api(svc, "GET", f"/v1/fine_tuning/jobs/{job_id}")["training_file"]
@@ -181,6 +252,19 @@ def test_dashboard_end_to_end(stack: Service, page: Any, artifacts_dir: Path, tm
     expect(page.locator("#status")).to_have_attribute("data-status", "running", timeout=JOB_TIMEOUT_MS)
     # a function, not an expression string: the page's CSP forbids eval, which a string would need
     page.wait_for_function("() => window.loraqCharts.loss.data[0].length >= 3", timeout=JOB_TIMEOUT_MS)
+    # The first steps of a long cosine schedule: nearly flat, yet the axis' labels all differ.
+    lr_ticks = tick_labels(page, "lr")
+    assert len(lr_ticks) >= 2 and len(set(lr_ticks)) == len(lr_ticks), lr_ticks
+    # ... as they do for such ticks in the page's own formatter (2.0e-4 three times, before)
+    assert page.evaluate("distinctTicks(null, [1.98e-4, 1.99e-4, 2.0e-4])") == [
+        "1.98e-4",
+        "1.99e-4",
+        "2.00e-4",
+    ]
+    page.set_viewport_size(PHONE)
+    expect(page.locator("#cancel")).to_be_visible()
+    assert out_of_view(page, "#cancel") == []
+    page.set_viewport_size({"width": 1360, "height": 1000})
     # Meanwhile the worker registry names the job this worker runs (the Workers page's data).
     workers = api(svc, "GET", "/dashboard/api/workers")["data"]
     mine = [w for w in workers if w["queue"] == svc.env["LORAQ_WORKER_QUEUE"]]
@@ -205,8 +289,8 @@ def test_dashboard_end_to_end(stack: Service, page: Any, artifacts_dir: Path, tm
     expect(page.locator("#joberror")).to_contain_text("over the step limit of 5000")
     expect(page.locator("#download-adapter")).to_be_hidden()
 
-    # 9. The Workers page lists our worker (no GPU here, reference kernels) and renders the GPUs of
-    # a worker on a GPU host, as its registry entry reports them.
+    # 9. The Workers page lists our worker (no GPU here, reference kernels), the inference worker,
+    # and renders the GPUs of a worker on a GPU host, as its registry entry reports them.
     gpu_node = f"gpuhost-{uuid.uuid4().hex[:6]}:42"
     gpu = {"index": 0, "uuid": "GPU-1", "name": "NVIDIA H100 80GB HBM3", "utilization_percent": 87.0,
            "memory_used_bytes": 10 * 2**30, "memory_total_bytes": 80 * 2**30, "temperature_celsius": 61.0,
@@ -220,9 +304,23 @@ def test_dashboard_end_to_end(stack: Service, page: Any, artifacts_dir: Path, tm
     expect(gpu_row).to_contain_text("NVIDIA H100 80GB HBM3: 87% util")
     expect(gpu_row).to_contain_text("10.0 GiB / 80.0 GiB, 61 °C, 313 W, 1980 MHz")
     expect(gpu_row.locator(".kernels")).to_have_text("yes")
+    expect(gpu_row.locator(".kind")).to_have_text("training")
+    # The `loraq inference` worker, by its heartbeat: its id is host:pid of the real process.
+    chat_queue = svc.env["LORAQ_INFERENCE_QUEUE"]
+    chat_row = page.locator('#workers tbody tr[data-kind="inference"]', has_text=chat_queue)
+    expect(chat_row).to_have_count(1)
+    expect(chat_row.locator(".node")).to_have_text(re.compile(rf":{svc.procs['inference'].pid}$"))
+    expect(chat_row.locator(".kind")).to_have_text("inference")
+    expect(chat_row.locator(".job")).to_have_text("serves chat completions")
+    # Every column in view, the GPU row's included: in the table at 1400 px, in one block per
+    # worker at 375 px.
+    for size in ({"width": 1400, "height": 900}, PHONE):
+        page.set_viewport_size(size)
+        assert out_of_view(page, "#workers th, #workers td") == [], size
+        page.screenshot(path=str(artifacts_dir / f"dashboard-workers-{size['width']}.png"), full_page=True)
     rds.delete(worker_registry.worker_key(gpu_node))
     worker_row = page.locator("#workers tbody tr", has_text=svc.env["LORAQ_WORKER_QUEUE"])
     expect(worker_row).to_have_count(1, timeout=15_000)
+    expect(worker_row.locator(".kind")).to_have_text("training")
     expect(worker_row.locator(".kernels")).to_contain_text("no: no CUDA device")
     expect(worker_row.locator(".job")).to_contain_text("idle", timeout=15_000)
-    page.screenshot(path=str(artifacts_dir / "dashboard-workers.png"), full_page=True)

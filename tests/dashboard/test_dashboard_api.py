@@ -5,6 +5,7 @@ the worker registry in Redis, and the API's scrape-time metrics over the same da
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from service import storage, worker_registry
+from service import inference, storage, worker_registry
 from service.api.metrics import metrics_token
 from service.settings import get_settings
 from tests.servers import create_pg_database, drop_pg_database, shared_redis_url
@@ -199,6 +200,12 @@ def test_workers_from_the_registry(env: dict[str, Any]) -> None:
     # a malformed entry (a worker of another version) is left out, not a 500 for the whole page
     bad = f"host-{uuid.uuid4().hex[:6]}:456"
     rds.set(worker_registry.worker_key(bad), json.dumps({"node": bad, "gpus": "not a list"}), ex=30)
+    # inference workers by their heartbeats: a live one is listed, one silent past
+    # WORKER_ALIVE_SECONDS (it died without leaving the set) is not
+    chat_queue = f"chat-{uuid.uuid4().hex[:6]}"
+    live, dead = f"chathost-{uuid.uuid4().hex[:6]}:789", f"chathost-{uuid.uuid4().hex[:6]}:790"
+    beat = time.time()
+    rds.zadd(inference.workers_key(chat_queue), {live: beat, dead: beat - inference.WORKER_ALIVE_SECONDS - 5})
     try:
         with TestClient(make_app()) as c:
             page_a = c.get("/dashboard/api/workers", headers=auth(env["keys"]["a"])).json()
@@ -206,15 +213,22 @@ def test_workers_from_the_registry(env: dict[str, Any]) -> None:
             seen_by_b = c.get("/dashboard/api/workers", headers=auth(env["keys"]["b"])).json()["data"]
     finally:
         rds.delete(
-            worker_registry.worker_key(node), worker_registry.job_key(node), worker_registry.worker_key(bad)
-        )
+            worker_registry.worker_key(node), worker_registry.job_key(node), worker_registry.worker_key(bad),
+            inference.workers_key(chat_queue),
+        )  # fmt: skip
     assert page_a["object"] == "list"
     assert not [w for w in seen_by_a if w["node"] == bad]
-    assert [w for w in seen_by_a if w["node"] == node] == [{**entry, "job": {"job_id": job_a, "step": 2}}]
+    training = {**entry, "kind": "training"}
+    assert [w for w in seen_by_a if w["node"] == node] == [{**training, "job": {"job_id": job_a, "step": 2}}]
     # Workers are shared; another tenant sees the worker busy, not which job it runs.
     assert [w for w in seen_by_b if w["node"] == node] == [
-        {**entry, "job": {"job_id": None, "other_tenant": True}}
+        {**training, "job": {"job_id": None, "other_tenant": True}}
     ]
+    # after the training workers, the inference worker with what its heartbeat tells
+    chat = [w for w in seen_by_a if w.get("queue") == chat_queue]
+    assert chat == [{"node": live, "kind": "inference", "hostname": live.split(":")[0], "pid": 789,
+                     "queue": chat_queue, "last_seen": pytest.approx(beat)}]  # fmt: skip
+    assert seen_by_a.index(chat[0]) > seen_by_a.index(next(w for w in seen_by_a if w["node"] == node))
 
 
 def test_openapi_documents_typed_bodies_and_error_bodies() -> None:

@@ -9,9 +9,10 @@ builds `tiny-pretrained`, a small model whose loss can go wrong):
 - `flat`: learning rate x1e-6 on tiny-llama, "nothing trained".
 Then the API serves them (uvicorn in a thread) and the browser checks what a reader needs: the
 error once at the top and no empty charts, the per-step lines folded, health badges on the job,
-the list and the chart, the suffix/duration/model columns, the metrics CSV and checkpoints, the
-x-axis switch, and no page wider than the screen. Screenshots of every page at both sizes go to
-test-artifacts/ (dashboard-<page>-<width>.png).
+the list and the chart, the suffix/duration/model columns (every one in view, for the widest row
+too), the metrics CSV and checkpoints (their Download buttons in view), the last loss drawn over
+the smoothed line, the x-axis switch, and no page wider than the screen. Screenshots of every page
+at both sizes go to test-artifacts/ (dashboard-<page>-<width>.png).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from tests.dashboard.test_browser import CHROMIUM_ARGS
+from tests.dashboard.test_browser import CHROMIUM_ARGS, OUT_OF_VIEW, last_loss_shown, out_of_view
 from tests.e2e.datasets import broken_lines
 from tests.engine.recipe_helpers import ANIMALS, build_pretrained_tiny, write_animal_chats
 from tests.live_server import serve
@@ -37,6 +38,20 @@ from worker import runner
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(900)]
 
 WIDTHS = (375, 1400)
+# A jobs-table row as wide as they come: a long hub id, a long suffix, three badges, six-digit
+# numbers; rendered by the page's own `row()`, added to the table and measured in one go (the
+# table is redrawn every second).
+WIDEST_JOB = {
+    "id": "ftjob-" + "W" * 24, "status": "running", "model": "HuggingFaceTB/SmolLM2-1.7B-Instruct",
+    "suffix": "a-long-suffix-for-ui", "error_code": None, "step": 123456, "total_steps": 999999,
+    "warnings": [{"health": h, "step": 1} for h in ("overfitting", "memorizing", "not_training")],
+    "train_loss": 0.0123456, "tokens_per_s": 123456.7, "eta_seconds": 86399.0,
+    "created_at": 0, "started_at": 0, "finished_at": None, "result_files": [],
+}  # fmt: skip
+WIDEST_ROW_OUT_OF_VIEW = f"""(job) => {{
+  document.querySelector('#jobs tbody').insertAdjacentHTML('beforeend', row(job));
+  return ({OUT_OF_VIEW})('#jobs th, #jobs td');
+}}"""
 
 
 @dataclass
@@ -155,6 +170,10 @@ def test_dashboard_reads_well_at_375_and_1400(
         flat_row = page.locator(f'#jobs tr[data-job-id="{d.jobs["flat"]}"]')
         expect(flat_row.locator('[data-health="not_training"]')).to_be_visible()
         fits(page)
+        # No column is cut (at 1400 px the table needs no sideways scroll), the widest row's neither.
+        assert out_of_view(page, "#jobs th, #jobs td") == []
+        cut = page.evaluate(WIDEST_ROW_OUT_OF_VIEW, WIDEST_JOB)
+        assert cut == [], "\n".join(cut)
         page.screenshot(path=str(artifacts_dir / f"dashboard-jobs-{width}.png"), full_page=True)
 
         # A failed job with no step: its error once, at the top; no empty charts.
@@ -212,6 +231,10 @@ def test_dashboard_reads_well_at_375_and_1400(
         page.select_option("#xaxis", "step")
         expect(page.locator("#checkpoints-link")).to_contain_text("Checkpoints (")
         expect(page.locator("#checkpoints button[data-checkpoint]").first).to_be_attached()
+        assert out_of_view(page, "#checkpoints button[data-checkpoint]") == []
+        # 32 steps are smoothed; the last raw loss is still drawn on top, in view.
+        last = last_loss_shown(page)
+        assert len(last["smoothed"]) == 32 and None not in last["smoothed"]
         with page.expect_download() as dl:
             page.click("#download-csv")
         csv_lines = Path(dl.value.path()).read_text().splitlines()

@@ -19,6 +19,13 @@ let checkpoints = [];
 let warnings = []; // [{health, step}] from the progress endpoint
 let lastEvents = [];
 
+// Fewer steps than this are not smoothed: on a short curve the average lags far behind the last
+// losses (0.6 on 3 points ends at 4.1 where the last loss is 3.84) and only hides them.
+const SMOOTH_MIN_POINTS = 20;
+const RAW_COLOR = "#3355dd";
+// Markers on every raw loss point while there are few enough to tell apart.
+const MARKERS_MAX_POINTS = 200;
+
 // TensorBoard's smoothing: an exponential moving average, de-biased so early points are not
 // pulled toward zero. weight 0 = raw values.
 function smooth(values, weight) {
@@ -35,8 +42,30 @@ function smooth(values, weight) {
 
 // Steps are integers: never put a tick between two steps.
 const STEP_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000];
-// Learning rates are small: 2e-4, not 0.000.
-const sciValues = (u, vals) => vals.map((v) => (v === 0 ? "0" : Math.abs(v) < 0.01 ? v.toExponential(1) : v.toPrecision(3)));
+// One tick label with `digits` significant digits; small values (learning rates) in scientific
+// notation: 2.0e-4, not 0.000.
+function tickLabel(v, digits) {
+  if (v === 0) return "0";
+  const a = Math.abs(v);
+  return a < 0.01 || a >= 1e6 ? v.toExponential(digits - 1) : String(+v.toPrecision(digits));
+}
+
+// Tick labels with the fewest significant digits (2 to 6) that tell every tick apart: 1.95e-4,
+// 2.00e-4, 2.05e-4 rather than 2.0e-4 three times.
+function distinctTicks(u, vals) {
+  let labels = [];
+  for (let digits = 2; digits <= 6; digits++) {
+    labels = vals.map((v) => tickLabel(v, digits));
+    if (new Set(labels).size === labels.length) break;
+  }
+  return labels;
+}
+
+// The learning rate's axis starts at 0 (warmup starts there, cosine and linear decay end there), so
+// a flat or nearly flat schedule gets a few well-spaced ticks instead of a sliver of its range.
+function fromZero(u, min, max) {
+  return [Math.min(0, min ?? 0), max > 0 ? max * 1.1 : 1];
+}
 const compact = (v) => (v >= 1e9 ? `${+(v / 1e9).toFixed(1)}G` : v >= 1e6 ? `${+(v / 1e6).toFixed(1)}M` : v >= 1e3 ? `${+(v / 1e3).toFixed(1)}k` : `${v}`);
 
 const X_AXES = {
@@ -58,6 +87,44 @@ function chartMarks() {
     marks.push({ health: "diverged", step: rows.step[rows.step.length - 1] });
   }
   return marks;
+}
+
+// The last raw loss, drawn last so no line covers it: a ringed dot in the raw series' colour with
+// its value beside it.
+function lastLossMarker() {
+  return {
+    hooks: {
+      draw: [(u) => {
+        const i = lastIndex(rows.train);
+        if (i < 0) return;
+        const x = u.valToPos(xs()[i], "x", true);
+        const y = u.valToPos(rows.train[i], "y", true);
+        if (!isFinite(x) || !isFinite(y)) return;
+        const ctx = u.ctx;
+        const px = devicePixelRatio;
+        ctx.save();
+        ctx.beginPath();
+        ctx.arc(x, y, 5 * px, 0, 2 * Math.PI);
+        ctx.fillStyle = RAW_COLOR;
+        ctx.strokeStyle = "#fff";
+        ctx.lineWidth = 2 * px;
+        ctx.fill();
+        ctx.stroke();
+        ctx.font = `600 ${12 * px}px system-ui, sans-serif`;
+        const right = x > u.bbox.left + 0.75 * u.bbox.width;
+        ctx.textAlign = right ? "right" : "left";
+        ctx.textBaseline = "bottom";
+        ctx.fillText(loraq.num(rows.train[i]), x + (right ? -8 : 8) * px, y - 6 * px);
+        ctx.restore();
+      }],
+    },
+  };
+}
+
+// Index of the last finite value, or -1.
+function lastIndex(values) {
+  for (let i = values.length - 1; i >= 0; i--) if (values[i] !== null && isFinite(values[i])) return i;
+  return -1;
 }
 
 // Health warnings on the loss chart: a dashed line at the step, labelled.
@@ -101,28 +168,38 @@ function makeLossChart() {
     width: chartWidth(el), height: 300,
     scales: { x: { time: false }, y: log ? { distr: 3 } : {} },
     axes: [X_AXES[xMode()], { label: "loss" }],
-    plugins: [healthMarkers()],
+    plugins: [healthMarkers(), lastLossMarker()],
     series: [
       {},
-      { label: "train", stroke: "rgba(51,85,221,0.25)", width: 1 },
-      { label: "train (smoothed)", stroke: "#3355dd", width: 2 },
+      {
+        label: "train", stroke: RAW_COLOR, width: 1.5,
+        points: { show: (u, si, i0, i1) => i1 - i0 < MARKERS_MAX_POINTS, size: 6, fill: RAW_COLOR },
+      },
+      // dashed and grey: a trend line, never mistaken for the losses themselves
+      { label: "train (smoothed)", stroke: "rgba(20,26,42,0.55)", width: 2, dash: [6, 4], points: { show: false } },
       { label: "validation", stroke: "#d9480f", width: 2, spanGaps: true, points: { show: true, size: 6 } },
     ],
   }, lossData(), el);
 }
 
+// A short curve has no smoothed line (all null): its raw points are the curve.
 function lossData() {
   const w = Number(document.getElementById("smoothing").value);
-  return [xs(), rows.train, smooth(rows.train, w), rows.valid];
+  const smoothed = rows.train.length >= SMOOTH_MIN_POINTS ? smooth(rows.train, w) : rows.train.map(() => null);
+  const note = document.getElementById("smoothing-note");
+  note.hidden = rows.train.length >= SMOOTH_MIN_POINTS;
+  note.textContent = `(off under ${SMOOTH_MIN_POINTS} steps)`;
+  return [xs(), rows.train, smoothed, rows.valid];
 }
 
 function makeSmallChart(id, label, color) {
   const el = document.getElementById(id);
   const axis = X_AXES[xMode()];
+  const y = id === "lrchart" ? { range: fromZero } : {};
   return new uPlot({
     width: chartWidth(el), height: 160,
-    scales: { x: { time: false } },
-    axes: [{ incrs: axis.incrs, values: axis.values }, { size: 70, values: sciValues }],
+    scales: { x: { time: false }, y },
+    axes: [{ incrs: axis.incrs, values: axis.values }, { size: 70, values: distinctTicks }],
     legend: { show: true },
     series: [{}, { label, stroke: color, width: 1.5 }],
   }, [xs(), rows[id === "lrchart" ? "lr" : "gn"]], el);
@@ -284,7 +361,7 @@ async function fetchCheckpoints() {
       <td class="num">${c.step_number}</td>
       <td class="num">${loraq.num(c.metrics && c.metrics.train_loss)}</td>
       <td class="num">${loraq.num(c.metrics && c.metrics.valid_loss)}</td>
-      <td title="${loraq.esc(loraq.time(c.created_at))}">${loraq.ago(c.created_at)}</td>
+      <td class="opt" title="${loraq.esc(loraq.time(c.created_at))}">${loraq.ago(c.created_at)}</td>
       <td><button class="secondary" type="button" data-checkpoint="${loraq.esc(c.id)}" data-step="${c.step_number}">Download</button></td>
     </tr>`).join("");
 }

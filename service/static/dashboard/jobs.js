@@ -25,7 +25,7 @@ function row(j) {
     <td class="pickcell"><input type="checkbox" class="pick" data-job="${loraq.esc(j.id)}"${checked} aria-label="compare ${loraq.esc(j.id)}"></td>
     <td class="id"><a href="/jobs/${encodeURIComponent(j.id)}" title="${loraq.esc(j.id)}">${loraq.esc(j.id)}</a></td>
     <td class="status-cell wrapcell">${loraq.statusBadge(j.status)} ${loraq.healthBadges(j.warnings, j.error_code)}</td>
-    <td class="model" data-label="model">${loraq.esc(j.model)}</td>
+    <td class="model" data-label="model" title="${loraq.esc(j.model)}">${loraq.esc(j.model)}</td>
     <td class="suffix" data-label="suffix">${loraq.esc(j.suffix || "–")}</td>
     <td class="num progress-cell" data-label="steps">${progressCell(j)}</td>
     <td class="num opt">${loraq.num(j.train_loss)}</td>

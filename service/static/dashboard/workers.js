@@ -1,4 +1,7 @@
-// Workers page: the Redis registry each worker refreshes every 5 s (see worker/metrics/registry.py).
+// Workers page: the Redis registry each training worker refreshes every 5 s (see
+// worker/metrics/registry.py), then the inference workers (`loraq inference`, chat completions) from
+// their heartbeats: those report no job, kernels or GPUs. Each cell is labelled for the narrow
+// layout (app.css), where a row is one block.
 "use strict";
 
 function gpuHtml(g) {
@@ -7,7 +10,7 @@ function gpuHtml(g) {
     ${mem}, ${g.temperature_celsius.toFixed(0)} °C, ${g.power_watts.toFixed(0)} W, ${(g.sm_clock_hertz / 1e6).toFixed(0)} MHz</div>`;
 }
 
-function row(w) {
+function trainingCells(w) {
   const job = w.job && !w.job.job_id
     ? '<span class="muted">busy (another tenant\'s job)</span>'
     : w.job
@@ -18,10 +21,24 @@ function row(w) {
     ? '<span class="ok">yes</span>'
     : `<span class="muted" title="${loraq.esc(w.kernels.reason)}">no: ${loraq.esc(w.kernels.reason)}</span>`;
   const gpus = w.gpus.length ? w.gpus.map(gpuHtml).join("") : '<span class="muted">none (no NVML)</span>';
-  return `<tr data-node="${loraq.esc(w.node)}">
-    <td>${loraq.esc(w.node)}</td><td>${loraq.esc(w.queue)}</td><td class="job">${job}</td>
-    <td class="kernels wrap">${kernels}</td><td class="wrap">${gpus}</td>
-    <td>${loraq.time(w.last_seen)}</td><td>${w.metrics_port ? `:${w.metrics_port}/metrics` : "–"}</td>
+  return { job, kernels, gpus };
+}
+
+function row(w) {
+  const kind = w.kind || "training";
+  const none = '<span class="muted">–</span>';
+  const cells = kind === "training"
+    ? trainingCells(w)
+    : { job: '<span class="muted">serves chat completions</span>', kernels: none, gpus: none };
+  return `<tr data-node="${loraq.esc(w.node)}" data-kind="${loraq.esc(kind)}">
+    <td class="node" data-label="worker">${loraq.esc(w.node)}</td>
+    <td class="kind" data-label="kind">${loraq.esc(kind)}</td>
+    <td class="queue" data-label="queue">${loraq.esc(w.queue)}</td>
+    <td class="job wrap" data-label="job">${cells.job}</td>
+    <td class="kernels wrap" data-label="kernels">${cells.kernels}</td>
+    <td class="gpus wrap" data-label="GPUs">${cells.gpus}</td>
+    <td class="seen" data-label="seen">${loraq.time(w.last_seen)}</td>
+    <td class="metrics" data-label="metrics">${w.metrics_port ? `:${w.metrics_port}/metrics` : "–"}</td>
   </tr>`;
 }
 
