@@ -25,6 +25,8 @@ from service.redis_client import REDIS_OUTAGE
 
 log = logging.getLogger("loraq.broker")
 
+ACK_BACKOFF_MAX_S = 2.0
+
 
 def _shutting_down() -> bool:
     """A warm or cold shutdown of this Celery worker was requested (its signal handlers set these)."""
@@ -35,7 +37,8 @@ def _shutting_down() -> bool:
 
 class QoS(kombu_redis.QoS):
     def _until_done(self, what: str, call: Any, delivery_tag: str) -> None:
-        health = DependencyHealth(f"Redis ({what} of message {delivery_tag})", log)
+        # short waits: the consumer does nothing else meanwhile, and each try costs one socket timeout
+        health = DependencyHealth(f"Redis ({what} of message {delivery_tag})", log, most=ACK_BACKOFF_MAX_S)
         while True:
             try:
                 call(delivery_tag)

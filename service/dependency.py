@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 # sysexits.h EX_TEMPFAIL: "a temporary failure; the user is invited to retry".
 EXIT_DEPENDENCY_DOWN = 75
 BACKOFF_FIRST_S = 0.5
-BACKOFF_MAX_S = 10.0
+BACKOFF_MAX_S = 5.0  # a service is back at most this long after its Redis
 
 
 class DependencyHealth:

@@ -8,7 +8,9 @@ The task name `loraq.run_job` with `args=[job_id]` is the contract with `service
 from __future__ import annotations
 
 import logging
+import warnings
 
+from celery.exceptions import CPendingDeprecationWarning
 from celery.signals import (
     task_postrun,
     task_prerun,
@@ -30,6 +32,15 @@ log = logging.getLogger("loraq.worker")
 
 
 celery_app = make_celery(get_settings())
+
+# Celery warns on every broker reconnect that a future version will cancel running late-ack tasks on
+# connection loss; service/broker.py decided (worker_cancel_long_running_tasks_on_connection_loss
+# False: a job trains on through a Redis outage), so the warning would only alarm an operator.
+warnings.filterwarnings(
+    "ignore",
+    message=r"\s*In Celery 5.1 we introduced an optional breaking change",  # CANCEL_TASKS_BY_DEFAULT
+    category=CPendingDeprecationWarning,
+)
 
 
 @worker_ready.connect
