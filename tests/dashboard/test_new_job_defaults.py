@@ -12,10 +12,14 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 
 from tests.dashboard.test_browser import api, jsonl, page  # noqa: F401
 from tests.e2e.datasets import chat_lines
 from tests.e2e.procs import Service
+
+# ~45 s on a 2-core box: a stack, an inference worker for the dry runs, three jobs of >= 48 steps
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 JOBS = "/v1/fine_tuning/jobs"
 # Fields of a job object that differ between two jobs made from the same choices: identity, times,
