@@ -127,11 +127,19 @@ def _param_of(loc: tuple[Any, ...]) -> str:
     return ".".join(parts).replace(".[", "[") or str(loc[0] if loc else "body")
 
 
+def invalid_json(reason: str) -> LoraqError:
+    message = f"the request body is not valid JSON: {reason}"
+    return InvalidRequestError(message, param="body", code="invalid_json")
+
+
 def validation_error(exc: RequestValidationError) -> LoraqError:
     errors = exc.errors()
     if not errors:
         return InvalidRequestError("invalid request")
     first = errors[0]
+    if first.get("type") == "json_invalid":  # FastAPI's json.loads failed: loc is ("body", offset)
+        offset = first.get("loc", ("body", "?"))[-1]
+        return invalid_json(f"{first.get('ctx', {}).get('error', 'malformed')} at byte {offset}")
     param = _param_of(tuple(first.get("loc", ())))
     reason = str(first.get("msg", "invalid")).removeprefix("Value error, ")
     message = f"invalid value for '{param}': {reason}"
@@ -139,6 +147,10 @@ def validation_error(exc: RequestValidationError) -> LoraqError:
         message += f" (and {len(errors) - 1} more error(s))"
     return InvalidRequestError(message, param=param, code="invalid_value")
 
+
+# FastAPI's 400 when reading a JSON body raised anything but a JSONDecodeError (RecursionError for
+# deep nesting, ValueError for an integer of more than 4,300 digits); the cause is chained to it.
+BODY_PARSE_ERROR = "There was an error parsing the body"
 
 HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 STATIC_METHODS = ["GET", "HEAD"]  # the one mount: the dashboard's static files
@@ -181,10 +193,14 @@ def install_error_handlers(app: FastAPI) -> None:
             err.status = 405
             err.headers = {**(exc.headers or {}), "Allow": ", ".join(allowed)}
             return error_response(err)
+        elif exc.detail == BODY_PARSE_ERROR:  # json.loads raised something else than a decode error
+            cause = exc.__cause__
+            err = invalid_json("nested too deeply" if isinstance(cause, RecursionError) else str(cause)[:200])
         else:
-            err = LoraqError(str(exc.detail), code=None)
+            err = LoraqError(str(exc.detail))
             err.status = exc.status_code
             err.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+            err.code = "invalid_request" if exc.status_code < 500 else None
         err.headers = dict(exc.headers or {})
         return error_response(err)
 

@@ -264,6 +264,11 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"model": ErrorResponse} for s in statuses}
 
 
+def error_response(status: int, when: str) -> dict[int | str, dict[str, Any]]:
+    """One route's `responses` entry for `status` with the error body, saying when it answers it."""
+    return {status: {"model": ErrorResponse, "description": when}}
+
+
 class HealthPublic(BaseModel):
     status: Literal["ok", "unavailable"]
     checks: dict[str, str] = Field(default_factory=dict)

@@ -59,6 +59,7 @@ log = logging.getLogger("loraq.dashboard")
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 PAGES_DIR = STATIC_DIR / "dashboard"
 MAX_METRIC_ROWS = 100_000
+MAX_STEP = 2**31 - 1  # steps are INTEGER columns: PostgreSQL's int4 ends here
 
 
 PAGES = {  # page name -> (title, body fragment, script)
@@ -209,7 +210,7 @@ def job_metrics(
     job_id: str,
     tenant: CurrentTenant,
     session: SessionDep,
-    after: Annotated[int, Query(ge=0, description="return steps greater than this")] = 0,
+    after: Annotated[int, Query(ge=0, le=MAX_STEP, description="return steps greater than this")] = 0,
     limit: Annotated[int, Query(ge=1, le=MAX_METRIC_ROWS)] = MAX_METRIC_ROWS,
 ) -> StepRowsPublic:
     tenant_job(session, tenant.id, job_id)

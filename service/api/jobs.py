@@ -30,6 +30,7 @@ from service.schemas import (
     MethodPublic,
     ProgressPublic,
     SupervisedPublic,
+    error_response,
     error_responses,
 )
 from service.settings import get_settings
@@ -119,7 +120,11 @@ def checkpoint_public(ckpt: Checkpoint, job: Job) -> CheckpointPublic:
     )
 
 
-@router.post("", response_model=JobPublic | DryRunPublic)
+@router.post(
+    "",
+    response_model=JobPublic | DryRunPublic,
+    responses=error_response(503, "a dry run found no inference worker (code no_inference_worker)"),
+)
 def create_job(
     body: JobCreate,
     tenant: CurrentTenant,
@@ -186,7 +191,11 @@ def job_body(values: tuple[Any, ...]) -> bytes:
 status_read_route = PlainGetRoute(router.prefix + "/{fine_tuning_job_id}", read_job_status)
 
 
-@router.post("/{fine_tuning_job_id}/cancel", response_model=JobPublic)
+@router.post(
+    "/{fine_tuning_job_id}/cancel",
+    response_model=JobPublic,
+    responses=error_response(400, "the job already succeeded or failed (code invalid_job_state)"),
+)
 def cancel_job(fine_tuning_job_id: str, tenant: CurrentTenant, session: SessionDep) -> JobPublic:
     job = jobs.request_cancel(session, tenant_id=tenant.id, job_id=fine_tuning_job_id)
     session.commit()

@@ -128,10 +128,27 @@ def test_bad_job_requests_are_400_naming_the_param(
     assert api.get("/v1/fine_tuning/jobs").json()["data"] == []
 
 
-def test_missing_body_and_bad_json(api: ApiClient) -> None:
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b"{nope", "Expecting property name enclosed in double quotes at byte 1"),
+        (b"\xff\xfe", "Expecting value at byte 0"),
+        (b"[" * 100_000, "nested too deeply"),  # json.loads raises RecursionError
+        (b'{"seed": 1' + b"0" * 5000 + b"}", "Exceeds the limit (4300 digits)"),  # ValueError
+    ],
+)
+@pytest.mark.parametrize("path", ["/v1/fine_tuning/jobs", "/v1/chat/completions"])
+def test_a_body_that_is_not_json_is_400_invalid_json(
+    api: ApiClient, path: str, body: bytes, reason: str
+) -> None:
+    r = api.post(path, content=body, headers={"Content-Type": "application/json"})
+    err = assert_error(r, 400, "body")
+    assert err["type"] == "invalid_request_error" and err["code"] == "invalid_json"
+    assert str(err["message"]).startswith(f"the request body is not valid JSON: {reason}"), err
+
+
+def test_missing_body_and_bad_fields(api: ApiClient) -> None:
     assert_error(api.post("/v1/fine_tuning/jobs"), 400)
-    r = api.post("/v1/fine_tuning/jobs", content=b"{nope", headers={"Content-Type": "application/json"})
-    assert_error(r, 400)
     assert_error(api.post("/v1/fine_tuning/jobs", json={"training_file": "f"}), 400, "model")
 
 
