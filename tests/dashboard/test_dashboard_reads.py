@@ -235,6 +235,7 @@ def test_dashboard_reads_well_at_375_and_1400(
         # 32 steps are smoothed; the last raw loss is still drawn on top, in view.
         last = last_loss_shown(page)
         assert len(last["smoothed"]) == 32 and None not in last["smoothed"]
+        expect(page.locator("#smoothing-note")).to_be_hidden()
         with page.expect_download() as dl:
             page.click("#download-csv")
         csv_lines = Path(dl.value.path()).read_text().splitlines()
