@@ -6,20 +6,31 @@ worker's answer from a reply list of its own, one JSON event per entry:
 
     loraq:inference:<queue>:requests   list   API RPUSH request, worker BLPOP
     loraq:inference:<queue>:workers    zset   worker id -> last heartbeat (unix s)
+    loraq:inference:<queue>:starting   zset   worker id -> last heartbeat while it starts (imports
+                                              torch, preloads models): not serving yet
     loraq:inference:reply:<request id> list   worker RPUSH events, API BLPOP; expires
 
-Events: {"type": "start", "prompt_tokens"} once the worker accepted the request; {"type":
+Events: {"type": "loading", "model"} when the request waits for its base model to load (the
+first request on a model after the worker started: tens of seconds on a CPU); {"type": "start",
+"prompt_tokens", "load_seconds"} once the worker accepted the request (`load_seconds`: how long
+loading its base model took, with "loading" before it); {"type":
 "delta", "text"} per piece of text (streamed requests only); {"type": "done", "text",
 "finish_reason", "prompt_tokens", "completion_tokens"}; or {"type": "error", "status", "code",
 "param", "message"}.
+
+A request that finds no serving worker while one is starting waits for it up to
+`inference_start_wait_seconds` (`loraq up` answers before its inference worker has imported torch);
+with none serving or starting it is refused naming `loraq inference`.
 
 No torch here: the API imports this module.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
+import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -37,6 +48,7 @@ from worker.engine.types import ModelError
 REPLY_TTL_SECONDS = 300
 WORKER_ALIVE_SECONDS = 15.0
 SOCKET_MARGIN_SECONDS = 10.0
+START_POLL_SECONDS = 0.25  # a request waiting for a starting worker looks this often
 CKPT_PREFIX = "ckpt-step-"
 
 
@@ -155,6 +167,20 @@ def worker_error(event: dict[str, Any]) -> LoraqError:
     return LoraqError(message, param=param, code=code)
 
 
+def starting_key(queue: str) -> str:
+    return f"loraq:inference:{queue}:starting"
+
+
+def inference_worker_id(pid: int) -> str:
+    """The id an inference worker registers under: "host:pid" (`loraq up` marks its child with it)."""
+    return f"{socket.gethostname()}:{pid}"
+
+
+def mark_starting(client: Any, queue: str, worker_id: str) -> None:
+    """Say that `worker_id` is starting on `queue` (a synchronous client): requests wait for it."""
+    client.zadd(starting_key(queue), {worker_id: time.time()})
+
+
 class Completion:
     """One request in flight: `submit()` sends it, `events()` yields the worker's events."""
 
@@ -174,12 +200,8 @@ class Completion:
         queue = self.settings.inference_queue
         timeout = self.settings.inference_timeout_seconds
         try:
-            alive = await self.client.zcount(workers_key(queue), time.time() - WORKER_ALIVE_SECONDS, "+inf")
-            if not alive:
-                raise UnavailableError(
-                    f"no inference worker is serving queue {queue!r}; start one with `loraq inference`",
-                    code="no_inference_worker",
-                )
+            if not await self._alive(workers_key(queue)):
+                await self._wait_for_start(queue)
             self.request["sent_at"] = time.time()
             self.request["deadline"] = self.request["sent_at"] + timeout
             await self.client.rpush(requests_key(queue), json.dumps(self.request))
@@ -189,6 +211,29 @@ class Completion:
         except Exception as exc:
             await self.close()
             raise UnavailableError(f"the inference queue is unreachable: {exc}") from exc
+
+    async def _alive(self, key: str) -> int:
+        return int(await self.client.zcount(key, time.time() - WORKER_ALIVE_SECONDS, "+inf"))
+
+    async def _wait_for_start(self, queue: str) -> None:
+        """No worker serves `queue`: wait up to `inference_start_wait_seconds` for one that is
+        starting; refuse naming `loraq inference` only when none is."""
+        wait = self.settings.inference_start_wait_seconds
+        deadline = time.monotonic() + wait
+        # serving first: a worker that registers leaves the starting set a moment later
+        while not await self._alive(workers_key(queue)):
+            if not await self._alive(starting_key(queue)):
+                raise UnavailableError(
+                    f"no inference worker is serving queue {queue!r}; start one with `loraq inference`",
+                    code="no_inference_worker",
+                )
+            if time.monotonic() >= deadline:
+                raise UnavailableError(
+                    f"the inference worker of queue {queue!r} is still starting (importing torch, "
+                    f"loading its models) after {wait:g}s; retry in a moment",
+                    code="inference_worker_starting",
+                )
+            await asyncio.sleep(START_POLL_SECONDS)
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
         """The worker's events up to and including `done`; an `error` event or a silent worker

@@ -147,6 +147,8 @@ class Settings(BaseSettings):
     # `loraq inference` workers serve, and what one such worker holds.
     inference_queue: str = Field("inference", pattern=r"^[A-Za-z0-9_-]+$")
     inference_timeout_seconds: float = Field(60.0, gt=0)  # no event from a worker this long: 503
+    # a request that finds no worker serving but one starting waits this long for it (then 503)
+    inference_start_wait_seconds: float = Field(30.0, ge=0)
     inference_max_batch: int = Field(32, ge=1, le=1024)  # requests decoded together
     inference_max_adapters: int = Field(8, ge=1, le=1024)  # adapter slots per base model (LRU)
     inference_max_models: int = Field(2, ge=1, le=64)  # base models kept loaded (LRU)

@@ -4,7 +4,10 @@ Before starting anything it takes an exclusive lock on its data dir (`up.lock`) 
 the API port is free, so a second `loraq up` exits at once, naming the cause, and touches nothing
 of the first. Then it starts, in order: a private `redis-server` (only when `LORAQ_REDIS_URL` is
 unset; append-only file under the data dir), database migrations, the API key, the API (uvicorn),
-one Celery worker and one inference worker (`loraq inference`, chat completions).
+one Celery worker and one inference worker (`loraq inference`, chat completions). It prints
+"Loraq is up" once the API answers and both workers have registered (the worker registry entry,
+the inference heartbeat), which takes tens of seconds (they import torch); the inference worker is
+marked as starting from its spawn, so a chat request or a dry run sent meanwhile waits for it.
 service/supervisor.py watches the children: one that exits is restarted
 with backoff, a crash loop stops everything with a non-zero exit, and children die with this
 process even on `kill -9`. An exit of the API or a worker while Redis or the database does not
@@ -34,7 +37,10 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 import httpx
+from redis import Redis
+from redis.exceptions import RedisError
 
+from service.redis_client import redis_client
 from service.settings import Settings
 from service.supervisor import (
     RESTARTS_FILE,
@@ -52,6 +58,10 @@ if TYPE_CHECKING:
 __all__ = ["Supervisor", "free_port", "run_up"]
 
 READY_TIMEOUT_SECONDS = 120.0
+# The children that register once they serve, and how the banner names them: `loraq up` says
+# "Loraq is up" once all of them have, so nothing a user does first meets a worker still starting.
+WORKERS = {"worker": "the worker", "inference": "the inference worker"}
+REDIS_ERRORS = (RedisError, OSError)
 PID_FILE = "up.pids.json"
 LOCK_FILE = "up.lock"
 KEY_FILE = "admin_key.json"
@@ -264,15 +274,33 @@ def _run_locked(settings: Settings, data_dir: Path, echo: Callable[[str], None])
         sup.spawn(
             "inference", inference_argv(settings), env=env, log_path=logs / "inference.log", dependency=down
         )
+        from service.inference import inference_worker_id, mark_starting
+
+        registry = redis_client(settings)
+        inference_id = inference_worker_id(_child(sup, "inference").pid)
+        with contextlib.suppress(*REDIS_ERRORS):  # requests wait for it from now on, not once it runs
+            mark_starting(registry, settings.inference_queue, inference_id)
         base = f"http://{settings.host}:{settings.port}"
         _wait_until(lambda: _http_ready(f"{base}/readyz"), api, "the API", timeout=READY_TIMEOUT_SECONDS)
+        echo(f"The API answers on {base}; waiting for {' and '.join(WORKERS.values())} (they import torch)")
 
-        echo(f"Loraq is up: {base}  (OpenAI base_url {base}/v1, docs {base}/docs)")
-        echo(key_line)
-        echo(f"Data: {data_dir}   Redis: {redis_url}   Logs: {logs}")
-        echo("Press Ctrl-C to stop.")
+        waiting = list(WORKERS)
+        since = time.monotonic()
         while True:
             sup.poll()
+            if waiting:
+                waiting = [name for name in waiting if not registered(settings, registry, sup, name)]
+                if not waiting or time.monotonic() - since > READY_TIMEOUT_SECONDS:
+                    echo(f"Loraq is up: {base}  (OpenAI base_url {base}/v1, docs {base}/docs)")
+                    for name in waiting:
+                        echo(
+                            f"loraq up: {WORKERS[name]} has not registered after {READY_TIMEOUT_SECONDS:g}s; "
+                            f"its log: {_child(sup, name).log_path}"
+                        )
+                    echo(key_line)
+                    echo(f"Data: {data_dir}   Redis: {redis_url}   Logs: {logs}")
+                    echo("Press Ctrl-C to stop.")
+                    waiting = []
             time.sleep(POLL_SECONDS)
     except KeyboardInterrupt:
         return 0
@@ -304,6 +332,25 @@ def dependency_down(settings: Settings) -> str | None:
     if why := database_down():
         return f"the database does not answer: {why}"
     return None
+
+
+def _child(sup: Supervisor, name: str) -> Child:
+    return next(c for c in sup.children if c.name == name)
+
+
+def registered(settings: Settings, client: Redis, sup: Supervisor, name: str) -> bool:
+    """Whether the running process of child `name` (the current one: a restart changes its pid)
+    has registered: the worker's entry in the worker registry, the inference worker's heartbeat."""
+    from service.inference import inference_worker_id, workers_key
+    from service.worker_registry import list_workers
+
+    pid, host = _child(sup, name).pid, socket.gethostname()
+    try:
+        if name == "inference":
+            return client.zscore(workers_key(settings.inference_queue), inference_worker_id(pid)) is not None
+        return any(w.get("pid") == pid and w.get("hostname") == host for w in list_workers(client))
+    except REDIS_ERRORS:
+        return False
 
 
 def _release_jobs_of(worker_pid: int, echo: Callable[[str], None]) -> None:

@@ -4,7 +4,13 @@ The route resolves `model` for the tenant (service.inference.resolve_model), han
 a worker over Redis and turns the worker's events into OpenAI's response: one JSON body, or
 Server-Sent Events of `chat.completion.chunk` objects ending with `data: [DONE]`. The first event
 is awaited before answering, so a request the worker refuses (prompt too long, adapter that does
-not fit) is an HTTP error in both modes.
+not fit) is an HTTP error in both modes, except behind a model that must load first: a stream
+answers at once then, with an SSE comment and a `notice` on its first chunk saying the model is
+loading (tens of seconds on a CPU), and a refusal after the load arrives in the stream. A
+non-streamed answer says in `notice` that the model was loaded for it, and how long that took.
+
+A model with random weights (a preset, or an adapter trained on one) answers with a `warning`
+(worker.engine.catalog.random_weights_warning): on the completion, on a stream's first chunk.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter
@@ -32,6 +39,7 @@ from service.schemas import (
     error_responses,
 )
 from service.settings import get_settings
+from worker.engine.catalog import random_weights_warning
 
 router = APIRouter(prefix="/v1/chat", tags=["chat"], responses=error_responses(400, 401, 404, 429, 503))
 
@@ -64,6 +72,28 @@ def worker_request(body: ChatCompletionCreate, target: inference.Target, request
     }
 
 
+@dataclass(frozen=True)
+class ChunkHead:
+    """What a stream's first chunk says beyond OpenAI's fields (the others leave them out)."""
+
+    warning: str | None
+    notice: str | None
+
+
+def loading_notice(model: str) -> str:
+    return (
+        f"{model} is loading on the inference worker (the first request for it since the worker "
+        "started; tens of seconds on a CPU); the answer starts once it is loaded"
+    )
+
+
+def loaded_notice(model: str, seconds: float) -> str:
+    return (
+        f"{model} was loaded on the inference worker for this request first ({seconds:g} s); "
+        "later requests skip that"
+    )
+
+
 def usage_of(event: dict[str, Any]) -> Usage:
     prompt, completion = int(event["prompt_tokens"]), int(event["completion_tokens"])
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
@@ -74,33 +104,39 @@ async def create_chat_completion(body: ChatCompletionCreate, tenant: CurrentTena
     settings = get_settings()
     target = await inference.resolve_model(tenant_id=tenant.id, model=body.model, settings=settings)
     request_id = inference.new_request_id()
+    warning = random_weights_warning(target.base)
     completion = inference.Completion(settings, worker_request(body, target, request_id))
     await completion.submit()
     created = int(time.time())
     events = completion.events()
     try:
-        first = await anext(events)  # "start" (or an error, raised here as an HTTP error)
+        first = await anext(events)  # "start" or "loading" (or an error, raised here as an HTTP error)
     except BaseException:
         await completion.close()
         raise
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = sse_chunks(completion, events, body.model, created, include_usage)
+        head = ChunkHead(warning, loading_notice(target.base) if first["type"] == "loading" else None)
+        chunks = sse_chunks(completion, events, body.model, created, include_usage, head)
         return StreamingResponse(
             chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
     try:
-        done = first
+        done = start = first
         async for event in events:
+            start = event if event["type"] == "start" else start
             done = event
     finally:
         await completion.close()
+    load_seconds = start.get("load_seconds")
     return ChatCompletion(
         id=request_id,
         created=created,
         model=body.model,
         choices=[Choice(message=AssistantMessage(content=done["text"]), finish_reason=done["finish_reason"])],
         usage=usage_of(done),
+        warning=warning,
+        notice=loaded_notice(target.base, load_seconds) if load_seconds is not None else None,
     )
 
 
@@ -110,21 +146,28 @@ async def sse_chunks(
     model: str,
     created: int,
     include_usage: bool,
+    head: ChunkHead,
 ) -> AsyncIterator[str]:
     """OpenAI's stream: a role chunk, content chunks, a chunk with the finish reason, with
-    `stream_options.include_usage` a last chunk with no choices and the usage, then [DONE]."""
+    `stream_options.include_usage` a last chunk with no choices and the usage, then [DONE]. A
+    model that is loading first is announced by an SSE comment (clients skip it) before that."""
 
-    def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> str:
+    def chunk(choices: list[ChunkChoice], usage: Usage | None = None, first: bool = False) -> str:
+        extra = {"warning": head.warning, "notice": head.notice} if first else {}
         body = ChatCompletionChunk(
-            id=completion.id, created=created, model=model, choices=choices, usage=usage
+            id=completion.id, created=created, model=model, choices=choices, usage=usage, **extra
         )
         # as OpenAI: with include_usage every chunk has "usage" (null until the last one);
-        # without it the field is absent
-        omit = None if include_usage else {"usage"}
+        # without it the field is absent. Loraq's warning and notice: on the first chunk, if set
+        omit = {name for name in ("warning", "notice") if not extra.get(name)}
+        if not include_usage:
+            omit.add("usage")
         return f"data: {body.model_dump_json(exclude_none=False, exclude=omit)}\n\n"
 
     try:
-        yield chunk([ChunkChoice(delta=ChunkDelta(role="assistant", content=""))])
+        if head.notice:
+            yield f": {head.notice}\n\n"
+        yield chunk([ChunkChoice(delta=ChunkDelta(role="assistant", content=""))], first=True)
         async for event in events:
             if event["type"] == "delta" and event["text"]:
                 yield chunk([ChunkChoice(delta=ChunkDelta(content=event["text"]))])

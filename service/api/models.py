@@ -1,4 +1,8 @@
-"""`/v1/models`: the base models of the catalog and the tenant's succeeded fine-tunes."""
+"""`/v1/models`: the base models of the catalog and the tenant's succeeded fine-tunes.
+
+Real bases (pretrained, local) come first, then the random-weight presets: those say so
+(`random`, `use` "tests"/"benchmarks", and the `warning` a job or chat on them carries), and so
+do fine-tunes of them."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from service.errors import NotFoundError
 from service.schemas import ModelPublic, ModelsPublic, error_responses
 from service.settings import get_settings
 from worker.engine.catalog import list_models as catalog_models
+from worker.engine.catalog import random_weights_warning
 
 router = APIRouter(prefix="/v1/models", tags=["models"], responses=error_responses(400, 401, 404, 429))
 
@@ -31,8 +36,9 @@ def all_models(session: SessionDep, tenant_id: str) -> list[ModelPublic]:
             auto_pull=settings.auto_pull,
             use=m.use,
             upstream=m.upstream,
+            warning=random_weights_warning(m.name),
         )
-        for m in catalog
+        for m in sorted(catalog, key=lambda m: m.random)  # stable: catalog order within each group
     ]
     random_bases = {m.name for m in catalog if m.random}
     uses = {m.name: m.use for m in catalog}
@@ -44,6 +50,7 @@ def all_models(session: SessionDep, tenant_id: str) -> list[ModelPublic]:
             owned_by=tenant_id,
             random=name.split(":")[1] in random_bases,
             use=uses.get(name.split(":")[1]),
+            warning=random_weights_warning(name.split(":")[1]),
         )
         for name, finished in jobs.succeeded_models(session, tenant_id=tenant_id)
     ]

@@ -146,6 +146,12 @@ def test_dashboard_end_to_end(stack: Service, page: Any, artifacts_dir: Path, tm
         "tiny-llama (random weights, tests only)"
     )
     expect(page.locator("#model")).to_have_value("smollm2-135m-instruct")  # the real model by default
+    # the random-weight presets apart from the real bases, in a group that says what they are for
+    random_group = page.locator("#model optgroup[label='Random weights: tests and benchmarks only']")
+    expect(random_group.locator("option")).to_have_count(4)  # tiny-llama, llama-1b, llama-8b, smollm2-135m
+    expect(
+        page.locator("#model optgroup[label='Base models'] option[value='smollm2-135m-instruct']")
+    ).to_have_count(1)
     page.set_input_files(
         "#trainfile", {"name": "broken.jsonl", "mimeType": "application/jsonl", "buffer": broken_lines()}
     )

@@ -202,3 +202,28 @@ def test_time_to_first_token_and_tokens_per_second_are_prometheus_metrics(
     assert samples['loraq_inference_tokens_per_second_count{model="tiny-llama"}'] >= 1
     assert samples['loraq_inference_generated_tokens_total{model="tiny-llama"}'] >= 8
     assert samples['loraq_inference_requests_total{outcome="ok"}'] >= 1
+
+
+def test_a_model_loading_first_says_so_and_random_weights_warn(e2e: Service, trained: dict[str, Any]) -> None:
+    """smollm2-135m (random weights, one word from smollm2-135m-instruct) is not preloaded: the
+    first streamed request on it says at once that it is loading (an SSE comment, which clients
+    skip, and `notice` on the first chunk), and the worker logs it; every answer on it carries the
+    random-weights warning naming the real model."""
+    body = {"model": "smollm2-135m", "messages": ask("hi"), "max_tokens": 2, "stream": True}
+    headers = {"Authorization": f"Bearer {trained['key']}"}
+    with httpx.stream("POST", e2e.url + "/v1/chat/completions", json=body, headers=headers, timeout=120) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[0].startswith(": smollm2-135m is loading on the inference worker (the first request"), lines
+    first, *rest = [json.loads(line.removeprefix("data: ")) for line in lines[1:-1]]
+    assert first["choices"][0]["delta"]["role"] == "assistant" and first["notice"] == lines[0][2:]
+    assert first["warning"].startswith("smollm2-135m has random weights (for benchmarks only)")
+    assert first["warning"].endswith("; did you mean smollm2-135m-instruct?")
+    assert rest and all("warning" not in c and "notice" not in c for c in rest)  # the first chunk only
+    assert lines[-1] == "data: [DONE]"
+    assert "loading base model smollm2-135m for 1 chat request(s)" in e2e.log_text("inference")
+
+    loaded = httpx.post(
+        e2e.url + "/v1/chat/completions", json=body | {"stream": False}, headers=headers, timeout=60
+    )
+    assert loaded.json()["notice"] is None and loaded.json()["warning"] == first["warning"]

@@ -19,6 +19,7 @@ import psutil
 import redis
 
 from service.up import Supervisor
+from tests.e2e.datasets import chat_lines
 from tests.e2e.procs import ROOT, clean_env, free_port, wait_for
 from tests.servers import api_ready, create_pg_database, drop_pg_database
 
@@ -79,8 +80,10 @@ def running_up(tmp_path: Path, **env_vars: str) -> Iterator[tuple[subprocess.Pop
 
     try:
         wait_for(lambda: api_ready(url), "loraq up", 120, proc)
-        # Printed after readiness, with the URL and the key.
-        wait_for(lambda: "Press Ctrl-C" in (tmp_path / "up.out").read_text(), "banner", 10, proc)
+        # Printed, with the URL and the key, once the API answers and both workers have registered
+        # (they import torch: tens of seconds after the API on a busy machine).
+        wait_for(lambda: "Press Ctrl-C" in (tmp_path / "up.out").read_text(), "banner", 120, proc)
+        assert_workers_registered((tmp_path / "up.out").read_text(), data_dir, env)
         wait_for(
             lambda: " ready." in (data_dir / "logs" / "worker.log").read_text(errors="replace"),
             "worker ready",
@@ -97,6 +100,20 @@ def running_up(tmp_path: Path, **env_vars: str) -> Iterator[tuple[subprocess.Pop
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
         out.close()
+
+
+def assert_workers_registered(banner: str, data_dir: Path, env: dict[str, str]) -> None:
+    """What "Loraq is up" promises: the worker and the inference worker it started (these pids)
+    have registered already."""
+    from service.inference import inference_worker_id, workers_key
+    from service.worker_registry import list_workers
+
+    pids = json.loads((data_dir / "up.pids.json").read_text())
+    client = redis.Redis.from_url(next(w for w in banner.split() if w.startswith("redis://")))
+    assert pids["worker"] in [w["pid"] for w in list_workers(client)], banner
+    inference = workers_key(env.get("LORAQ_INFERENCE_QUEUE", "inference"))
+    assert client.zscore(inference, inference_worker_id(pids["inference"])) is not None, banner
+    assert banner.index("The API answers on") < banner.index("Loraq is up"), banner
 
 
 def stop_and_check_nothing_left(proc: subprocess.Popen[bytes], data_dir: Path, sig: int) -> None:
@@ -131,10 +148,15 @@ def test_loraq_up_serves_and_sigint_stops_every_child(tmp_path: Path) -> None:
             "worker",
             "inference",
         }
-        # `loraq up` serves chat completions too
-        logs = data_dir / "logs" / "inference.log"
-        wait_for(lambda: " ready on queue " in logs.read_text(errors="replace"), "inference", 120, proc)
+        # `loraq up` serves chat completions and dry runs (on its inference worker) from its banner on
         chat = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        file_id = httpx.post(
+            url + "/v1/files", data={"purpose": "fine-tune"}, headers=auth,
+            files={"file": ("t.jsonl", chat_lines(8))},
+        ).json()["id"]  # fmt: skip
+        dry = {"model": "tiny-llama", "training_file": file_id, "dry_run": True}
+        plan = httpx.post(url + "/v1/fine_tuning/jobs", json=dry, headers=auth, timeout=60)
+        assert plan.status_code == 200 and plan.json()["valid"], plan.text
         answer = httpx.post(url + "/v1/chat/completions", json=chat, headers=auth, timeout=60).json()
         assert (
             answer["usage"]["completion_tokens"] <= 3
@@ -182,8 +204,6 @@ def test_loraq_up_uses_given_redis_and_postgresql_and_generates_a_key(tmp_path: 
 
 
 def test_ctrl_c_requeues_a_running_job_and_the_next_up_finishes_it(tmp_path: Path) -> None:
-    from tests.e2e.datasets import chat_lines
-
     key = "sk-up-" + secrets.token_hex(16)
     env = {"LORAQ_API_KEY": key, "LORAQ_CHECKPOINT_EVERY": "20"}
     auth = {"Authorization": f"Bearer {key}"}

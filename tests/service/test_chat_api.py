@@ -1,16 +1,22 @@
 """`/v1/chat/completions` through the API process and a real `InferenceWorker` on the local Redis,
-in this process: replies slower than Redis clients' default read timeout still arrive, and a
-missing or silent worker is a clear 503 in OpenAI's error body."""
+in this process: replies slower than Redis clients' default read timeout still arrive, a
+missing or silent worker is a clear 503 in OpenAI's error body, and a request waits for a worker
+that is starting (a real `loraq inference` process)."""
 
 from __future__ import annotations
 
+import os
 import secrets
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from tests.conftest import ApiClient
+from tests.e2e.procs import ROOT, stop_process, wait_for
 
 CHAT = {
     "model": "tiny-llama",
@@ -72,3 +78,84 @@ def test_no_worker_and_a_silent_worker_are_503(
     finally:
         worker.stop()  # type: ignore[attr-defined]
     assert r.status_code == 503 and r.json()["error"]["code"] == "inference_timeout"
+
+
+def test_a_request_waits_for_a_starting_worker_and_the_command_is_named_only_when_none_is(
+    api: ApiClient, chat_queue: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`loraq up` answers before its inference worker has imported torch: a request sent then
+    waits for that worker, where it used to be told to start another with `loraq inference`."""
+    import redis
+
+    from service.inference import mark_starting, starting_key, workers_key
+    from service.settings import get_settings
+    from tests.servers import shared_redis_url
+
+    def use(**env: str) -> None:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        get_settings.cache_clear()
+
+    client = redis.Redis.from_url(shared_redis_url())
+    none = api.post("/v1/chat/completions", json=CHAT)
+    assert none.status_code == 503 and none.json()["error"]["code"] == "no_inference_worker"
+    assert "start one with `loraq inference`" in none.json()["error"]["message"]
+
+    # one that says it is starting but never serves: a bounded wait, then a 503 naming no command
+    use(LORAQ_INFERENCE_START_WAIT_SECONDS="0.5")
+    mark_starting(client, chat_queue, "elsewhere:1")
+    stuck = api.post("/v1/chat/completions", json=CHAT)
+    client.delete(starting_key(chat_queue))
+    error = stuck.json()["error"]
+    assert stuck.status_code == 503 and error["code"] == "inference_worker_starting", error
+    assert "still starting" in error["message"] and "loraq inference" not in error["message"]
+
+    # a real `loraq inference`, asked while it imports torch: the request waits and is answered
+    use(LORAQ_INFERENCE_START_WAIT_SECONDS="120")
+    log = tmp_path / "inference.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "service.cli", "inference"], env=dict(os.environ), cwd=ROOT,
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        wait_for(lambda: client.zcard(starting_key(chat_queue)) == 1, "starting mark", 60, proc)
+        assert client.zcard(workers_key(chat_queue)) == 0, log.read_text()  # not serving yet
+        answered = api.post("/v1/chat/completions", json=CHAT)
+        assert answered.status_code == 200, answered.text
+        assert client.zcard(workers_key(chat_queue)) == 1
+        wait_for(lambda: client.zcard(starting_key(chat_queue)) == 0, "starting mark removed", 10, proc)
+    finally:
+        stop_process(proc)
+
+
+def test_the_first_request_on_a_model_says_it_was_loaded_for_it(api: ApiClient, chat_queue: str) -> None:
+    """A worker that preloads nothing loads tiny-llama for the first request on it: the answer says
+    so (`notice`, with the seconds it took), the next one does not; both carry tiny-llama's
+    random-weights warning."""
+    import redis
+
+    from service.inference import inference_worker_id, workers_key
+    from service.settings import get_settings
+    from tests.servers import shared_redis_url
+    from worker.inference import InferenceWorker
+
+    worker = InferenceWorker(get_settings().model_copy(update={"inference_preload": []}))
+    serving = threading.Thread(target=worker.serve_forever, daemon=True)
+    serving.start()
+    client = redis.Redis.from_url(shared_redis_url())
+    try:
+        wait_for(lambda: client.zscore(workers_key(chat_queue), inference_worker_id(os.getpid())) is not None,
+                 "worker registered", 60)  # fmt: skip
+        first = api.post("/v1/chat/completions", json=CHAT)
+        second = api.post("/v1/chat/completions", json=CHAT)
+    finally:
+        worker.stop()
+        serving.join(30)
+    assert first.status_code == 200 and second.status_code == 200, first.text + second.text
+    notice = first.json()["notice"]
+    assert notice.startswith("tiny-llama was loaded on the inference worker for this request first (")
+    assert notice.endswith(" s); later requests skip that")
+    assert second.json()["notice"] is None
+    for answer in (first.json(), second.json()):
+        assert answer["warning"].startswith("tiny-llama has random weights (for tests only)")

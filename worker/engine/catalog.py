@@ -24,6 +24,7 @@ ModelKind = Literal["pretrained", "random", "local"]
 ModelUse = Literal["fine-tuning", "tests", "benchmarks"]
 
 REGISTRY_FILE = "registry.json"
+SLIP_EDITS = 2  # a name this many character edits from a real model's is taken for a slip
 
 # Hugging Face `architectures` entries we can load and wrap with LoRA (same module names:
 # q_proj/k_proj/v_proj/o_proj/gate_proj/up_proj/down_proj).
@@ -196,6 +197,56 @@ def catalog_name(base_model_name_or_path: str) -> str:
     return base_model_name_or_path
 
 
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance: the fewest one-character insertions, deletions and substitutions."""
+    previous = list(range(len(b) + 1))
+    for i, ca in enumerate(a, start=1):
+        current = [i]
+        for j, cb in enumerate(b, start=1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ca != cb)))
+        previous = current
+    return previous[-1]
+
+
+def _words(name: str) -> list[str]:
+    return re.split(r"[-_./]", name.lower())
+
+
+def looks_like(name: str, candidates: list[str]) -> str | None:
+    """The candidate `name` is most likely a slip for: one within `SLIP_EDITS` edits of it, or
+    one that is `name` with one word more or less (`smollm2-135m` for `smollm2-135m-instruct`).
+    None when no candidate is that close (or `name` is one of them)."""
+    if name in candidates:
+        return None
+    ranked = sorted((edit_distance(name.lower(), c.lower()), c) for c in candidates)
+    if ranked and ranked[0][0] <= SLIP_EDITS:
+        return ranked[0][1]
+    words = _words(name)
+    for candidate in candidates:
+        other = _words(candidate)
+        longer, shorter = (other, words) if len(other) > len(words) else (words, other)
+        if len(longer) == len(shorter) + 1 and any(
+            longer[:i] + longer[i + 1 :] == shorter for i in range(len(longer))
+        ):
+            return candidate
+    return None
+
+
+def random_weights_warning(name: str) -> str | None:
+    """The warning a job or a chat request on a random-init preset carries (None for real weights):
+    it works, for tests and benchmarks, but learns and says nothing real. A preset whose name is a
+    slip away from a real model names that model."""
+    if name not in PRESET_SHAPES:
+        return None
+    use = _USES.get(name, "benchmarks")
+    warning = (
+        f"{name} has random weights (for {use} only): a fine-tune of it learns nothing real and its "
+        "answers are noise"
+    )
+    real = looks_like(name, list(PRETRAINED))
+    return f"{warning}; did you mean {real}?" if real else warning
+
+
 def builtin_names() -> list[str]:
     return [*PRETRAINED, *PRESET_SHAPES]
 
@@ -220,8 +271,10 @@ def get_model_info(name: str, store: Path) -> BaseModelInfo:
     registry = _read_registry(store)
     if name in registry:
         return _local_info(name, registry[name])
-    known = ", ".join([*builtin_names(), *sorted(registry)])
-    raise ModelError(f"unknown model {name!r}; known models: {known}")
+    names = [*builtin_names(), *sorted(registry)]
+    near = looks_like(name, names)
+    hint = f"did you mean {near!r}? " if near else ""
+    raise ModelError(f"unknown model {name!r}; {hint}known models: {', '.join(names)}")
 
 
 def register_local_model(name: str, path: Path, store: Path) -> BaseModelInfo:

@@ -345,9 +345,11 @@ async function loadModels() {
   // Base models first; fine-tuned ones ("ft:...") cannot be fine-tuned again.
   const base = body.data.filter((m) => !m.id.startsWith("ft:"));
   const names = base.map((m) => m.id);
-  select.innerHTML = base
-    .map((m) => `<option value="${loraq.esc(m.id)}">${loraq.esc(m.id)}${modelLabel(m) ? ` (${modelLabel(m)})` : ""}</option>`)
-    .join("");
+  const option = (m) => `<option value="${loraq.esc(m.id)}" title="${loraq.esc(m.warning || m.description || "")}">${loraq.esc(m.id)}${modelLabel(m) ? ` (${modelLabel(m)})` : ""}</option>`;
+  // Real bases apart from the random-weight presets, which only tests and benchmarks want.
+  const group = (label, models) => models.length ? `<optgroup label="${label}">${models.map(option).join("")}</optgroup>` : "";
+  select.innerHTML = group("Base models", base.filter((m) => !m.random))
+    + group("Random weights: tests and benchmarks only", base.filter((m) => m.random));
   // The real pretrained model by default: a first job on random weights teaches nothing.
   if (names.includes(DEFAULT_MODEL)) select.value = DEFAULT_MODEL;
 }
