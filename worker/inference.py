@@ -142,6 +142,10 @@ class InferenceWorker:
             log.exception("inference metrics could not start on port %d; serving without /metrics", port)
         for name in self.settings.inference_preload:
             self.model(name)
+        # Registered before "ready" (the API refuses requests while no worker is) if Redis answers;
+        # if not, the serving loop registers once it does.
+        with contextlib.suppress(*REDIS_OUTAGE):
+            self._register()
         threading.Thread(target=self._heartbeat, name="inference-heartbeat", daemon=True).start()
 
     def stop(self) -> None:
