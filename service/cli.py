@@ -588,11 +588,11 @@ def _latest_metrics(c: LoraqClient, job_id: str) -> dict[str, Any] | None:
 
 
 def _new_messages(c: LoraqClient, job_id: str, seen: set[str]) -> list[dict[str, Any]]:
-    """Warning and error events not printed yet, oldest first."""
+    """Message events (the plan, milestones, warnings, errors) not printed yet, oldest first."""
     events = c.list_events(job_id, limit=50)["data"]
     fresh = [e for e in reversed(events) if e["id"] not in seen and e.get("type") != "metrics"]
     seen.update(e["id"] for e in events)
-    return [e for e in fresh if e["level"] in ("warn", "error")]
+    return fresh
 
 
 @jobs_app.command("watch")
@@ -602,8 +602,9 @@ def jobs_watch(
     url: UrlOpt = None,
     api_key: KeyOpt = None,
 ) -> None:
-    """Live progress (step, loss, tokens/s, ETA) and health warnings until the job ends; exit code 1
-    unless it succeeded."""
+    """Live progress (step, loss, tokens/s, ETA from the first step on), the job's plan, milestones
+    and health warnings until the job ends; exit code 1 unless it succeeded. Not on a terminal
+    (a pipe, a log file) each new step is a line of its own."""
     with _client(url, api_key) as c:
         job_id = find_job_id(c, job_id)
         seen: set[str] = set()
@@ -617,6 +618,7 @@ def jobs_watch(
             console=console,
         ) as progress:
             bar = progress.add_task(job_id, total=None, status="…", steps="-", loss="-", tps="-", eta="-")
+            last_step = 0
             while True:
                 job = _api_call(c.get_job, job_id)
                 m = _api_call(_latest_metrics, c, job_id)
@@ -634,6 +636,14 @@ def jobs_watch(
                         tps=f"{tps:.0f}" if isinstance(tps, int | float) else "-",
                         eta=fmt.duration(m.get("eta_seconds")),
                     )
+                    if not console.is_terminal and m.get("step", 0) > last_step:  # no live bar: a line
+                        last_step = m["step"]
+                        fields = progress.tasks[0].fields
+                        progress.console.print(
+                            f"step {fields['steps']}  loss {fields['loss']}  {fields['tps']} tok/s  "
+                            f"ETA {fields['eta']}",
+                            highlight=False,
+                        )
                 progress.update(bar, status=job["status"])
                 if job["status"] in TERMINAL:
                     break
