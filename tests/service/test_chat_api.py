@@ -43,7 +43,8 @@ def started_worker(**overrides: object) -> object:
     from worker.inference import InferenceWorker
 
     worker = InferenceWorker(get_settings().model_copy(update=overrides))
-    worker.start()  # heartbeat on, tiny-llama loaded; nothing served until serve_once
+    worker.start()  # tiny-llama loaded; nothing served until serve_once
+    worker._register()  # in the workers zset, as serve_forever does first (the heartbeat keeps it)
     return worker
 
 
