@@ -76,14 +76,29 @@ def test_create_job_queues_and_claim_carries_what_the_worker_needs(tenant: str) 
     assert storage.local_path(c.training_file).read_bytes() == DATASET
     # validation_split 0: the job has a validation file, so nothing is held out of training
     t = c.training
-    assert (t.n_epochs, t.batch_size, t.learning_rate_multiplier, t.validation_split) == (2, 4, 1.0, 0.0)
+    # "auto" travels as requested: the engine plans it from the tokenized data (plan_auto)
+    assert (t.n_epochs, t.batch_size, t.learning_rate_multiplier, t.validation_split) == (
+        2,
+        "auto",
+        "auto",
+        0.0,
+    )
     assert t.lora.r == 8 and t.lora.alpha == 32.0 and t.lora.target_modules == "all-linear"
     assert (t.seed, t.max_seq_len, c.suffix, c.resume_checkpoint) == (1, 64, "t", None)
     assert len(c.attempt_token) == 32
     with session_scope() as s:
         job = jobs.get_job(s, tenant_id=tenant, job_id=job_id)
         assert job.status == "running" and job.worker_id == "w1" and job.started_at is not None
-        assert job.hyperparameters["batch_size"] == 4  # resolved values are shown from now on
+        assert job.hyperparameters["batch_size"] == "auto" and job.plan is None  # until the engine plans
+        # the engine's plan (its first event's data) is stored and shown from then on
+        planned = {"n_epochs": 2, "batch_size": 1, "learning_rate_multiplier": 1.0}
+        assert jobs.record_plan(
+            s, claim=c, plan={"hyperparameters": planned, "row_tokens": 128, "message": "m"}
+        )
+    with session_scope() as s:
+        job = jobs.get_job(s, tenant_id=tenant, job_id=job_id)
+        assert job.plan is not None and job.plan["hyperparameters"] == planned
+        assert job.hyperparameters["batch_size"] == "auto"  # the request itself is kept
 
 
 def test_duplicate_claim_returns_none(tenant: str) -> None:
