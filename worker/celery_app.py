@@ -12,8 +12,6 @@ import warnings
 
 from celery.exceptions import CPendingDeprecationWarning
 from celery.signals import (
-    task_postrun,
-    task_prerun,
     task_received,
     worker_init,
     worker_process_shutdown,
@@ -52,7 +50,7 @@ def _log_worker_start(**_: object) -> None:
 
 
 # The consumer watch (worker/consumer_watch.py): a worker whose consumer stops taking messages
-# restarts itself. It starts once the consumer is up, and follows messages and jobs.
+# restarts itself. It starts once the consumer is up, and follows the messages it receives.
 @worker_ready.connect
 def _watch_consumer(**_: object) -> None:
     consumer_watch.start()
@@ -62,18 +60,6 @@ def _watch_consumer(**_: object) -> None:
 def _message_received(**_: object) -> None:
     if (watch := consumer_watch.current()) is not None:
         watch.received()
-
-
-@task_prerun.connect
-def _job_started(**_: object) -> None:
-    if (watch := consumer_watch.current()) is not None:
-        watch.job_started()
-
-
-@task_postrun.connect
-def _job_ended(**_: object) -> None:
-    if (watch := consumer_watch.current()) is not None:
-        watch.job_ended()
 
 
 @worker_shutting_down.connect

@@ -13,8 +13,9 @@ consumer hands back what it holds), and leaves with `EXIT_DEPENDENCY_DOWN`; `lor
 restart policy) starts it again without counting a crash, and the fresh consumer takes the queue.
 If the warm shutdown does not end the process within `FORCE_EXIT_AFTER_S`, it exits at once.
 
-State is per process and updated from Celery's signals (worker/celery_app.py): `task_received`
-in the consumer, `task_prerun`/`task_postrun` around a job (the solo pool runs it in this process).
+State is per process: the last message received comes from Celery's `task_received` signal (in the
+consumer: worker/celery_app.py), whether a job runs from Celery's own count of the requests this
+worker holds (received and not yet done), which holds in the consumer's process whatever the pool.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ class ConsumerWatch:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.redis = DependencyHealth("Redis", log)
-        self.busy = 0  # jobs running in this process (0 or 1 with one job per worker)
+        self.redis = DependencyHealth("Redis (consumer watch)", log)
+        self.busy = False  # this worker holds a message: a job runs (or waits for its ETA)
         self.last_received: float | None = None  # unix time of the last message the consumer took
         self.waiting_since: float | None = None  # unix time messages were first seen waiting, untaken
         self.stuck = False
@@ -56,12 +57,6 @@ class ConsumerWatch:
     def received(self) -> None:
         self.last_received = time.time()
 
-    def job_started(self) -> None:
-        self.busy += 1
-
-    def job_ended(self) -> None:
-        self.busy = max(0, self.busy - 1)
-
     # -- what the registry entry and /metrics report
     @property
     def consuming(self) -> bool:
@@ -71,17 +66,18 @@ class ConsumerWatch:
     def status(self) -> dict[str, Any]:
         return {
             "consuming": self.consuming,
-            "running_job": self.busy > 0,
+            "running_job": self.busy,
             "redis_up": self.redis.up,
             "last_received_at": self.last_received,
             "messages_waiting_since": self.waiting_since,
         }
 
     # -- the watchdog
-    def observe(self, depth: int | None, now: float) -> bool:
-        """One observation: `depth` messages waiting in the queue (None: Redis did not answer).
-        Returns True when the consumer is judged stuck."""
-        if depth is None or self.busy or depth == 0:
+    def observe(self, depth: int | None, now: float, *, busy: bool) -> bool:
+        """One observation: `depth` messages waiting in the queue (None: Redis did not answer) while
+        this worker holds a message or not (`busy`). Returns True when the consumer is judged stuck."""
+        self.busy = busy
+        if depth is None or busy or depth == 0:
             self.waiting_since = None  # an outage, a job or an empty queue: nothing to judge
         elif self.waiting_since is None or (self.last_received or 0.0) >= self.waiting_since:
             self.waiting_since = now  # first seen waiting, or the consumer took one since
@@ -106,7 +102,7 @@ class ConsumerWatch:
             except REDIS_OUTAGE as exc:
                 depth = None
                 self.redis.failed(exc)
-            if self.observe(depth, time.time()):
+            if self.observe(depth, time.time(), busy=holds_requests()):
                 waited = time.time() - (self.waiting_since or time.time())
                 log.error(
                     "the consumer took no message for %.0fs while %d waited in queue %s and no job ran: "
@@ -115,6 +111,14 @@ class ConsumerWatch:
                 )  # fmt: skip
                 request_restart()
                 return
+
+
+def holds_requests() -> bool:
+    """Celery's own count: requests this worker received and has not finished (reserved, running,
+    or waiting for their ETA), kept in the consumer's process for the solo and the prefork pool."""
+    from celery.worker import state
+
+    return bool(state.requests)
 
 
 _watch: ConsumerWatch | None = None

@@ -31,26 +31,25 @@ def watch() -> ConsumerWatch:
 
 def test_messages_waiting_untaken_while_idle_for_the_stuck_time_is_stuck() -> None:
     w = watch()
-    assert not w.observe(2, now=100.0) and w.waiting_since == 100.0
-    assert not w.observe(2, now=102.9)
-    assert w.observe(1, now=103.0)
+    assert not w.observe(2, now=100.0, busy=False) and w.waiting_since == 100.0
+    assert not w.observe(2, now=102.9, busy=False)
+    assert w.observe(1, now=103.0, busy=False)
     assert w.status()["consuming"] is False
 
 
 def test_a_job_an_empty_queue_an_outage_or_a_taken_message_restarts_the_clock() -> None:
     w = watch()
-    w.observe(1, now=0.0)
-    w.job_started()  # the solo pool runs the job in the consumer: it takes nothing meanwhile
-    assert not w.observe(1, now=10.0) and w.waiting_since is None
-    w.job_ended()
+    w.observe(1, now=0.0, busy=False)
+    # a job runs (the solo pool runs it in the consumer: it takes nothing meanwhile)
+    assert not w.observe(1, now=10.0, busy=True) and w.waiting_since is None
     for depth in (0, None):  # an empty queue; Redis not answering (an outage is not a dead consumer)
-        w.observe(1, now=20.0)
-        assert not w.observe(depth, now=30.0) and w.waiting_since is None
-    w.observe(1, now=40.0)
+        w.observe(1, now=20.0, busy=False)
+        assert not w.observe(depth, now=30.0, busy=False) and w.waiting_since is None
+    w.observe(1, now=40.0, busy=False)
     w.last_received = 41.0  # the consumer took one: the others are still being taken
-    assert not w.observe(1, now=43.5) and w.waiting_since == 43.5
-    assert not w.observe(1, now=46.4)
-    assert w.observe(1, now=46.5)
+    assert not w.observe(1, now=43.5, busy=False) and w.waiting_since == 43.5
+    assert not w.observe(1, now=46.4, busy=False)
+    assert w.observe(1, now=46.5, busy=False)
 
 
 @pytest.fixture
