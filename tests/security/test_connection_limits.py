@@ -4,7 +4,7 @@ and body timeouts, keep-alive expiry, a connection cap (503 beyond it), an abort
 in one line. A thread polls `/healthz` on its own kept-alive connection throughout each test, and
 its 99th-percentile latency must stay under 100 ms.
 
-Short timeouts here (2 s head and body, 1 s keep-alive) keep the tests quick; the defaults are in
+Short timeouts here (4 s head, 2 s body, 1 s keep-alive) keep the tests quick; the defaults are in
 service/settings.py.
 """
 
@@ -28,7 +28,9 @@ from service.db.migrate import upgrade_head
 from tests.e2e.procs import ROOT, clean_env, free_port, stop_process, wait_for
 from tests.servers import shared_redis_url
 
-HEADER_TIMEOUT = 2.0
+# Longer than the API takes to accept the 5,300 connections of the idle test on a busy 2-core box
+# (about a second): else the first would time out before the last arrive, and the cap never fill.
+HEADER_TIMEOUT = 4.0
 BODY_IDLE_TIMEOUT = 2.0
 KEEP_ALIVE = 1
 MAX_CONNECTIONS = 5100
@@ -224,10 +226,16 @@ def test_header_limits_per_header_and_in_all(api: Api, headers: list[tuple[str, 
     assert status_of(answer) == status, answer[:300]
 
 
+def api_descriptors(api: Api) -> int:
+    return len(list(Path(f"/proc/{api.proc.pid}/fd").iterdir()))
+
+
 def raise_own_fd_limit(needed: int) -> None:
+    """Raise this process's soft descriptor limit for `needed` sockets. The API process, started
+    with the same hard limit, caps its connections at half of it: it must allow MAX_CONNECTIONS."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert hard >= max(needed, 2 * MAX_CONNECTIONS), f"the hard descriptor limit {hard} is too low here"
     if soft < needed:
-        assert hard >= needed, f"this test holds {needed} sockets; the hard descriptor limit is {hard}"
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
@@ -245,7 +253,7 @@ def test_idle_connections_are_closed_at_the_header_timeout_and_the_cap_answers_5
             sock = socket.socket()
             sock.connect(("127.0.0.1", api.port))
             opened[sock] = time.monotonic()
-        fds = len(list(Path(f"/proc/{api.proc.pid}/fd").iterdir()))
+        fds = api_descriptors(api)
         answers: dict[socket.socket, tuple[bytes, float]] = {}
         with selectors.DefaultSelector() as sel:
             for sock in opened:
@@ -262,6 +270,8 @@ def test_idle_connections_are_closed_at_the_header_timeout_and_the_cap_answers_5
     finally:
         for sock in opened:
             sock.close()
+    # the next test's connection must not meet the cap still full of these
+    wait_for(lambda: api_descriptors(api) < 200, "the API's connections closed", 30)
     busy = [a for a, _ in answers.values() if status_of(a) == 503]
     idle = [t - opened[s] for s, (a, t) in answers.items() if not a]
     closed = f"{len(idle)} idle connections closed after {min(idle):.2f}-{max(idle):.2f} s"
@@ -270,7 +280,8 @@ def test_idle_connections_are_closed_at_the_header_timeout_and_the_cap_answers_5
     assert len(idle) + len(busy) == len(opened), {status_of(a) for a, _ in answers.values()}
     assert IDLE_CONNECTIONS <= len(idle) < MAX_CONNECTIONS  # the poller holds one more
     assert busy and all(b'"code": "server_busy"' in a and b"retry-after: 1" in a for a in busy)
-    assert all(HEADER_TIMEOUT - 0.1 <= t <= HEADER_TIMEOUT + SLACK for t in idle), (min(idle), max(idle))
+    # timed here from the client's connect; the API times each from its accept, up to a second later
+    assert all(HEADER_TIMEOUT - 0.1 <= t <= HEADER_TIMEOUT + SLACK + 1 for t in idle), (min(idle), max(idle))
     assert fds < MAX_CONNECTIONS + 100  # the cap, plus the process's own files, database, Redis
     ok = httpx.get(api.url + "/healthz", timeout=5)  # a new connection is served again
     assert ok.status_code == 200
