@@ -67,8 +67,8 @@ def test_dry_run_plan_equals_the_real_run(e2e: Service, case: str) -> None:
         assert plan["training_file"]["examples"] == n_train and trained["held_out_examples"] == held_out
         assert trained["examples"] == n_train - held_out
         assert 0 < trained["trainable_tokens"] < trained["tokens"] <= plan["training_file"]["tokens"]
-        if body.get("packing", True):  # several examples a row
-            assert 0 < trained["rows"] < trained["examples"]
+        if body.get("packing", True):  # examples share rows of up to row_tokens (auto may shorten them)
+            assert 0 < trained["rows"] <= trained["examples"] and plan["row_tokens"] <= body["max_seq_len"]
         else:
             assert trained["rows"] == trained["examples"]
         assert plan["grad_accum"] == body.get("grad_accum", 1)
@@ -78,6 +78,9 @@ def test_dry_run_plan_equals_the_real_run(e2e: Service, case: str) -> None:
         done = e2e.wait_job(job["id"], {"succeeded"}, key=key)
         events = c.get(f"/fine_tuning/jobs/{job['id']}/events", params={"limit": 1000}).json()["data"]
     assert done["hyperparameters"] == plan["hyperparameters"]
+    assert "Plan: " + plan["plan"] in [
+        e["message"] for e in events
+    ]  # the engine planned the same, word for word
     assert done["progress"]["total_steps"] == plan["steps"]
     assert sum(e["type"] == "metrics" for e in events) == plan["steps"]
     assert done["trained_tokens"] == plan["trained_tokens"]  # exact: every epoch sees every token
