@@ -3,7 +3,8 @@ relative paths such as `files/<tenant>/<file id>` or `jobs/<job id>/adapter.zip`
 
 Writes are atomic: bytes go to a temp file in the same directory while their sha256 is computed,
 then fsync + rename, so a reader (or a restarted API) never sees a half-written object. A size
-limit is enforced while streaming; exceeding it deletes the temp file. Reads re-check the
+limit is enforced while streaming; exceeding it deletes the temp file, and so does a full disk
+(`InsufficientStorageError`, which the API answers 507). Reads re-check the
 sha256 recorded in the database. Keys come from our own rows, never from a request, and are
 still checked to stay inside the root.
 """
@@ -22,10 +23,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from service.errors import PayloadTooLargeError, StorageError
+from service.errors import DISK_FULL_ERRNOS, InsufficientStorageError, PayloadTooLargeError, StorageError
 from service.settings import get_settings
 
 CHUNK_BYTES = 1 << 20
+
+
+@contextlib.contextmanager
+def disk_space_for(what: str) -> Iterator[None]:
+    """A write in the block that finds the disk full raises `InsufficientStorageError` naming `what`."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in DISK_FULL_ERRNOS:
+            raise
+        raise InsufficientStorageError(f"no space left on the server's storage to {what}") from e
 
 
 @dataclass(frozen=True)
@@ -48,8 +60,9 @@ class ObjectWriter:
         self.max_bytes = max_bytes
         self.size = 0
         self._hash = hashlib.sha256()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".part", dir=self.path.parent)
+        with disk_space_for("store an object"):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".part", dir=self.path.parent)
         self._tmp = Path(tmp)
         self._fh = os.fdopen(fd, "wb")
         self._done = False
@@ -62,22 +75,35 @@ class ObjectWriter:
                 f"file exceeds the upload limit of {self.max_bytes} bytes", param="file"
             )
         self._hash.update(chunk)
-        self._fh.write(chunk)
+        with self._aborted_if_full():
+            self._fh.write(chunk)
 
     def commit(self) -> StoredObject:
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+        with self._aborted_if_full():
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
         self._fh.close()
         os.replace(self._tmp, self.path)
         _fsync_dir(self.path.parent)
         self._done = True
         return StoredObject(self.key, self._hash.hexdigest(), self.size)
 
+    @contextlib.contextmanager
+    def _aborted_if_full(self) -> Iterator[None]:
+        """A full disk removes the temp file at once: what was written of it is space back."""
+        try:
+            with disk_space_for(f"store {self.size} bytes"):
+                yield
+        except InsufficientStorageError:
+            self.abort()
+            raise
+
     def abort(self) -> None:
         if self._done:
             return
         self._done = True
-        self._fh.close()
+        with contextlib.suppress(OSError):  # on a full disk closing fails to flush: the file goes anyway
+            self._fh.close()
         self._tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> ObjectWriter:
@@ -118,7 +144,10 @@ class FileStore:
         """Zip `directory`'s files (paths relative to it, sorted) into the object `key`."""
         if not directory.is_dir():
             raise StorageError(f"{directory} is not a directory")
-        with tempfile.TemporaryDirectory(dir=self.root if self.root.is_dir() else None) as tmp:
+        with (
+            disk_space_for(f"zip {directory.name}"),
+            tempfile.TemporaryDirectory(dir=self.root if self.root.is_dir() else None) as tmp,
+        ):
             archive = Path(tmp) / "archive.zip"
             with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_DEFLATED) as zf:
                 for file in sorted(p for p in directory.rglob("*") if p.is_file()):
@@ -160,7 +189,8 @@ class FileStore:
                 target = (root / member).resolve()
                 if not target.is_relative_to(root):
                     raise StorageError(f"zip object {key} has an unsafe member {member!r}")
-            zf.extractall(root)
+            with disk_space_for(f"unpack {key}"):
+                zf.extractall(root)
         return root
 
     def sweep_partials(self, older_than_s: float) -> int:
@@ -172,11 +202,17 @@ class FileStore:
             return 0
         cutoff = time.time() - older_than_s
         removed = 0
-        for part in self.root.rglob(".*.part"):
-            with contextlib.suppress(FileNotFoundError):
-                if part.stat().st_mtime < cutoff:
-                    part.unlink()
-                    removed += 1
+        # os.walk, not rglob: a directory that a worker removes during the walk (a job's scratch
+        # dir) is skipped by os.walk, where rglob raised FileNotFoundError and failed the API's start
+        for directory, _dirs, files in os.walk(self.root):
+            for name in files:
+                if not (name.startswith(".") and name.endswith(".part")):
+                    continue
+                part = Path(directory) / name
+                with contextlib.suppress(FileNotFoundError):
+                    if part.stat().st_mtime < cutoff:
+                        part.unlink()
+                        removed += 1
         return removed
 
     def delete(self, key: str) -> None:
