@@ -3,15 +3,21 @@
     {"error": {"message": str, "type": str, "param": str | None, "code": str | None}}
 
 Service modules raise `LoraqError` subclasses; `install_error_handlers` maps them, FastAPI's
-request validation errors (→ 400 naming the parameter) and Starlette's HTTP errors (unknown
-route → 404, wrong method → 405) to that body in one place.
+request validation errors (→ 400 naming the parameter), Starlette's HTTP errors (unknown
+route → 404, wrong method → 405) and the failures of what the service depends on
+(`dependency_error`: the database unreachable → 503 with Retry-After, a full disk → 507) to that
+body in one place.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import sqlite3
+import sys
 from typing import Any
 
+import sqlalchemy.exc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -94,6 +100,113 @@ class UnavailableError(LoraqError):
     status = 503
     type = "server_error"
     code = "service_unavailable"
+
+
+class DatabaseUnavailableError(UnavailableError):
+    """The database did not answer: stopped, restarting, unreachable, or out of connections."""
+
+    code = "database_unavailable"
+
+
+class InsufficientStorageError(LoraqError):
+    """A write found its disk full (ENOSPC or a quota; SQLite's or PostgreSQL's disk full)."""
+
+    status = 507
+    type = "server_error"
+    code = "disk_full"
+
+
+# What a 503 for the database tells a client to wait, in seconds: about a PostgreSQL restart, and
+# the connect timeout an unreachable server costs each request anyway.
+DATABASE_RETRY_AFTER_S = 5
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+# SQLite result codes (the primary code, the low byte) of a database file that cannot be used for
+# now: locked past the busy timeout, an I/O error, a file that cannot be opened.
+SQLITE_UNAVAILABLE = frozenset(
+    {sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_CANTOPEN}
+)
+# SQLSTATE classes of a PostgreSQL server that cannot serve now: 08 connection exception, 40
+# transaction rollback (deadlock, serialization), 53 insufficient resources (too many connections),
+# 55 lock not available, 57 operator intervention (shutting down, starting up), 58 system error.
+PG_UNAVAILABLE_CLASSES = frozenset({"08", "40", "53", "55", "57", "58"})
+PG_DISK_FULL = "53100"
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """`exc` and what it was raised from or while handling: a SQLAlchemy error's driver error,
+    torch's RuntimeError around the OSError of a failed write."""
+    chain: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and e not in chain and len(chain) < 8:
+        chain.append(e)
+        # `raise ... from cause` names its cause (`from None`: nothing); else what was being handled
+        explicit = e.__cause__ is not None or e.__suppress_context__
+        e = e.__cause__ if explicit else e.__context__
+    return chain
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    psycopg = sys.modules.get("psycopg")  # not imported: the error cannot be one of its
+    return exc.sqlstate if psycopg is not None and isinstance(exc, psycopg.Error) else None
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Did `exc` come from a write that found its disk full?"""
+    for e in _chain(exc):
+        if isinstance(e, InsufficientStorageError):
+            return True
+        if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
+            return True
+        if isinstance(e, sqlite3.Error) and getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+            return True
+        if _sqlstate(e) == PG_DISK_FULL:
+            return True
+    return False
+
+
+def is_database_unavailable(exc: BaseException) -> bool:
+    """Did `exc` come from a database that cannot serve for now (rather than from a bad query)?"""
+    psycopg = sys.modules.get("psycopg")
+    for e in _chain(exc):
+        if isinstance(e, sqlalchemy.exc.TimeoutError):  # no pooled connection came free in time
+            return True
+        if isinstance(e, sqlite3.OperationalError):
+            return (getattr(e, "sqlite_errorcode", 0) & 0xFF) in SQLITE_UNAVAILABLE
+        if psycopg is not None and isinstance(e, psycopg.InterfaceError):  # a closed connection
+            return True
+        if psycopg is not None and isinstance(e, psycopg.OperationalError):
+            state = _sqlstate(e)  # None: no server answered (refused, timed out, connection lost)
+            return state is None or state[:2] in PG_UNAVAILABLE_CLASSES
+    return False
+
+
+def dependency_error(exc: BaseException) -> LoraqError | None:
+    """What a failure of the database or the disk answers, or None for any other error (a bug)."""
+    if is_disk_full(exc):
+        return InsufficientStorageError(
+            "the server's storage is full, so nothing was stored: retry once space has been freed"
+        )
+    if is_database_unavailable(exc):
+        return DatabaseUnavailableError(
+            f"the database is unavailable; retry in {DATABASE_RETRY_AFTER_S} s",
+            headers={"Retry-After": str(DATABASE_RETRY_AFTER_S)},
+        )
+    return None
+
+
+def dependency_error_types() -> tuple[type[Exception], ...]:
+    """The exception classes `dependency_error` may map: each gets the handler that asks it."""
+    import psycopg
+
+    return (
+        OSError,
+        sqlite3.OperationalError,
+        sqlalchemy.exc.OperationalError,
+        sqlalchemy.exc.InterfaceError,
+        sqlalchemy.exc.TimeoutError,
+        psycopg.OperationalError,
+        psycopg.InterfaceError,
+    )
 
 
 def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict[str, Any]:
@@ -217,8 +330,19 @@ def install_error_handlers(app: FastAPI) -> None:
         log.exception("unhandled error", exc_info=exc)
         return error_response(LoraqError("internal server error"))
 
+    async def on_dependency_error(request: Request, exc: Exception) -> JSONResponse:
+        err = dependency_error(exc)
+        if err is None:
+            return await on_unexpected(request, exc)
+        # one line a request: an outage must not fill the log with tracebacks
+        why = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        log.warning("%s %s: %s (%s: %s)", request.method, request.url.path, err.code, type(exc).__name__, why)
+        return error_response(err)
+
     app.add_exception_handler(LoraqError, on_loraq_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(ClientDisconnect, on_client_gone)
+    for exc_type in dependency_error_types():
+        app.add_exception_handler(exc_type, on_dependency_error)
     app.add_exception_handler(Exception, on_unexpected)

@@ -15,7 +15,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
-from service.errors import InvalidRequestError, PayloadTooLargeError
+from service.errors import InsufficientStorageError, InvalidRequestError, PayloadTooLargeError
 from service.storage import FileStore, ObjectWriter, StoredObject
 
 MAX_FIELD_BYTES = 1024
@@ -149,6 +149,12 @@ async def receive_upload(
         await run_in_threadpool(parser.finalize)  # the last part ends here: fsync + rename
     except ParseError as e:
         raise InvalidRequestError(f"malformed multipart body: {e}", param="file") from e
+    except InsufficientStorageError as e:  # the temp file is gone already (ObjectWriter)
+        raise InsufficientStorageError(
+            f"the server's storage is full: the file was not stored ({body_bytes} bytes received); "
+            "retry once space has been freed",
+            param="file",
+        ) from e
     finally:
         if receiver.stored is None:
             receiver.close()

@@ -172,19 +172,29 @@ class PostgresServer:
     proc: subprocess.Popen[bytes]
     port: int
     root: Path
+    as_user: AsUser
 
     @property
     def admin_url(self) -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
 
-    def stop(self) -> None:
+    def halt(self) -> None:
+        """Stop the server (fast shutdown: sessions are ended), keeping its data for `resume()`."""
         stop(self.proc, signal.SIGINT)  # SIGINT: PostgreSQL's fast shutdown
+
+    def resume(self) -> None:
+        """Serve the cluster again, on the same port, after `halt()`."""
+        self.proc = _serve_cluster(self.root, self.port, self.as_user)
+        wait_until(lambda: _pg_answers(self.admin_url), "postgres", self.proc, timeout=60)
+
+    def stop(self) -> None:
+        self.halt()
         shutil.rmtree(self.root, ignore_errors=True)
 
 
 def start_postgres() -> PostgresServer:
     """An initdb cluster in a new temp dir, served on a free loopback port until `stop()`."""
-    initdb, postgres = require_binary("initdb"), require_binary("postgres")
+    initdb = require_binary("initdb")
     user = _cluster_user()
     # /tmp, not a per-user TMPDIR: the cluster's user must be able to reach the directory.
     root = Path(tempfile.mkdtemp(prefix="loraq-test-pg-", dir="/tmp" if user else None))
@@ -192,24 +202,27 @@ def start_postgres() -> PostgresServer:
     if user is not None:
         os.chown(root, user.pw_uid, user.pw_gid)
         as_user = {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": [], "cwd": root}
-    log = (root / "postgres.log").open("ab")
     subprocess.run(
         [initdb, "-D", str(root / "data"), "-U", "postgres", "--auth=trust", "-E", "UTF8",
          "--locale=C", "--no-sync"],
-        stdout=log, stderr=subprocess.STDOUT, check=True, **as_user,
+        stdout=(root / "postgres.log").open("ab"), stderr=subprocess.STDOUT, check=True, **as_user,
     )  # fmt: skip
     port = free_port()
-    proc = subprocess.Popen(
-        [postgres, "-D", str(root / "data"), "-p", str(port), "-h", "127.0.0.1", "-k", str(root),
+    server = PostgresServer(_serve_cluster(root, port, as_user), port, root, as_user)
+    wait_until(lambda: _pg_answers(server.admin_url), "postgres", server.proc, timeout=60)
+    return server
+
+
+def _serve_cluster(root: Path, port: int, as_user: AsUser) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [require_binary("postgres"), "-D", str(root / "data"), "-p", str(port), "-h", "127.0.0.1",
+         "-k", str(root),
          # a throwaway cluster: durability buys nothing, speed does
          "-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
          "-c", "max_connections=300"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent(),
-        **as_user,
+        stdout=(root / "postgres.log").open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
+        preexec_fn=die_with_parent(), **as_user,
     )  # fmt: skip
-    server = PostgresServer(proc, port, root)
-    wait_until(lambda: _pg_answers(server.admin_url), "postgres", proc, timeout=60)
-    return server
 
 
 def _pg_answers(url: str) -> bool:
@@ -257,10 +270,11 @@ def pg_url(name: str) -> str:
 
 
 def create_pg_database(prefix: str = "loraq_test") -> tuple[str, str]:
-    """(name, SQLAlchemy URL) of a new empty database `<prefix>_<random>`."""
+    """(name, SQLAlchemy URL) of a new empty database `<prefix>_<xdist worker>_<random>` (the worker,
+    gw0, gw1, ... or `main`, says whose it is on a server that several workers share)."""
     import psycopg
 
-    name = f"{prefix}_{secrets.token_hex(4)}"
+    name = f"{prefix}_{os.environ.get('PYTEST_XDIST_WORKER', 'main')}_{secrets.token_hex(4)}"
     with psycopg.connect(pg_admin_url(), autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
     return name, pg_url(name)

@@ -10,10 +10,18 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import FileResponse, Response
 
 from service import dry_run, inference, jobs
+from service.api.last_served import LastServed
 from service.api.plain_route import PlainGetRoute
-from service.auth import BearerScheme, CurrentTenant, authenticate_request
+from service.auth import (
+    BearerScheme,
+    CurrentTenant,
+    authenticate_request,
+    check_key_rate,
+    request_key_digest,
+)
 from service.db.models import Checkpoint, Job, JobEvent
 from service.db.session import SessionDep
+from service.errors import is_database_unavailable
 from service.queue import enqueue_job, job_queue
 from service.schemas import (
     CheckpointMetrics,
@@ -171,12 +179,29 @@ async def retrieve_job(fine_tuning_job_id: str, request: Request, _: BearerSchem
     return await read_job_status(request)
 
 
+# The body each key was last served for each job: answered again, marked stale, while the
+# database is unreachable (service/api/last_served.py says why that is sound).
+last_served = LastServed()
+
+
 async def read_job_status(request: Request) -> Response:
     """The status-polling hot path: the key and the job in one read on a bare connection (no
     session, no commit), then the rate limit; the body from `job_body`."""
     job_id = request.path_params["fine_tuning_job_id"]
-    _tenant, row = await authenticate_request(request, jobs.KEY_AND_JOB, jobs.key_and_job_params(job_id))
-    return Response(job_body(jobs.job_values(row, job_id)), media_type="application/json")
+    digest = request_key_digest(request)
+    try:
+        _tenant, row = await authenticate_request(
+            request, jobs.KEY_AND_JOB, jobs.key_and_job_params(job_id), digest=digest
+        )
+    except Exception as exc:
+        stale = last_served.stale_response(digest, job_id) if is_database_unavailable(exc) else None
+        if stale is None:
+            raise  # 503 (service/errors.py), or whatever else it is
+        await check_key_rate(digest)
+        return stale
+    body = job_body(jobs.job_values(row, job_id))
+    last_served.remember(digest, job_id, body)
+    return Response(body, media_type="application/json")
 
 
 @lru_cache(maxsize=JOB_BODY_CACHE_SIZE)
