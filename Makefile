@@ -29,8 +29,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# The suite on PYTEST_WORKERS xdist workers: most real-process tests wait, so 3 beat 1 even on 2
+# cores (tests/parallel.py: groups, slow tests first, `serial` tests alone); the 25 slowest listed.
+PYTEST_WORKERS ?= 3
 test: $(STAMP) lint typecheck
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=25
 
 # Regenerate requirements/{api,cpu,cuda}.txt from pyproject.toml (UPGRADE=1: newest allowed).
 lock: $(STAMP)

@@ -1,7 +1,7 @@
 """Shared fixtures for control-plane tests.
 
 - `db_url`: a migrated database, parametrised over SQLite (a file) and PostgreSQL (a database
-  `loraq_test_<random>` created for this test session on the suite's server, dropped after).
+  `loraq_test_<worker>_<random>` created for this test session on the suite's server, dropped after).
   tests/servers.py says which servers: given by `LORAQ_TEST_*_URL`, or throwaway ones.
   Both live for the session; tests isolate themselves by creating their own tenants.
 - `loraq_env`: Settings pointing at `db_url`, a data dir of the test's own, the suite's Redis and a
@@ -20,6 +20,12 @@ from typing import Any
 
 import pytest
 
+from tests import parallel
+from tests.parallel import (  # noqa: F401  (hooks: how the suite runs on xdist workers)
+    pytest_collection_modifyitems,
+    pytest_runtest_protocol,
+    pytest_xdist_make_scheduler,
+)
 from tests.servers import create_pg_database, drop_pg_database, shared_redis_url, stop_throwaway_servers
 
 __all__ = ["create_pg_database", "drop_pg_database"]
@@ -30,13 +36,14 @@ def pytest_configure(config: pytest.Config) -> None:
     2-core machine. With torch's default of one OpenMP thread per core they oversubscribe it, and
     a thread that loses its core stalls its siblings at every parallel region: a small fwd/bwd
     loop took 2.8 s instead of 1.25 s with one thread while another process kept one core busy.
-    So children get one thread each; this process keeps every core for the in-process tests."""
+    So children get one thread each; this process keeps every core for the in-process tests, or
+    its share of them when xdist workers run side by side (tests/parallel.py)."""
     import os
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel.worker_count()))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -25,7 +25,7 @@ import pytest
 
 from tests.e2e.procs import ROOT, clean_env
 from tests.e2e.test_up import running_up
-from tests.engine.conftest import TEST_MODEL_STORE
+from tests.engine.conftest import TEST_MODEL_STORE, pull_test_model
 from worker.engine.training_config import AUTO_MIN_STEPS
 
 PIRATE = ROOT / "tests" / "data" / "pirate"
@@ -67,9 +67,7 @@ def answers(url: str, key: str, model: str, prompts: list[str]) -> list[str]:
 
 
 def test_readme_quickstart_visibly_changes_the_model(tmp_path: Path) -> None:
-    from worker.engine.pull import pull_model
-
-    pull_model(MODEL, TEST_MODEL_STORE)  # cached across runs; `loraq models pull` below finds it
+    pull_test_model(MODEL)  # cached across runs; `loraq models pull` below finds it
     shutil.copytree(TEST_MODEL_STORE / MODEL, tmp_path / "var" / "models" / MODEL)
     commands = quickstart_commands()
     assert [c.split()[1:3] for c in commands] == [

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import subprocess
 import sys
@@ -73,12 +74,22 @@ def tiny() -> LoadedModel:
     return load_base_model("tiny-llama", store=TEST_MODEL_STORE)
 
 
-@pytest.fixture(scope="session")
-def pulled_store() -> Path:
+def pull_test_model(name: str = "smollm2-135m-instruct") -> Path:
+    """Pull `name` into TEST_MODEL_STORE (once: the store is kept across sessions); returns the store.
+    A file lock makes the suite's xdist workers take turns: the first pulls, the others find it
+    verified, and none copies or checks the directory while another writes into it."""
     from worker.engine.pull import pull_model
 
-    pull_model("smollm2-135m-instruct", TEST_MODEL_STORE)
+    TEST_DATA_DIR.mkdir(parents=True, exist_ok=True)
+    with open(TEST_DATA_DIR / ".pull.lock", "a") as lock:  # beside the store, not in the model's dir
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        pull_model(name, TEST_MODEL_STORE)
     return TEST_MODEL_STORE
+
+
+@pytest.fixture(scope="session")
+def pulled_store() -> Path:
+    return pull_test_model()
 
 
 @pytest.fixture

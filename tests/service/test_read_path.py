@@ -268,6 +268,7 @@ def test_a_failed_read_fails_alone_and_a_lost_connection_is_replaced(loraq_env: 
     asyncio.run(main())
 
 
+@pytest.mark.serial  # a 100 ms bound on this process's event loop: alone on the machine
 def test_a_silent_redis_lets_concurrent_requests_through_in_bounded_time(
     loraq_env: LoraqEnv, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -170,36 +170,55 @@ def test_max_seq_len_shorter_than_examples_is_refused_with_counts(api: ApiClient
     )
 
 
-def test_token_lengths_are_counted_once_per_file_and_model_in_bounded_memory(
+def test_token_lengths_are_counted_once_per_file_and_tokenizer_and_stored_beside_it(
     api: ApiClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from collections import OrderedDict
+
     from service import files, token_lengths
+    from service.storage import local_path
 
     file_ids = [api.upload(DATASET), api.upload(DATASET + DATASET)]
     with session_scope() as s:
         rows = [files.get_file(s, tenant_id=api.tenant_id, file_id=f) for f in file_ids]
-    first = token_lengths.lengths(rows[0], "tiny-llama")
+    counter = token_lengths.counter_for("tiny-llama")
+    assert counter is not None and token_lengths.stored(rows[0], counter) is None
+    assert token_lengths.count(rows[0], counter, seconds=0) is None  # no time: nothing counted
+    assert token_lengths.stored(rows[0], counter) is None
+    first = token_lengths.count(rows[0], counter)
     assert first is not None and len(first.tokens) == 4 and min(first.tokens) > 5
-    assert token_lengths.lengths(rows[0], "tiny-llama") is first  # cached: not counted again
+    assert list(first.lines) == [1, 2, 3, 4]
+    assert token_lengths.stored(rows[0], counter) is first  # kept in memory: not read again
+    # stored beside the file: another process (an empty cache here) reads them, counts nothing
+    monkeypatch.setattr(token_lengths, "_cache", OrderedDict())
+    monkeypatch.setattr(token_lengths, "_cached_bytes", 0)
+    monkeypatch.setattr(token_lengths, "count", None)
+    again = token_lengths.stored(rows[0], counter)
+    assert again is not None and again is not first and again == first
     # a cache of 40 bytes holds one entry of 4 examples (32 bytes): the older one goes out
     monkeypatch.setattr(token_lengths, "CACHE_BYTES", 40)
-    monkeypatch.setattr(token_lengths, "_cache", type(token_lengths._cache)())
+    monkeypatch.setattr(token_lengths, "_cache", OrderedDict())
     monkeypatch.setattr(token_lengths, "_cached_bytes", 0)
-    a = token_lengths.lengths(rows[0], "tiny-llama")
-    assert token_lengths.lengths(rows[1], "tiny-llama") is not None  # 64 bytes: counted, not kept
-    assert (
-        list(token_lengths._cache) == [(rows[0].sha256, "tiny-llama")] and token_lengths._cached_bytes == 32
-    )
-    assert token_lengths.lengths(rows[0], "tiny-llama") is a
+    monkeypatch.undo()
+    monkeypatch.setattr(token_lengths, "CACHE_BYTES", 40)
+    a = token_lengths.stored(rows[0], counter)
+    assert a is not None and token_lengths.count(rows[1], counter) is not None  # 64 bytes: not kept
+    key = (rows[0].storage_key, counter.fingerprint)
+    assert list(token_lengths._cache) == [key] and token_lengths._cached_bytes == 32
+    assert token_lengths.stored(rows[0], counter) is a
+    # deleted with the file
+    sidecar = local_path(token_lengths.lengths_key(rows[1], counter))
+    assert sidecar.is_file()
+    assert api.delete(f"/v1/files/{file_ids[1]}").status_code == 200
+    assert not sidecar.exists() and not sidecar.parent.exists()
 
 
 @pytest.mark.slow
 def test_max_seq_len_is_checked_on_the_pulled_gguf_model(api: ApiClient) -> None:
     """smollm2-135m-instruct is a GGUF: counted with the tokenizer files its pull writes."""
-    from tests.engine.conftest import TEST_MODEL_STORE
-    from worker.engine.pull import pull_model
+    from tests.engine.conftest import TEST_MODEL_STORE, pull_test_model
 
-    pull_model("smollm2-135m-instruct", TEST_MODEL_STORE)  # cached across sessions; adds the tokenizer
+    pull_test_model("smollm2-135m-instruct")  # cached across sessions; adds the tokenizer
     store = get_settings().model_store
     store.mkdir(parents=True, exist_ok=True)
     (store / "smollm2-135m-instruct").symlink_to(TEST_MODEL_STORE / "smollm2-135m-instruct")
