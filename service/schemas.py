@@ -309,7 +309,7 @@ class ChatCompletionCreate(Forbid):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     stop: Text | Annotated[list[Annotated[Text, Field(min_length=1)]], Field(max_length=4)] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # a 64-bit integer, as OpenAI's
     n: int = Field(1, ge=1, le=1)
     stream: bool = False
     stream_options: StreamOptions | None = None

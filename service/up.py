@@ -363,6 +363,8 @@ def _release_jobs_of(worker_pid: int, echo: Callable[[str], None]) -> None:
         echo(f"worker: job {job_id} re-queued; it resumes from its last checkpoint")
     for job_id in result.failed:
         echo(f"worker: job {job_id} failed: no attempts left")
+    for job_id in result.cancelled:
+        echo(f"worker: job {job_id} cancelled (its cancel was requested)")
 
 
 def _reset_cached_settings() -> None:

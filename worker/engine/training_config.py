@@ -65,6 +65,7 @@ MAX_BATCH_SIZE = 1024
 MAX_LR_MULTIPLIER = 100.0
 MAX_SEQ_LEN = 32768
 MAX_SEED = 2**31 - 1
+MAX_STEP_INTERVAL = 2**31 - 1  # eval_every, checkpoint_every: an INTEGER column's largest value
 MAX_EVAL_PROMPTS = 16
 MAX_EVAL_PROMPT_CHARS = 2000
 
@@ -207,11 +208,15 @@ class TrainingOptions(Strict):
     grad_accum: int = Field(1, ge=1, le=4096, description="micro-batches per optimizer step")
     max_grad_norm: float = Field(1.0, gt=0, le=1e6, description="global gradient-norm clipping")
     eval_every: int = Field(
-        0, ge=0, description="steps between validation losses (0: only at epoch ends and the end)"
+        0,
+        ge=0,
+        le=MAX_STEP_INTERVAL,
+        description="steps between validation losses (0: only at epoch ends and the end)",
     )
     checkpoint_every: int | None = Field(
         None,
         ge=0,
+        le=MAX_STEP_INTERVAL,
         description="steps between checkpoints; unset: LORAQ_CHECKPOINT_EVERY for a job, "
         "only at the end locally",
     )
