@@ -16,7 +16,12 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-REQUIRED_ENV = {"LORAQ_API_KEY": "sk-test", "POSTGRES_PASSWORD": "pw", "GRAFANA_ADMIN_PASSWORD": "gpw"}
+REQUIRED_ENV = {
+    "LORAQ_API_KEY": "sk-test",
+    "POSTGRES_PASSWORD": "pw",
+    "GRAFANA_ADMIN_PASSWORD": "gpw",
+    "LORAQ_METRICS_BEARER_TOKEN": "mt",  # the API's /metrics wants it; Prometheus sends it
+}
 
 
 def _succeeds(cmd: list[str], env: dict[str, str]) -> bool:
