@@ -682,14 +682,23 @@ def _next_fair(session: Session, *, queue: str, n_gpus: int, running_limit: int)
 def _mark_waiting(session: Session, *, job_id: str, running_limit: int) -> None:
     """A delivery found nothing to claim: if `job_id` waits on its tenant's running-job limit,
     say so on the job and, when the reason is new, in its events."""
-    job = session.execute(select(Job.tenant_id, Job.status, Job.waiting_for).where(Job.id == job_id)).first()
+    job = session.execute(select(Job.tenant_id, Job.status).where(Job.id == job_id)).first()
     if job is None or job.status != "queued" or running_limit <= 0:
         return
     running = active_counts(session, tenant_id=job.tenant_id)["running"]
     if running < running_limit:
         return
-    reason = running_slot_wait(running, running_limit)
-    if job.waiting_for != reason and _transition(session, job_id, "queued", "queued", waiting_for=reason):
+    mark_waiting(session, job_id=job_id, reason=running_slot_wait(running, running_limit))
+
+
+def mark_waiting(session: Session, *, job_id: str, reason: str) -> None:
+    """Say on queued job `job_id` what it waits for; a reason that is new goes in its events too."""
+    stmt = (
+        update(Job)
+        .where(Job.id == job_id, Job.status == "queued", Job.waiting_for.is_distinct_from(reason))
+        .values(waiting_for=reason)
+    )
+    if _run(session, stmt) == 1:
         add_event(session, job_id=job_id, level="info", message=f"Waiting for {reason}")
 
 

@@ -134,6 +134,9 @@ class Settings(BaseSettings):
 
     checkpoint_each_epoch: bool = True
     checkpoint_interval_seconds: float = Field(600.0, ge=0)
+    # A worker claims a job only while the filesystem of its data dir has this much free: a job
+    # that ran out of disk goes back to the queue and waits there, instead of failing again. 0: off.
+    min_free_disk_bytes: int = Field(1 << 30, ge=0)
 
     @property
     def redis_timeouts(self) -> dict[str, float]:

@@ -10,6 +10,8 @@
    (partial metrics kept), or failed (an `EngineError`'s code and message; anything unexpected
    gets a generic one-line message, and its traceback goes to the worker's log and to an
    operator-only event that tenants never see: `jobs.OPERATOR_EVENT`, `loraq jobs internal-errors`).
+   A write that found the disk full goes back to the queue instead (`_out_of_disk`), and a worker
+   whose disk has less than `min_free_disk_bytes` free claims nothing (`disk_space_wait`).
 
 Every database write after the claim carries the claim's attempt token; once fenced out
 (`StaleAttemptError`, or a heartbeat that no longer matches) this worker stops the run and
@@ -31,6 +33,7 @@ from sqlalchemy.exc import OperationalError
 
 from service import files, jobs, storage
 from service.db.session import session_scope
+from service.errors import is_disk_full
 from service.schemas import StoredCheckpointMetrics
 from service.settings import Settings, get_settings
 from service.step_metrics import metrics_csv
@@ -105,6 +108,7 @@ class JobCallbacks:
         self.checkpoint_dir_key = checkpoint_dir_key
         self.fenced = False
         self.cancel_requested = False
+        self.saved_step = claim.resume_step  # of the last checkpoint registered (0: none)
         self.last_metrics: StepMetrics | None = None
         self._buffer: list[StepMetrics] = []
         self._last_flush = time.monotonic()
@@ -146,6 +150,7 @@ class JobCallbacks:
                 sha256=stored.sha256,
                 metrics=metrics,
             )
+        self.saved_step = checkpoint.step
 
     def should_stop(self) -> bool:
         if self.fenced or self.cancel_requested or _worker_shutting_down.is_set():
@@ -285,9 +290,30 @@ def run_engine(config: TrainConfig, callbacks: JobCallbacks, settings: Settings)
     return recipe.train(config, callbacks, loaded=loaded)
 
 
+def disk_space_wait(settings: Settings) -> str | None:
+    """What a job waits for while this worker's data dir has less than `min_free_disk_bytes` free
+    (it would run out of space at its first checkpoint), or None."""
+    floor, data_dir = settings.min_free_disk_bytes, settings.resolved_data_dir
+    existing = next(p for p in (data_dir, *data_dir.parents) if p.exists())  # made at first write
+    if floor <= 0 or (free := shutil.disk_usage(existing).free) >= floor:
+        return None
+    log.warning("data dir %s has %d bytes free, less than %d: no job claimed", data_dir, free, floor)
+    return (
+        f"disk space on worker {WORKER_ID}: its data directory has less than {floor / 2**20:g} MiB free; "
+        "the job starts once space is freed"
+    )
+
+
 def run_claimed_job(job_id: str, *, worker_id: str = WORKER_ID) -> str:
     """Run one job if this delivery can claim it. Returns the outcome, for the task's log line."""
     settings = get_settings()
+    if (wait := disk_space_wait(settings)) is not None:
+        try:  # the job stays queued; the reconciler sends it again (service/reaper.py)
+            with session_scope() as session:
+                jobs.mark_waiting(session, job_id=job_id, reason=wait)
+        except OperationalError:  # a database on the same full disk: it says so in the log
+            log.warning("job %s: could not record what it waits for", job_id, exc_info=True)
+        return "skipped"
     with session_scope() as session:
         claim = jobs.claim_next(session, job_id=job_id, worker_id=worker_id)
     if claim is None:
@@ -324,7 +350,10 @@ def run_claimed_job(job_id: str, *, worker_id: str = WORKER_ID) -> str:
         return _fail(claim, code=e.code, message=str(e), param=e.param)
     except jobs.StaleAttemptError:
         return "fenced"
-    except Exception:
+    except Exception as e:
+        if is_disk_full(e):
+            callbacks.flush()
+            return _out_of_disk(claim, callbacks.saved_step, settings)
         log.exception("job %s crashed", job_id)
         callbacks.flush()
         with session_scope() as session:
@@ -425,6 +454,21 @@ def _fail(claim: jobs.Claim, *, code: str, message: str, param: str | None) -> s
         if ok:
             jobs.add_event(session, job_id=claim.job_id, level="error", message=message)
     return "failed" if ok else "fenced"
+
+
+def _out_of_disk(claim: jobs.Claim, saved_step: int, settings: Settings) -> str:
+    """A write found the disk full: a checkpoint, the adapter's export, an object in the store.
+    Every registered checkpoint is whole (stored first, then registered), so the job keeps the
+    last one. While attempts are left the job goes back to the queue, waits there until a worker
+    has disk space (`disk_space_wait`) and resumes from that checkpoint; on its last attempt it
+    fails with code `disk_full`."""
+    kept = f"its checkpoint at step {saved_step} is kept" if saved_step else "it had saved no checkpoint"
+    what = f"the worker ran out of disk space (attempt {claim.attempt} of {settings.max_attempts}); {kept}"
+    log.warning("job %s: %s", claim.job_id, what, exc_info=True)
+    if claim.attempt < settings.max_attempts:
+        return _requeue(claim, reason=f"{what}; it resumes from step {saved_step} once a worker has space")
+    message = f"{what}; free disk space, then submit the job again"
+    return _fail(claim, code="disk_full", message=message, param=None)
 
 
 def _requeue(claim: jobs.Claim, *, reason: str) -> str:

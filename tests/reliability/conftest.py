@@ -104,6 +104,27 @@ class Stack:
         return "\n".join(parts)
 
     # ------------------------------------------------------------------ API
+    def start_api(self, tenant: str) -> None:
+        """A key of a new tenant, the API (uvicorn on `url`'s port, its reaper ticking) and that
+        tenant's training file (`file_id`)."""
+        out = subprocess.run(
+            [sys.executable, "-m", "service.cli", "keys", "create", "--tenant", tenant],
+            env=self.env, cwd=ROOT, check=True, capture_output=True, text=True,
+        )  # fmt: skip
+        self.key = out.stdout.strip().splitlines()[-1]
+        self.api = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "service.app:create_app", "--factory",
+             "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1], "--no-access-log"],
+            env=self.env, cwd=ROOT, stdout=(self.tmp / "api.log").open("wb"), stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        wait_for(lambda: api_ready(self.url), "API", 60, self.api)
+        with self.client() as c:
+            files = {"file": ("train.jsonl", chat_lines(16))}
+            r = c.post("/files", data={"purpose": "fine-tune"}, files=files)
+            assert r.status_code == 200, r.text
+            self.file_id = r.json()["id"]
+
     def new_tenant(self, name: str, examples: int = 16) -> tuple[httpx.Client, str]:
         """A client (base URL `/v1`) with a key of a new tenant, and a training file it uploaded."""
         tenant = f"{name}-{secrets.token_hex(3)}"
@@ -263,24 +284,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     try:
         upgrade_head(db_url)
         stack.start_redis()
-        out = subprocess.run(
-            [sys.executable, "-m", "service.cli", "keys", "create", "--tenant", "rel"],
-            env=env, cwd=ROOT, check=True, capture_output=True, text=True,
-        )  # fmt: skip
-        stack.key = out.stdout.strip().splitlines()[-1]
-        stack.api = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "service.app:create_app", "--factory",
-             "--host", "127.0.0.1", "--port", str(api_port), "--no-access-log"],
-            env=env, cwd=ROOT, stdout=(tmp / "api.log").open("wb"), stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-
-        wait_for(lambda: api_ready(stack.url), "API", 60, stack.api)
-        with stack.client() as c:
-            files = {"file": ("train.jsonl", chat_lines(16))}
-            r = c.post("/files", data={"purpose": "fine-tune"}, files=files)
-            assert r.status_code == 200, r.text
-            stack.file_id = r.json()["id"]
+        stack.start_api("rel")
         yield stack
     finally:
         for proc, _ in stack.workers:

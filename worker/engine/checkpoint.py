@@ -99,18 +99,21 @@ def save_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
     try:
         write_adapter(tmp, model, config.lora, config.model)
-        torch.save(
-            {
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "rng": rng_state(),
-                "step": state.step,
-                "micro_batches": state.micro_batches,
-                "trained_tokens": state.trained_tokens,
-                "last_train_loss": state.last_train_loss,
-            },
-            tmp / TRAINING_STATE,
-        )
+        # To a file object: a failed write (a full disk) raises torch's RuntimeError from the
+        # file's OSError, which says ENOSPC; given a path, torch's C++ writer loses the errno.
+        with (tmp / TRAINING_STATE).open("wb") as state_file:
+            torch.save(
+                {
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "rng": rng_state(),
+                    "step": state.step,
+                    "micro_batches": state.micro_batches,
+                    "trained_tokens": state.trained_tokens,
+                    "last_train_loss": state.last_train_loss,
+                },
+                state_file,
+            )
         epoch, index = divmod(state.micro_batches, batches_per_epoch)
         summary = {
             "step": state.step,

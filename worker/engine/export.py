@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import nn
 
 from worker.engine.catalog import catalog_name, upstream_id
@@ -76,7 +76,9 @@ def write_adapter(directory: Path, model: nn.Module, cfg: LoraConfig, model_name
         raise RuntimeError("model has no LoRA layers to export")
     if "/" in model_name or os.sep in model_name:
         raise ModelError(f"the base must be given by its catalog name, not a path: {model_name!r}")
-    save_file(lora_state_dict(model), str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    # Written by Python, not by safetensors' save_file: a full disk is then an OSError (ENOSPC)
+    # the worker recognises, not a SafetensorError with the errno in its text. An adapter is small.
+    (directory / ADAPTER_WEIGHTS).write_bytes(save(lora_state_dict(model), metadata={"format": "pt"}))
     config = adapter_config(model, cfg, model_name)
     (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 

@@ -27,6 +27,9 @@ def prepare_multiprocess_dir(path: Path) -> None:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
     from prometheus_client import values
 
+    from worker.metrics.allocated_mmap import install
+
+    install()  # a full disk is an OSError from a metric call, not SIGBUS
     values.ValueClass = values.get_value_class()
 
 
