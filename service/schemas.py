@@ -269,6 +269,14 @@ def error_response(status: int, when: str) -> dict[int | str, dict[str, Any]]:
     return {status: {"model": ErrorResponse, "description": when}}
 
 
+# What every route that reads the database (all but health) and every route that writes may
+# answer when the database or the disk fails (service/errors.py maps both)
+DATABASE_UNAVAILABLE = error_response(
+    503, "the database is unavailable (code database_unavailable; Retry-After)"
+)
+DISK_FULL = error_response(507, "the server's storage is full: nothing was stored (code disk_full)")
+
+
 class HealthPublic(BaseModel):
     status: Literal["ok", "unavailable"]
     checks: dict[str, str] = Field(default_factory=dict)

@@ -13,13 +13,22 @@ from service.api.dataset_summary import check_file, status_details
 from service.auth import CurrentTenant
 from service.db.models import File
 from service.db.session import SessionDep
-from service.schemas import FileDeleted, FilePublic, FilesPublic, error_responses
+from service.schemas import (
+    DATABASE_UNAVAILABLE,
+    DISK_FULL,
+    FileDeleted,
+    FilePublic,
+    FilesPublic,
+    error_responses,
+)
 from service.settings import get_settings
 from service.storage import default_store
 from service.uploads import receive_upload
 
 router = APIRouter(
-    prefix="/v1/files", tags=["files"], responses=error_responses(400, 401, 404, 409, 413, 429, 500)
+    prefix="/v1/files",
+    tags=["files"],
+    responses={**error_responses(400, 401, 404, 409, 413, 429, 500), **DATABASE_UNAVAILABLE},
 )
 
 UPLOAD_BODY = {
@@ -54,7 +63,7 @@ def file_public(row: File) -> FilePublic:
     )
 
 
-@router.post("", response_model=FilePublic, openapi_extra=UPLOAD_BODY)
+@router.post("", response_model=FilePublic, openapi_extra=UPLOAD_BODY, responses=DISK_FULL)
 async def upload_file(request: Request, tenant: CurrentTenant, session: SessionDep) -> FilePublic:
     file_id = files.new_file_id()
     upload = await receive_upload(
@@ -130,7 +139,7 @@ def file_content(file_id: str, tenant: CurrentTenant, session: SessionDep) -> Fi
     return FileResponse(path, media_type=media, filename=row.filename)
 
 
-@router.delete("/{file_id}", response_model=FileDeleted)
+@router.delete("/{file_id}", response_model=FileDeleted, responses=DISK_FULL)
 def delete_file(file_id: str, tenant: CurrentTenant, session: SessionDep) -> FileDeleted:
     files.delete_file(session, default_store(), tenant_id=tenant.id, file_id=file_id)
     return FileDeleted(id=file_id, deleted=True)

@@ -24,6 +24,8 @@ from service.db.session import SessionDep
 from service.errors import is_database_unavailable
 from service.queue import enqueue_job, job_queue
 from service.schemas import (
+    DATABASE_UNAVAILABLE,
+    DISK_FULL,
     CheckpointMetrics,
     CheckpointPublic,
     CheckpointsPublic,
@@ -49,7 +51,7 @@ from worker.engine.catalog import random_weights_warning
 router = APIRouter(
     prefix="/v1/fine_tuning/jobs",
     tags=["fine_tuning"],
-    responses=error_responses(400, 401, 404, 409, 429, 500),
+    responses={**error_responses(400, 401, 404, 409, 429, 500), **DATABASE_UNAVAILABLE},
 )
 
 # Distinct job states whose body `job_body` keeps (a few KiB each): every job being polled, and a
@@ -131,7 +133,14 @@ def checkpoint_public(ckpt: Checkpoint, job: Job) -> CheckpointPublic:
 @router.post(
     "",
     response_model=JobPublic | DryRunPublic,
-    responses=error_response(503, "a dry run found no inference worker (code no_inference_worker)"),
+    responses={
+        **error_response(
+            503,
+            "a dry run found no inference worker (code no_inference_worker), or the database is "
+            "unavailable (code database_unavailable; Retry-After)",
+        ),
+        **DISK_FULL,
+    },
 )
 def create_job(
     body: JobCreate,
@@ -219,7 +228,10 @@ status_read_route = PlainGetRoute(router.prefix + "/{fine_tuning_job_id}", read_
 @router.post(
     "/{fine_tuning_job_id}/cancel",
     response_model=JobPublic,
-    responses=error_response(400, "the job already succeeded or failed (code invalid_job_state)"),
+    responses={
+        **error_response(400, "the job already succeeded or failed (code invalid_job_state)"),
+        **DISK_FULL,
+    },
 )
 def cancel_job(fine_tuning_job_id: str, tenant: CurrentTenant, session: SessionDep) -> JobPublic:
     job = jobs.request_cancel(session, tenant_id=tenant.id, job_id=fine_tuning_job_id)

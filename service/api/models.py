@@ -12,12 +12,16 @@ from service import jobs
 from service.auth import CurrentTenant
 from service.db.session import SessionDep
 from service.errors import NotFoundError
-from service.schemas import ModelPublic, ModelsPublic, error_responses
+from service.schemas import DATABASE_UNAVAILABLE, ModelPublic, ModelsPublic, error_responses
 from service.settings import get_settings
 from worker.engine.catalog import list_models as catalog_models
 from worker.engine.catalog import random_weights_warning
 
-router = APIRouter(prefix="/v1/models", tags=["models"], responses=error_responses(400, 401, 404, 429))
+router = APIRouter(
+    prefix="/v1/models",
+    tags=["models"],
+    responses={**error_responses(400, 401, 404, 429), **DATABASE_UNAVAILABLE},
+)
 
 BASE_OWNER = "loraq"
 

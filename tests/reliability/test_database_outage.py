@@ -70,6 +70,18 @@ def every_request(api: ApiClient, ids: dict[str, str]) -> Iterator[tuple[str, st
             yield method.upper(), path.format(**ids), bodies.get((method, path), {})
 
 
+def test_the_schema_documents_503_where_the_database_is_read_and_507_where_a_write_may_fill_a_disk() -> None:
+    from service.app import create_app
+
+    writes = {("post", "/v1/files"), ("delete", "/v1/files/{file_id}"), ("post", "/v1/fine_tuning/jobs")}
+    writes.add(("post", "/v1/fine_tuning/jobs/{fine_tuning_job_id}/cancel"))
+    for path, operations in create_app().openapi()["paths"].items():
+        for method, operation in operations.items():
+            documented = operation["responses"].keys()
+            assert path in NO_DATABASE or "503" in documented, (method, path)
+            assert ("507" in documented) == ((method, path) in writes), (method, path)
+
+
 def test_database_stopped_answers_503_and_recent_status_reads_stale(
     api: ApiClient, cluster: PostgresServer
 ) -> None:
