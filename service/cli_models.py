@@ -85,7 +85,8 @@ def add_command(
         Path, typer.Argument(help="A Hugging Face model directory (config.json, safetensors, tokenizer).")
     ],
 ) -> None:
-    """Register a local Hugging Face model directory (Llama, Qwen2 or Mistral; safetensors only)."""
+    """Register a local Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3;
+    safetensors only)."""
     try:
         info = register_local_model(name, path, _store())
     except ModelError as exc:

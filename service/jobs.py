@@ -325,18 +325,22 @@ def validation_split(spec: JobCreate) -> float:
 
 
 def check_target_modules(spec_targets: list[str] | str, model: str) -> None:
-    """400 naming `lora.target_modules` when a name matches no linear layer the model has."""
-    from worker.engine.catalog import LINEAR_MODULES  # pure Python
+    """400 naming `lora.target_modules` when a name matches no linear layer of the model's family
+    (Phi-3's are qkv_proj and gate_up_proj where the others split q/k/v and gate/up)."""
+    from worker.engine.catalog import model_family  # pure Python
 
     if isinstance(spec_targets, str):
         return  # "all-linear" (the schema allows no other string)
+    family = model_family(model, get_settings().model_store)  # known: check_job_inputs ran
+    layers = family.linear_modules
     for target in spec_targets:
         *parents, leaf = target.split(".")
-        if leaf not in LINEAR_MODULES or (parents and parents[-1] != LINEAR_MODULES[leaf]):
-            names = ", ".join(f"{parent}.{name}" for name, parent in LINEAR_MODULES.items())
+        if leaf not in layers or (parents and parents[-1] != layers[leaf]):
+            names = ", ".join(f"{parent}.{name}" for name, parent in layers.items())
             raise InvalidRequestError(
-                f"invalid lora.target_modules: {target!r} is not a linear layer of model {model!r}; "
-                f"its linear layers are {names} (or 'all-linear')",
+                f"invalid lora.target_modules: {target!r} is not a linear layer of model {model!r} "
+                f"({family.architecture}); its linear layers are {names} (or 'all-linear')"
+                + family.target_hint(leaf),
                 param="lora.target_modules",
                 code="invalid_target_modules",
             )
@@ -445,7 +449,8 @@ def check_job_inputs(
     returns (training file, validation file or None). `refuse_invalid=False` (a dry run) lets a
     file that failed validation through, so the plan can list its bad lines."""
     settings = get_settings()
-    from worker.engine.catalog import get_model_info  # pure Python; imported here to keep startup light
+    # pure Python; imported here to keep startup light
+    from worker.engine.catalog import get_model_info, model_family
 
     try:
         base = get_model_info(spec.model, settings.model_store)
@@ -453,6 +458,12 @@ def check_job_inputs(
         # 404 as OpenAI answers `model_not_found` (and as for files that do not exist): refused at
         # submit, naming `model` and the known ones
         raise NotFoundError(str(e), param="model", code="model_not_found") from e
+    try:
+        model_family(spec.model, settings.model_store)
+    except ModelError as e:
+        # a local directory of an architecture Loraq does not train (its config.json may have
+        # changed since `loraq models add`): the message names the supported architectures
+        raise InvalidRequestError(str(e), param="model", code="unsupported_model") from e
     if not base.pulled and not settings.auto_pull:
         raise InvalidRequestError(
             f"base model {spec.model!r} is not local and LORAQ_AUTO_PULL=0: "

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from worker.engine.families import LLAMA, Family, family_of_config
 from worker.engine.types import ModelError
 
 ModelKind = Literal["pretrained", "random", "local"]
@@ -25,21 +26,6 @@ ModelUse = Literal["fine-tuning", "tests", "benchmarks"]
 
 REGISTRY_FILE = "registry.json"
 SLIP_EDITS = 2  # a name this many character edits from a real model's is taken for a slip
-
-# Hugging Face `architectures` entries we can load and wrap with LoRA (same module names:
-# q_proj/k_proj/v_proj/o_proj/gate_proj/up_proj/down_proj).
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-# The linear layers LoRA can wrap in every supported architecture: leaf name -> parent module.
-# The API checks `lora.target_modules` against these at submit (the engine checks the loaded model).
-LINEAR_MODULES = {
-    "q_proj": "self_attn",
-    "k_proj": "self_attn",
-    "v_proj": "self_attn",
-    "o_proj": "self_attn",
-    "gate_proj": "mlp",
-    "up_proj": "mlp",
-    "down_proj": "mlp",
-}
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 
@@ -293,8 +279,19 @@ def register_local_model(name: str, path: Path, store: Path) -> BaseModelInfo:
     return _local_info(name, registry[name])
 
 
-def validate_model_dir(directory: Path) -> str:
-    """Check a local model directory is loadable without pickles; return its architecture."""
+def model_family(name: str, store: Path) -> Family:
+    """The family of catalog model `name`: Llama for the built-ins, else what the local
+    directory's config.json says now (ModelError naming the supported architectures otherwise).
+    The API asks at submit, so a directory changed since `models add` is refused there."""
+    info = get_model_info(name, store)
+    if info.kind != "local":
+        return LLAMA  # the GGUF SmolLM2 and the presets are Llama-architecture models
+    assert info.path is not None
+    return _directory_family(Path(info.path), label=f"the config.json of model {name!r}")
+
+
+def _directory_family(directory: Path, label: str | None = None) -> Family:
+    """The family config.json names (`label` names the file in errors; default: its path)."""
     if not directory.is_dir():
         raise ModelError(f"model directory {directory} does not exist or is not a directory")
     config_path = directory / "config.json"
@@ -306,13 +303,13 @@ def validate_model_dir(directory: Path) -> str:
         raise ModelError(f"{config_path} is not valid JSON: {exc}") from exc
     if not isinstance(config, dict):
         raise ModelError(f"{config_path} must hold a JSON object")
-    architectures = config.get("architectures") or []
-    supported = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
-    if not supported:
-        raise ModelError(
-            f"unsupported architecture {architectures or '(none given)'} in {config_path}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    return family_of_config(config, label or str(config_path))
+
+
+def validate_model_dir(directory: Path) -> Family:
+    """Check a local model directory is of a supported family and loadable without pickles;
+    return its family."""
+    family = _directory_family(directory)
     if not any(directory.glob("*.safetensors")):
         pickles = sorted(p.name for p in [*directory.glob("*.bin"), *directory.glob("*.pt")])
         if pickles:
@@ -331,7 +328,7 @@ def validate_model_dir(directory: Path) -> str:
             f"model directory {directory} has no tokenizer (tokenizer.json, tokenizer.model, "
             "or vocab.json + merges.txt)"
         )
-    return supported[0]
+    return family
 
 
 def _builtin_info(name: str, store: Path) -> BaseModelInfo:

@@ -34,7 +34,9 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 import gpu_kernels
+from worker.engine.families import family_named, fused_path_gap
 from worker.engine.lora import LoRALinear, slot_operands
+from worker.engine.types import ModelError
 
 
 class FusedRMSNorm(nn.Module):
@@ -282,13 +284,18 @@ def _group(parent: nn.Module, names: list[str]) -> list[GroupedLoRALinear] | Non
 
 
 def fuse_llama(model: nn.Module) -> FuseReport:
-    """Swap in the fused modules where the compiled kernels are active; a no-op report otherwise.
+    """Swap in the fused modules where the compiled kernels are active and cover the model's
+    family and config (`families.fused_path_gap`); otherwise a no-op report saying why not.
 
     Call after apply_lora and before building the optimizer (parameters are kept, but this keeps
     the order of operations obvious)."""
     report = FuseReport()
     if not gpu_kernels.available().compiled:
         report.skipped.append("compiled kernels not in use: " + gpu_kernels.available().reason)
+        return report
+    gap = family_gap(model)
+    if gap is not None:  # the model keeps its plain modules: the eager step, as on the CPU
+        report.skipped.append(gap)
         return report
     for name, module in list(model.named_modules()):
         parent_path, _, leaf = name.rpartition(".")
@@ -322,6 +329,16 @@ def fuse_llama(model: nn.Module) -> FuseReport:
             setattr(parent, leaf, FusedSwiGLUMLP(members[0], members[1], module.down_proj))
             report.mlps += 1
     return report
+
+
+def family_gap(model: nn.Module) -> str | None:
+    """Why the fused modules do not serve `model` (its family or its config) yet; None: they do."""
+    try:
+        family = family_named(type(model).__name__)
+    except ModelError as exc:
+        return str(exc)
+    config = getattr(model, "config", None)
+    return fused_path_gap(family, config.to_dict() if config is not None else {})
 
 
 def attach_adapter_casts(model: nn.Module) -> gpu_kernels.AdapterCasts | None:

@@ -139,9 +139,16 @@ def _drop_gguf_marks(model: PreTrainedModel) -> None:
 
 def _load_local(name: str, directory: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     # Validate again: the directory may have changed since `loraq models add`.
-    validate_model_dir(directory)
+    family = validate_model_dir(directory)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, use_safetensors=True)
+    if type(model).__name__ != family.architecture:
+        # transformers picks the class from `model_type`: a config whose two fields disagree
+        # (a multimodal Gemma 3 config naming Gemma3ForCausalLM) would train another model
+        raise ModelError(
+            f"{directory / 'config.json'} names {family.architecture} but its model_type "
+            f"{model.config.model_type!r} loads {type(model).__name__}"
+        )
     return LoadedModel(_move(model, device), tokenizer, name, is_random=False)
 
 

@@ -1,0 +1,277 @@
+"""The model families Loraq trains, and what each one changes relative to Llama: in one place.
+
+Pure Python (no torch, no transformers): the catalog reads it to accept a model directory, the
+API to check `lora.target_modules` at submit, and the engine to decide what the fused GPU step
+covers. A family is keyed by the `architectures` entry of the model's config.json.
+
+Every family is a decoder of grouped-query attention with RoPE on q and k and a gated MLP
+`down(act(gate(x)) ⊙ up(x))`, with RMSNorm(x) = (offset + w) ⊙ x / √(mean(x²) + eps). A layer is
+
+    pre-norm:  h = x + attn(norm₁(x));            y = h + mlp(norm₂(h))
+    sandwich:  h = x + norm₂(attn(norm₁(x)));     y = h + norm₄(mlp(norm₃(h)))      (Gemma 3)
+
+What varies is a field of `Family`; what varies per layer of one model (attention window, RoPE
+base) comes from its config through `layer_attention`. An attention window W means: a token
+attends to itself and the W − 1 tokens before it, within its own example (transformers'
+`sliding_window`; flash-attention's `window_size=(W - 1, 0)`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from worker.engine.types import ModelError
+
+Norm = Literal["pre", "sandwich"]
+# the gate's activation: SiLU (SwiGLU) or GELU with the tanh approximation (GeGLU)
+Activation = Literal["silu", "gelu_tanh"]
+# where a layer's attention window comes from:
+#   none:           no window (every layer attends over the whole example)
+#   sliding_window: config `sliding_window`, on every layer, where set
+#   layer_types:    config `sliding_window` on the layers whose `layer_types` entry is
+#                   "sliding_attention" (and, where the family names one, only while the config's
+#                   `window_switch` flag is true)
+Windows = Literal["none", "sliding_window", "layer_types"]
+# one RoPE for every layer, or one per layer type (Gemma 3: local base on sliding layers,
+# global base and scaling on full-attention layers)
+RopeLayout = Literal["single", "per_layer_type"]
+# attention scores scale by head_dim^-½, or by query_pre_attn_scalar^-½ (Gemma 3)
+AttentionScale = Literal["head_dim", "query_pre_attn_scalar"]
+LayerKind = Literal["full_attention", "sliding_attention"]
+
+SPLIT_LINEAR_MODULES: dict[str, str] = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
+# RoPE types whose cos/sin tables do not depend on the sequence: one table serves every row
+# of a packed step (dynamic, yarn and longrope rescale with the length, or switch tables)
+STATIC_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class Family:
+    architecture: str  # config.json `architectures` entry, e.g. "Qwen3ForCausalLM"
+    model_type: str  # config.json `model_type` transformers loads this architecture from
+    name: str  # what people call it: "Qwen3"
+    differs: str  # what differs from Llama, in words (the README's table, error messages)
+    norm: Norm = "pre"
+    norm_offset: float = 0.0  # RMSNorm scales by (offset + w): 0 (Llama), 1 (Gemma: w starts at 0)
+    activation: Activation = "silu"
+    qk_norm: bool = False  # per-head RMSNorm on q and k, after the projection, before RoPE
+    qkv_bias: bool = False  # q/k/v projections always carry a bias (Llama's `attention_bias` aside)
+    embedding_scale: bool = False  # token embeddings × √hidden_size, in the weights' dtype
+    windows: Windows = "none"
+    window_switch: str | None = None  # the config flag that turns `layer_types` windows on
+    rope: RopeLayout = "single"
+    rope_theta: float = 10_000.0  # base when the config names none (full-attention layers)
+    local_rope_theta: float | None = None  # sliding layers' base when the config names none
+    attention_scale: AttentionScale = "head_dim"
+    tied_embeddings: bool = False  # tie_word_embeddings when the config does not say
+    # fused projection -> the split ones it stands for, in output order (vLLM's packed_modules_mapping)
+    packed_modules: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # the linear layers LoRA can wrap: leaf name -> parent module. These are the names PEFT wraps
+    # and an exported adapter_config.json lists, so the fused ones where the model has them.
+    linear_modules: Mapping[str, str] = field(default_factory=lambda: dict(SPLIT_LINEAR_MODULES))
+    fused_path: bool = False  # the GPU fused step (fused_llama.py) covers this family
+
+    def target_hint(self, leaf: str) -> str:
+        """Why `leaf` is no layer of this family, where a fused projection holds it ("" if not)."""
+        for fused, parts in self.packed_modules.items():
+            if leaf in parts:
+                return f"; {self.name} fuses {'/'.join(parts)} into one layer, {fused}"
+        return ""
+
+
+LLAMA = Family(
+    "LlamaForCausalLM",
+    "llama",
+    "Llama",
+    "the reference shape; Llama 3.1+ rope_scaling type llama3",
+    fused_path=True,
+)
+MISTRAL = Family(
+    "MistralForCausalLM",
+    "mistral",
+    "Mistral",
+    "attention window on every layer where the config sets sliding_window",
+    windows="sliding_window",
+)
+QWEN2 = Family(
+    "Qwen2ForCausalLM",
+    "qwen2",
+    "Qwen2",
+    "biases on q/k/v",
+    qkv_bias=True,
+    windows="layer_types",
+    window_switch="use_sliding_window",
+)
+QWEN3 = Family(
+    "Qwen3ForCausalLM",
+    "qwen3",
+    "Qwen3",
+    "per-head RMSNorm on q and k before RoPE",
+    qk_norm=True,
+    windows="layer_types",
+    window_switch="use_sliding_window",
+)
+GEMMA3 = Family(
+    "Gemma3ForCausalLM",
+    "gemma3_text",
+    "Gemma 3",
+    "sandwich norms with (1 + w) weights, GeGLU (tanh GELU), q/k RMSNorm, embeddings × √hidden, "
+    "sliding-window layers between global ones with their own RoPE base, "
+    "scores × query_pre_attn_scalar^-½, tied embeddings",
+    norm="sandwich",
+    norm_offset=1.0,
+    activation="gelu_tanh",
+    qk_norm=True,
+    embedding_scale=True,
+    windows="layer_types",
+    rope="per_layer_type",
+    rope_theta=1_000_000.0,
+    local_rope_theta=10_000.0,
+    attention_scale="query_pre_attn_scalar",
+    tied_embeddings=True,
+)
+PHI3 = Family(
+    "Phi3ForCausalLM",
+    "phi3",
+    "Phi-3",
+    "fused qkv_proj and gate_up_proj, partial rotary (Phi-4-mini), attention window where set",
+    windows="sliding_window",
+    packed_modules={"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")},
+    linear_modules={
+        "qkv_proj": "self_attn",
+        "o_proj": "self_attn",
+        "gate_up_proj": "mlp",
+        "down_proj": "mlp",
+    },
+)
+
+FAMILIES: dict[str, Family] = {f.architecture: f for f in (LLAMA, QWEN2, QWEN3, MISTRAL, GEMMA3, PHI3)}
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+
+
+def family_named(architecture: str) -> Family:
+    """The family of a model class name (`type(model).__name__`), or ModelError naming the supported."""
+    family = FAMILIES.get(architecture)
+    if family is None:
+        raise ModelError(
+            f"unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return family
+
+
+def family_of_config(config: Mapping[str, Any], source: str) -> Family:
+    """The family of a config.json's content (`source` names the file in errors), after checking
+    the config asks for nothing the engine would compute differently from transformers."""
+    architectures = config.get("architectures") or []
+    found = [a for a in architectures if isinstance(a, str) and a in FAMILIES]
+    if not found:
+        raise ModelError(
+            f"unsupported architecture {architectures or '(none given)'} in {source}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    family = FAMILIES[found[0]]
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        # Gemma 2's soft-capping (Gemma 3 has none): the engine's loss runs the LM head itself
+        if config.get(key) is not None:
+            raise ModelError(f"{source} sets {key}={config[key]!r}; logit soft-capping is not supported")
+    if config.get("use_bidirectional_attention"):
+        raise ModelError(f"{source} sets use_bidirectional_attention: not a causal language model")
+    return family
+
+
+@dataclass(frozen=True)
+class Rope:
+    type: str  # transformers' rope_type: default, linear, llama3, yarn, longrope, dynamic
+    theta: float
+    factor: float | None = None  # the scaling factor, for the types that have one
+    rotary_fraction: float = 1.0  # share of head_dim that rotates (Phi-4-mini: 0.75)
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    kind: LayerKind
+    window: int | None  # see the module docstring; None: the whole example
+    rope: Rope
+
+
+def layer_attention(family: Family, config: Mapping[str, Any]) -> list[LayerAttention]:
+    """Each decoder layer's attention window and RoPE, from a config.json's content (as on the
+    Hub: rope_theta, rope_scaling, rope_local_base_freq, sliding_window_pattern; or as
+    transformers 5 writes it: rope_parameters, layer_types)."""
+    n = int(config["num_hidden_layers"])
+    kinds = _layer_kinds(family, config, n)
+    window = _window(family, config)
+    return [
+        LayerAttention(kind, window if kind == "sliding_attention" else None, _rope(family, config, kind))
+        for kind in kinds
+    ]
+
+
+def fused_path_gap(family: Family, config: Mapping[str, Any]) -> str | None:
+    """Why the GPU fused step does not cover a model of `family` with `config` (None: it does).
+    Its kernels are Llama's: pre-norm RMSNorm, SwiGLU, one static RoPE table, no window."""
+    if not family.fused_path:
+        return f"{family.name} ({family.differs}): the fused kernels cover the Llama shape only so far"
+    layers = layer_attention(family, config)
+    windows = sorted({layer.window for layer in layers if layer.window is not None})
+    if windows:
+        return f"attention window {windows[0]}: the fused attention has no window argument yet"
+    dynamic = sorted({layer.rope.type for layer in layers} - set(STATIC_ROPE_TYPES))
+    if dynamic:
+        return f"RoPE type {dynamic[0]}: the fused step reads one static cos/sin table"
+    return None
+
+
+def _layer_kinds(family: Family, config: Mapping[str, Any], n: int) -> list[LayerKind]:
+    if family.windows == "none":
+        return ["full_attention"] * n
+    if family.windows == "sliding_window":
+        return ["sliding_attention" if config.get("sliding_window") is not None else "full_attention"] * n
+    given = config.get("layer_types")
+    if isinstance(given, list) and len(given) == n:
+        return ["sliding_attention" if t == "sliding_attention" else "full_attention" for t in given]
+    if family.window_switch is not None:  # Qwen: the layers from max_window_layers on, if switched on
+        if _window(family, config) is None:
+            return ["full_attention"] * n
+        first = int(config.get("max_window_layers", 28))
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    # Gemma 3 configs on the Hub give a pattern: every `pattern`-th layer is global
+    pattern = int(config.get("sliding_window_pattern", config.get("_sliding_window_pattern", 6)))
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+
+
+def _window(family: Family, config: Mapping[str, Any]) -> int | None:
+    window = config.get("sliding_window")
+    if window is None or (family.window_switch is not None and not config.get(family.window_switch)):
+        return None
+    return int(window)
+
+
+def _rope(family: Family, config: Mapping[str, Any], kind: LayerKind) -> Rope:
+    params = config.get("rope_parameters")  # as transformers 5 writes it (per layer type for Gemma 3)
+    if family.rope == "per_layer_type":
+        params = params.get(kind) if isinstance(params, Mapping) else None
+    if isinstance(params, Mapping) and params:
+        p = dict(params)
+    elif family.rope == "per_layer_type" and kind == "sliding_attention":
+        p = {"rope_theta": config.get("rope_local_base_freq", family.local_rope_theta)}
+    else:  # as on the Hub: rope_theta beside rope_scaling
+        theta = config.get("rope_theta", family.rope_theta)
+        p = {**(config.get("rope_scaling") or {}), "rope_theta": theta}
+    factor = p.get("factor")
+    return Rope(
+        type=str(p.get("rope_type") or p.get("type") or "default"),
+        theta=float(p.get("rope_theta") or family.rope_theta),
+        factor=float(factor) if factor is not None else None,
+        rotary_fraction=float(p.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))),
+    )
