@@ -20,7 +20,7 @@ import pytest
 from sqlalchemy import select
 
 from service import storage
-from service.db.models import Checkpoint, File, JobMetric
+from service.db.models import Checkpoint, JobMetric
 from service.db.session import session_scope
 from tests.e2e.datasets import chat_lines
 from tests.servers import shared_redis_url
@@ -94,12 +94,14 @@ def checkpoints(job_id: str) -> list[Checkpoint]:
 
 
 def assert_nothing_partial(fs: SmallFs, job_id: str) -> None:
-    """On the disk: the model, the dataset and the registered checkpoints, each whole; no temp
-    file, no half-written object, no scratch directory of the attempt."""
-    with session_scope() as s:
-        keys = set(s.scalars(select(File.storage_key))) | {c.storage_key for c in checkpoints(job_id)}
-    stored = {f"var/store/{key}" for key in keys}
-    assert {f for f in fs.files() if not f.startswith("var/models/")} == stored
+    """On the disk: no temp file or directory, no scratch space of the attempt, and of the job's
+    objects in the store exactly its registered checkpoints, each whole."""
+    files = fs.files()
+    temporary = [f for f in files if f.endswith(".part") or "/." in f or f.startswith("var/store/tmp")]
+    assert temporary == [], temporary
+    assert [f for f in files if f.startswith("var/jobs/")] == []
+    job_objects = {f for f in files if f.startswith(f"var/store/jobs/{job_id}/")}
+    assert job_objects == {f"var/store/{c.storage_key}" for c in checkpoints(job_id)}
     for c in checkpoints(job_id):
         assert c.sha256 == sha256_of(c.storage_key)
 
