@@ -331,7 +331,10 @@ def check_target_modules(spec_targets: list[str] | str, model: str) -> None:
 
     if isinstance(spec_targets, str):
         return  # "all-linear" (the schema allows no other string)
-    family = model_family(model, get_settings().model_store)  # known: check_job_inputs ran
+    try:
+        family = model_family(model, get_settings().model_store)
+    except ModelError:
+        return  # a local directory gone since `models add` (accepted with auto-pull, as before)
     layers = family.linear_modules
     for target in spec_targets:
         *parents, leaf = target.split(".")
@@ -459,7 +462,8 @@ def check_job_inputs(
         # submit, naming `model` and the known ones
         raise NotFoundError(str(e), param="model", code="model_not_found") from e
     try:
-        model_family(spec.model, settings.model_store)
+        if base.pulled:  # a missing directory is a model not local, below
+            model_family(spec.model, settings.model_store)
     except ModelError as e:
         # a local directory of an architecture Loraq does not train (its config.json may have
         # changed since `loraq models add`): the message names the supported architectures

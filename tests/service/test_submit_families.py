@@ -60,3 +60,15 @@ def test_a_directory_changed_to_an_unsupported_architecture_is_refused(
         )
         assert message.endswith("supported: " + ", ".join(SUPPORTED_ARCHITECTURES))
         assert str(tmp_path) not in message  # no path of the server's disk
+
+
+def test_a_directory_gone_since_models_add_is_what_it_was_before(api: ApiClient, tmp_path: Path) -> None:
+    """Not local: accepted with auto-pull (the worker then fails naming the directory), as before
+    families; its target modules cannot be checked, and no 500 comes of trying."""
+    directory = save_tiny_family("Phi3ForCausalLM", tmp_path / "gone")
+    register_local_model("gone-phi", directory, get_settings().model_store)
+    for file in directory.iterdir():
+        file.unlink()
+    directory.rmdir()
+    body = job_body(api.upload(DATASET), model="gone-phi", lora={"r": 4, "target_modules": ["q_proj"]})
+    assert api.post("/v1/fine_tuning/jobs", json=body).status_code == 200
