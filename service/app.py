@@ -10,6 +10,7 @@ from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 
+from service import file_validation
 from service.api import chat, files, health, jobs, models
 from service.api.dashboard import mount_dashboard
 from service.api.docs import mount_docs
@@ -54,6 +55,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             if reaper is not None:
                 reaper.stop()
+            file_validation.stop_children()  # token counts of waiting jobs: the next start resumes them
             await close_read_pools()
 
     # /docs and /redoc are ours (service/api/docs.py): FastAPI's load their scripts from a CDN.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -10,7 +11,8 @@ from sqlalchemy.orm import Session
 from service.db.models import File, Job, is_id, new_id
 from service.errors import ConflictError, InvalidRequestError, NotFoundError
 from service.job_status import ACTIVE
-from service.storage import FileStore, StoredObject, file_key, put_bytes
+from service.settings import get_settings
+from service.storage import FileStore, StoredObject, file_key, local_path, put_bytes
 
 UPLOAD_PURPOSES = ("fine-tune",)
 ALL_PURPOSES = ("fine-tune", "fine-tune-results")
@@ -22,6 +24,12 @@ def new_file_id() -> str:
 
 def upload_key(tenant_id: str, file_id: str) -> str:
     return file_key(tenant_id, file_id)
+
+
+def derived_key(storage_key: str) -> str:
+    """Where what is computed from a stored file once (its token counts per tokenizer) is kept:
+    a folder beside it, deleted with it."""
+    return f"{storage_key}.derived"
 
 
 def check_upload_purpose(purpose: str | None) -> str:
@@ -44,9 +52,11 @@ def create_file(
     purpose: str,
     stored: StoredObject,
     status_details: str | None = None,
+    summary: dict[str, Any] | None = None,
 ) -> File:
     """Record an object already published in the store (so a visible row always has its bytes).
-    `status_details` set: the file failed validation (`status` "error", as OpenAI's Files API)."""
+    `status_details` set: the file failed validation (`status` "error", as OpenAI's Files API);
+    `summary`: the upload's check of it (`DatasetSummary.to_dict`), served by the dashboard."""
     row = File(
         id=file_id,
         tenant_id=tenant_id,
@@ -57,6 +67,7 @@ def create_file(
         storage_key=stored.key,
         status="processed" if status_details is None else "error",
         status_details=status_details,
+        summary=summary,
     )
     session.add(row)
     session.flush()
@@ -83,6 +94,17 @@ def get_file(session: Session, *, tenant_id: str, file_id: str) -> File:
     if row is None:
         raise NotFoundError(f"No such File object: {file_id}", param="file_id")
     return row
+
+
+def stored_summary(session: Session, row: File) -> dict[str, Any]:
+    """The file's structural check (`DatasetSummary.to_dict`) as its upload stored it; a file
+    stored before summaries were is checked now, once, and its summary stored."""
+    if row.summary is None:
+        from service.api.dataset_summary import check_file
+
+        row.summary = check_file(local_path(row.storage_key), get_settings().max_line_bytes).to_dict()
+        session.flush()  # stored with the request's commit
+    return row.summary
 
 
 def list_files(
@@ -125,6 +147,7 @@ def delete_file(session: Session, store: FileStore, *, tenant_id: str, file_id: 
     # The row goes first: a crash between the two leaves an orphan object, never a dangling row.
     session.commit()
     store.delete(key)
+    store.delete_tree(derived_key(key))
 
 
 def file_content(store: FileStore, row: File) -> Iterator[bytes]:

@@ -7,6 +7,10 @@
                           │                `cancelled` if a cancel was requested)
                           └─► cancelled   (and `failed` at claim time if its dataset file vanished)
 
+A job whose files take longer to count than a submit waits stays in `validating_files` until they
+are counted, then goes to `queued`, or to `failed` with the error a submit answers for them
+(service/file_validation.py); a cancel ends it `cancelled` there too.
+
 Every transition is one conditional UPDATE guarded by the expected status and, for a worker's
 writes, the attempt token its claim received:
 
@@ -56,6 +60,7 @@ TRAINING_COLUMNS = ("lora", "max_seq_len", "packing", "seed", "eval_prompts")
 # lists them; `loraq jobs internal-errors JOB` (database access) prints them.
 OPERATOR_EVENT = "internal"
 MAX_CLAIM_TRIES = 5  # candidates a delivery tries when other workers win the race for them
+MAX_SEQ_LEN_TOO_SHORT = "max_seq_len_too_short"  # the code of a file's examples over max_seq_len
 
 
 class StaleAttemptError(ConflictError):
@@ -349,15 +354,23 @@ def check_target_modules(spec_targets: list[str] | str, model: str) -> None:
             )
 
 
-def check_max_seq_len(file: File, model: str, max_seq_len: int, param: str) -> None:
+def check_max_seq_len(file: File, model: str, max_seq_len: int, param: str) -> bool:
     """400 naming `max_seq_len` when examples of the file are longer (the engine truncates nothing,
-    so such a job would fail); counted with the model's tokenizer once per (file, model)."""
-    from service.token_lengths import lengths, too_long_message
+    so such a job would fail); counted with the model's tokenizer once per (file, tokenizer).
+    False: not known yet, the file takes longer to count than a submit waits
+    (`submit_count_seconds`); its job waits in `validating_files` (service/file_validation.py)."""
+    from service.token_lengths import counter_for, lengths_now, too_long_message
 
-    found = lengths(file, model)
-    message = too_long_message(param, found, max_seq_len) if found is not None else None
+    counter = counter_for(model)
+    if counter is None:  # no torch-free tokenizer: the worker's validation decides
+        return True
+    found = lengths_now(file, counter, seconds=get_settings().submit_count_seconds)
+    if found is None:
+        return False
+    message = too_long_message(param, found, max_seq_len)
     if message is not None:
-        raise InvalidRequestError(message, param="max_seq_len", code="max_seq_len_too_short")
+        raise InvalidRequestError(message, param="max_seq_len", code=MAX_SEQ_LEN_TOO_SHORT)
+    return True
 
 
 def routing_wait(
@@ -518,9 +531,10 @@ def create_job(
     waiting_for = check_job_limits(session, tenant_id=tenant_id)
     training, validation = check_job_inputs(session, tenant_id=tenant_id, spec=spec)
     check_target_modules(spec.lora.target_modules, spec.model)
-    check_max_seq_len(training, spec.model, spec.max_seq_len, "training_file")
+    # each file checked (or its count found pending), so a short validation file still refuses now
+    checked = [check_max_seq_len(training, spec.model, spec.max_seq_len, "training_file")]
     if validation is not None:
-        check_max_seq_len(validation, spec.model, spec.max_seq_len, "validation_file")
+        checked.append(check_max_seq_len(validation, spec.model, spec.max_seq_len, "validation_file"))
     queue = spec.queue or settings.worker_queue
     waiting_for = waiting_for or routing_wait(
         queue=queue, n_gpus=spec.n_gpus, served_queues=served_queues, default_queue=settings.worker_queue
@@ -561,14 +575,32 @@ def create_job(
             return winner
         raise
     add_event(session, job_id=job.id, level="info", message=f"Validating training file: {training.id}")
-    _transition(session, job.id, "validating_files", "queued")
-    add_event(session, job_id=job.id, level="info", message="Files validated, moving job to queued state")
-    if warning := random_weights_warning(spec.model):
-        add_event(session, job_id=job.id, level="warn", message=warning)
-    if waiting_for is not None:
-        add_event(session, job_id=job.id, level="info", message=f"Waiting for {waiting_for}")
+    if all(checked):
+        files_validated(session, job_id=job.id, model=spec.model, waiting_for=waiting_for)
     session.refresh(job)
     return job
+
+
+def files_validated(session: Session, *, job_id: str, model: str, waiting_for: str | None) -> bool:
+    """validating_files → queued, with the events that say so; False if the job left
+    `validating_files` meanwhile (cancelled). The caller commits, then enqueues."""
+    if not _transition(session, job_id, "validating_files", "queued"):
+        return False
+    add_event(session, job_id=job_id, level="info", message="Files validated, moving job to queued state")
+    if warning := random_weights_warning(model):
+        add_event(session, job_id=job_id, level="warn", message=warning)
+    if waiting_for is not None:
+        add_event(session, job_id=job_id, level="info", message=f"Waiting for {waiting_for}")
+    return True
+
+
+def files_refused(session: Session, *, job_id: str, error: dict[str, Any]) -> bool:
+    """validating_files → failed with the error a submit would have answered (OpenAI's body:
+    code, message, param); False if the job left `validating_files` meanwhile."""
+    if not _transition(session, job_id, "validating_files", "failed", error=error, finished_at=now_s()):
+        return False
+    add_event(session, job_id=job_id, level="error", message=error["message"])
+    return True
 
 
 def check_job_limits(session: Session, *, tenant_id: str) -> str | None:

@@ -17,6 +17,10 @@ Each tick (every `reaper_interval_seconds`):
    counted: a worker that died holding one never acks it, and a live worker claims the job
    within milliseconds of taking it, long before the grace period ends.
 
+3. Files. A job whose files' token counts were being computed in the background
+   (`validating_files`) is settled once they exist, and counted again where no process counts
+   them (an API restart, a killed counter): service/file_validation.py, `tick`.
+
 Re-sending is always safe: `jobs.claim` is a fenced `queued → running` UPDATE, so a duplicate
 message finds the job running (or done) and is skipped. With several API processes
 (`LORAQ_API_WORKERS`) a short Redis lock lets one of them do each tick; if Redis cannot be
@@ -35,7 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from service import jobs
+from service import file_validation, jobs
 from service.db.session import WORKER_APPLICATION, end_idle_transactions, session_scope, set_lock_timeout
 from service.queue import enqueue_job
 from service.settings import get_settings
@@ -51,6 +55,7 @@ class TickResult:
     failed: list[str] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)  # a cancel was requested: ended, not re-queued
     resent: list[str] = field(default_factory=list)
+    validated: list[str] = field(default_factory=list)  # left validating_files (service/file_validation.py)
     skipped: bool = False  # another API process holds this tick's lock
 
 
@@ -105,6 +110,7 @@ class Reaper:
                 result.skipped = True
                 return result
             self._reap(now, result)
+            result.validated = file_validation.tick(now)
             self._reconcile(client, now, result)
         finally:
             client.close()

@@ -60,6 +60,9 @@ class Settings(BaseSettings):
     max_upload_bytes: int = 512 * 1024 * 1024
     # Uploads are validated line by line: a longer line is a bad line, never read whole.
     max_line_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    # A submit counts a file's tokens (the max_seq_len check) for at most this long; a file that
+    # needs longer is counted in the background, its job `validating_files` meanwhile.
+    submit_count_seconds: float = Field(1.5, ge=0)
     max_queued_jobs_per_tenant: int = 20
     max_running_jobs_per_tenant: int = 4
     rate_limit_per_minute: int = 6000

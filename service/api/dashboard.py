@@ -29,9 +29,8 @@ from fastapi.responses import HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import ValidationError
 
-from service import files, inference, storage, worker_registry
+from service import files, inference, worker_registry
 from service import jobs as job_service
-from service.api.dataset_summary import check_file, example_count
 from service.auth import CurrentTenant
 from service.dashboard_schemas import (
     CheckpointSamplesPublic,
@@ -50,7 +49,6 @@ from service.db.session import SessionDep
 from service.errors import NotFoundError, UnavailableError
 from service.job_status import JobStatus
 from service.schemas import error_responses
-from service.settings import get_settings
 from service.step_metrics import metrics_csv
 from worker.engine.holdout import holdout_sentence
 
@@ -185,8 +183,7 @@ def validation(session: SessionDep, job: Job) -> str:
     if job.validation_file is None and fraction > 0:
         try:
             file = files.get_file(session, tenant_id=job.tenant_id, file_id=job.training_file)
-            path = storage.local_path(file.storage_key)
-            examples = example_count(path, file.sha256, get_settings().max_line_bytes)
+            examples = files.stored_summary(session, file)["examples"]
         except (NotFoundError, OSError):
             examples = None
     return holdout_sentence(examples=examples, fraction=fraction, validation_file=job.validation_file)
@@ -230,8 +227,7 @@ def job_samples(job_id: str, tenant: CurrentTenant, session: SessionDep) -> Samp
 @api.get("/files/{file_id}/summary", response_model=FileSummaryPublic)
 def file_summary(file_id: str, tenant: CurrentTenant, session: SessionDep) -> FileSummaryPublic:
     file = files.get_file(session, tenant_id=tenant.id, file_id=file_id)
-    summary = check_file(storage.local_path(file.storage_key), get_settings().max_line_bytes)
-    return FileSummaryPublic(file_id=file.id, filename=file.filename, **summary.to_dict())
+    return FileSummaryPublic(file_id=file.id, filename=file.filename, **files.stored_summary(session, file))
 
 
 def registry_client() -> redis.Redis:

@@ -13,18 +13,16 @@ more than `max_line_bytes` of memory or a RecursionError/ValueError deep in the 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from worker.engine.dataset_rules import NO_EXAMPLES, FileFormat, LineProblem, parse_line
+from worker.engine.dataset_rules import NO_EXAMPLES, FileFormat, LineProblem, ParsedLine, parse_line
 
 BYTES_PER_TOKEN_ESTIMATE = 4
 MAX_BAD_LINES_SHOWN = 50
 READ_CHUNK = 1 << 20  # an oversized line is skipped in pieces of this size
-EXAMPLE_COUNTS_CACHED = 1024
 
 
 def bounded_lines(stream: BinaryIO, max_line_bytes: int) -> Iterator[bytes | int]:
@@ -129,21 +127,20 @@ def check_file(path: Path, max_line_bytes: int) -> DatasetSummary:
         return summarize(bounded_lines(fh, max_line_bytes), max_line_bytes)
 
 
-@lru_cache(maxsize=EXAMPLE_COUNTS_CACHED)
-def example_count(path: Path, sha256: str, max_line_bytes: int) -> int:
-    """The valid examples of a stored file (`check_file`), counted once per content (`sha256`):
-    a stored file never changes, and a page that polls a job reads its count many times."""
-    return check_file(path, max_line_bytes).examples
-
-
-def examples(path: Path, max_line_bytes: int) -> Iterator[tuple[int, str, dict[str, Any]]]:
-    """(line number, format, record) of each valid line of a file, read as `check_file` reads it."""
+def example_lines(
+    path: Path, max_line_bytes: int, known: Container[bytes] = ()
+) -> Iterator[tuple[int, bytes, ParsedLine | None]]:
+    """(line number, bytes, parsed) of each line of a file that can be an example, read as
+    `check_file` reads it; `parsed` is None for a line whose bytes are in `known` (not parsed
+    again). Lines the rules refuse are left out."""
     with path.open("rb") as fh:
         for number, raw in enumerate(bounded_lines(fh, max_line_bytes), start=1):
             if isinstance(raw, int) or not raw.strip():
                 continue
+            if raw in known:
+                yield number, raw, None
+                continue
             try:
-                parsed = parse_line(raw)
+                yield number, raw, parse_line(raw)
             except LineProblem:
                 continue
-            yield number, parsed.format, parsed.record

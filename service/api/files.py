@@ -89,6 +89,7 @@ async def upload_file(request: Request, tenant: CurrentTenant, session: SessionD
                 purpose=purpose,
                 stored=upload.stored,
                 status_details=status_details(summary),
+                summary=summary.to_dict(),  # the dashboard's summary: never parsed again
             )
             session.commit()
             return row

@@ -9,7 +9,7 @@ import anyio.from_thread
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import FileResponse, Response
 
-from service import dry_run, inference, jobs
+from service import dry_run, file_validation, inference, jobs
 from service.api.last_served import LastServed
 from service.api.plain_route import PlainGetRoute
 from service.auth import (
@@ -167,7 +167,10 @@ def create_job(
     )
     session.commit()
     # after commit: a worker must find the job queued in the database; routed by job.queue/n_gpus
-    enqueue_job(job.id, queue=job_queue(job))
+    if job.status == "queued":
+        enqueue_job(job.id, queue=job_queue(job))
+    elif job.status == "validating_files":  # its files take longer to count than a submit waits
+        file_validation.start(job.id)
     return job_public(job)
 
 

@@ -90,6 +90,9 @@ class File(Base):
     storage_key: Mapped[str] = mapped_column(String(512))
     status: Mapped[str] = mapped_column(String(16), default="processed")  # processed | error
     status_details: Mapped[str | None] = mapped_column(Text, default=None)  # the first bad lines
+    # the upload's structural check (service/api/dataset_summary.py, `DatasetSummary.to_dict`),
+    # kept so the dashboard never parses the file again; NULL for files stored before it was
+    summary: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
 
 

@@ -192,15 +192,12 @@ def test_token_lengths_are_counted_once_per_file_and_tokenizer_and_stored_beside
     # stored beside the file: another process (an empty cache here) reads them, counts nothing
     monkeypatch.setattr(token_lengths, "_cache", OrderedDict())
     monkeypatch.setattr(token_lengths, "_cached_bytes", 0)
-    monkeypatch.setattr(token_lengths, "count", None)
     again = token_lengths.stored(rows[0], counter)
     assert again is not None and again is not first and again == first
     # a cache of 40 bytes holds one entry of 4 examples (32 bytes): the older one goes out
     monkeypatch.setattr(token_lengths, "CACHE_BYTES", 40)
     monkeypatch.setattr(token_lengths, "_cache", OrderedDict())
     monkeypatch.setattr(token_lengths, "_cached_bytes", 0)
-    monkeypatch.undo()
-    monkeypatch.setattr(token_lengths, "CACHE_BYTES", 40)
     a = token_lengths.stored(rows[0], counter)
     assert a is not None and token_lengths.count(rows[1], counter) is not None  # 64 bytes: not kept
     key = (rows[0].storage_key, counter.fingerprint)

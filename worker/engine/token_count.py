@@ -17,10 +17,12 @@ check and the worker's validation decides.
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -68,18 +70,49 @@ class TokenCounter:
     eos_token: str | None
     bos_token: str | None = None
 
+    @cached_property
+    def fingerprint(self) -> str:
+        """Names what the counts depend on (the tokenizer, its chat template and special tokens):
+        counts stored under one fingerprint are never read with another tokenizer."""
+        digest = hashlib.sha256(self.tokenizer.to_str().encode())
+        for part in (self.chat_template, self.eos_token, self.bos_token):
+            digest.update(b"\x00" + (part or "").encode())
+        return digest.hexdigest()[:32]
+
     def tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
     def count(self, fmt: str, record: dict[str, Any]) -> int | None:
         """Tokens of one valid line as the engine builds it; None if this counter cannot tell
         (a chat line and no chat template, or a template that fails to render it)."""
-        if fmt == "chat":
-            text = self.render(record["messages"])
-            return None if text is None else self.tokens(text)
-        body = record["completion"] if fmt == "prompt_completion" else record["text"]
-        prompt = record.get("prompt", "") if fmt == "prompt_completion" else ""
-        return self.tokens(prompt) + self.tokens(body) + 1  # + EOS
+        return self.count_all([(fmt, record)])[0]
+
+    def count_all(self, lines: Sequence[tuple[str, dict[str, Any]]]) -> list[int | None]:
+        """`count` of each (format, record), tokenized in one batch: the tokenizer encodes a batch on
+        its own threads without holding the GIL.
+
+        - chat: the rendered conversation;
+        - prompt/completion: prompt + completion + EOS (tokenized apart, as the engine does);
+        - text: text + EOS.
+        """
+        texts: list[str] = []
+        # per line: (index of its first text, how many texts, tokens added), None if uncountable
+        parts: list[tuple[int, int, int] | None] = []
+        for fmt, record in lines:
+            if fmt == "chat":
+                text = self.render(record["messages"])
+                parts.append(None if text is None else (len(texts), 1, 0))
+                if text is not None:
+                    texts.append(text)
+            elif fmt == "prompt_completion":
+                parts.append((len(texts), 2, 1))
+                texts += [record.get("prompt", ""), record["completion"]]
+            else:
+                parts.append((len(texts), 1, 1))
+                texts.append(record["text"])
+        encoded = self.tokenizer.encode_batch_fast(texts, add_special_tokens=False) if texts else []
+        sizes = [len(e) for e in encoded]
+        return [None if p is None else sum(sizes[p[0] : p[0] + p[1]]) + p[2] for p in parts]
 
     def render(self, messages: list[dict[str, Any]]) -> str | None:
         if self.chat_template is None:

@@ -1,0 +1,26 @@
+"""files.summary: the upload's structural check of the file (dashboard summary), computed once
+
+Revision ID: 0007
+Revises: 0006
+Create Date: 2026-11-27 10:00:00
+"""
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = "0007"
+down_revision: str | None = "0006"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("files", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("summary", sa.JSON(), nullable=True))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("files", schema=None) as batch_op:
+        batch_op.drop_column("summary")
