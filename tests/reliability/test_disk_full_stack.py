@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.datasets import chat_lines
-from tests.e2e.procs import clean_env, free_port, stop_process
+from tests.e2e.procs import clean_env, free_port, stop_process, wait_for
 from tests.reliability.conftest import Stack
 from tests.servers import shared_redis_url
 from tests.small_fs import SmallFs, small_fs
@@ -83,12 +83,15 @@ def test_disk_full_mid_job_the_worker_lives_and_the_job_resumes(
     saved = stack.wait_checkpoint(job_id)
     fs.fill()
 
-    # The run writes nothing more; the worker stays up, the API still reads.
-    deadline = time.monotonic() + 8
-    while time.monotonic() < deadline:
-        assert worker.poll() is None, f"the worker died ({worker.returncode})\n{stack.logs()}"
+    # The attempt fails on the full disk, and the retried delivery finds too little space to claim
+    # anything; meanwhile the worker stays up and the API still reads.
+    def refused_to_claim() -> bool:
         assert stack.job(job_id)["status"] in {"running", "queued"}
-        time.sleep(0.2)
+        return "no job claimed" in stack.worker_log(worker)
+
+    wait_for(refused_to_claim, "the worker refusing to claim on a full disk", 60, worker)
+    time.sleep(1)  # and some more of it
+    assert worker.poll() is None, f"the worker died ({worker.returncode})\n{stack.logs()}"
     fs.fill()  # again: the failed attempt freed its scratch space
     with stack.client() as c:
         r = c.post("/files", data={"purpose": "fine-tune"}, files={"file": ("t.jsonl", chat_lines(4))})
