@@ -52,6 +52,7 @@ from service.settings import Settings
 from worker.engine.types import EngineError
 
 if TYPE_CHECKING:
+    from worker.engine.data import Examples
     from worker.engine.serving import Adapter, DecodeBatch, GenRequest, ServingModel
 
 log = logging.getLogger("loraq.inference")
@@ -514,7 +515,7 @@ def run_inference_worker(settings: Settings) -> int:
 
 
 def _trained_part(
-    examples: list[Any], report: dict[str, Any], tokenizer: Any, raw: dict[str, Any]
+    examples: Examples, report: dict[str, Any], tokenizer: Any, raw: dict[str, Any]
 ) -> dict[str, Any]:
     """What the job trains on and how: the training file's valid examples less the validation
     holdout, the run planned from them ("auto" resolved) and formed into rows, all by the engine's
@@ -549,7 +550,7 @@ def _trained_part(
         "tokens": train.tokens,
         "trainable_tokens": train.trainable_tokens,
         "rows": len(train.rows),
-        "longest_row": max((len(r.input_ids) for r in train.rows), default=0),
+        "longest_row": train.rows.longest(),
         "held_out_examples": held.examples if held is not None else 0,
         "plan": {
             "hyperparameters": plan.hyperparameters().model_dump(),

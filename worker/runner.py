@@ -422,9 +422,11 @@ def _succeed(claim: jobs.Claim, result: TrainResult) -> str:
 
 
 def _cancelled(claim: jobs.Claim, result: TrainResult) -> str:
-    """End a run that stopped on a cancel request; its metrics and checkpoints stay."""
+    """End a run that stopped on a cancel request; its metrics and checkpoints stay (one stopped
+    while it prepared its data ran no step: the job keeps the tokens an earlier attempt trained)."""
+    trained = result.trained_tokens if result.steps else None
     with session_scope() as session:
-        ok = jobs.finish(session, claim=claim, status="cancelled", trained_tokens=result.trained_tokens)
+        ok = jobs.finish(session, claim=claim, status="cancelled", trained_tokens=trained)
         if ok:
             jobs.add_event(session, job_id=claim.job_id, level="info", message="Fine-tuning job cancelled")
     return "cancelled" if ok else "fenced"

@@ -17,6 +17,7 @@ from worker.engine.data import (
     Batch,
     BatchSampler,
     Example,
+    Examples,
     collate,
     load_dataset,
     pack_examples,
@@ -348,3 +349,78 @@ def test_chat_rows_need_a_chat_template(tiny: LoadedModel, write_jsonl: WriteJso
     with pytest.raises(DatasetError, match="no chat template: use the prompt/completion or text format"):
         load_dataset(write_jsonl([chat(("user", "a"), ("assistant", "b"))]), tok, 64)
     assert load_dataset(write_jsonl([{"text": "plain text still works"}]), tok, 64).examples == 1
+
+
+def _reference_packing(lengths: list[int], max_seq_len: int) -> list[list[int]]:
+    """The rows (0-based example indices) of best-fit decreasing as first written here: a sorted
+    list of (free tokens, row) tuples, one `insort` per example (quadratic, fine for a test)."""
+    import bisect
+
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    bins: list[list[int]] = []
+    room: list[tuple[int, int]] = []
+    for e in order:
+        n = lengths[e]
+        i = bisect.bisect_left(room, (n, -1))
+        if i < len(room):
+            free, b = room.pop(i)
+            bins[b].append(e)
+            bisect.insort(room, (free - n, b))
+        else:
+            bins.append([e])
+            bisect.insort(room, (max_seq_len - n, len(bins) - 1))
+    return sorted(sorted(members) for members in bins)
+
+
+@pytest.mark.parametrize("max_seq_len", [64, 512])
+def test_packing_places_examples_as_the_reference_best_fit(max_seq_len: int) -> None:
+    import random
+
+    rng = random.Random(max_seq_len)
+    lengths = [rng.choice([rng.randint(2, 12), rng.randint(2, max_seq_len)]) for _ in range(3000)]
+    examples = Examples.of(
+        Example(i + 1, [7] * n, [IGNORE_INDEX] + [7] * (n - 1)) for i, n in enumerate(lengths)
+    )
+    rows = pack_examples(examples, max_seq_len)
+    assert [[line - 1 for line in rows[r].lines] for r in range(len(rows))] == _reference_packing(
+        lengths, max_seq_len
+    )
+    assert rows.lengths().tolist() == [len(rows[r].input_ids) for r in range(len(rows))]
+    assert rows.segments().tolist() == [len(rows[r].lines) for r in range(len(rows))]
+    assert int(rows.trainable().sum()) == sum(n - 1 for n in lengths)
+
+
+def test_packing_asks_should_stop_as_it_places_examples(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.engine import data
+    from worker.engine.types import StopRequested
+
+    monkeypatch.setattr(data, "PACK_CHECK_EVERY", 10)
+    examples = Examples.of(Example(i + 1, [7] * 5, [IGNORE_INDEX] + [7] * 4) for i in range(35))
+    asked = 0
+
+    def ask() -> bool:
+        nonlocal asked
+        asked += 1
+        return False
+
+    assert len(pack_examples(examples, 64, should_stop=ask)) == 3
+    assert asked == 3  # before the 11th, 21st and 31st example
+    with pytest.raises(StopRequested, match="packing"):
+        pack_examples(examples, 64, should_stop=lambda: True)
+
+
+def test_tokenized_examples_take_three_bytes_a_token_and_a_holdout_copies_none(
+    tiny: LoadedModel, write_jsonl: WriteJsonl
+) -> None:
+    from worker.engine.data import split_holdout
+
+    examples, report = read_examples(write_jsonl(_varied_rows(300)), tiny.tokenizer, 128)
+    assert report.ok and len(examples) == 300
+    # tiny-llama's 509 ids fit 16 bits: 2 bytes an id and 1 a loss flag; 16 bytes an example
+    assert examples.nbytes == 3 * report.tokens + 16 * 300
+    train, held = split_holdout(examples, 0.1, seed=5)
+    assert (len(train), len(held)) == (270, 30)
+    assert train.nbytes == 4 * 270 and held.nbytes == 4 * 30  # their positions, no tokens
+    assert train.tokens + held.tokens == report.tokens
+    assert sorted(e.line for e in [*train, *held]) == list(range(1, 301))
+    assert held[0] == examples[held[0].line - 1]

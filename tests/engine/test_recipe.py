@@ -104,7 +104,8 @@ def test_callbacks_receive_every_field(tmp_path: Path) -> None:
     assert result.trained_tokens == total
     assert [c.step for c in rec.checkpoints] == [2, 4, 6]
     assert [c.step for c in result.checkpoints] == [2, 4, 6]
-    assert rec.stop_checks == 6  # should_stop() asked before every step
+    # should_stop() asked before every step, and after each chunk tokenized (one a file here)
+    assert rec.stop_checks == 6 + 2
     assert any("trainable parameters" in msg for _, msg in rec.events)
 
 
@@ -117,6 +118,27 @@ def test_should_stop_ends_the_run_with_a_checkpoint(tmp_path: Path) -> None:
     assert [c.path for c in rec.checkpoints] == [ckpt]
     assert result.adapter_dir == ckpt and (ckpt / "adapter_model.safetensors").is_file()
     assert not (tmp_path / "out" / "adapter").exists()  # no "final" adapter for a stopped run
+
+
+def test_should_stop_is_asked_while_the_data_is_tokenized(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop asked for while the data is prepared ends the run there: no step, no checkpoint."""
+    from worker.engine import data
+
+    monkeypatch.setattr(data, "CHUNK_LINES", 8)  # the 32 lines in 4 chunks
+
+    class StopAtThirdChunk(Recorder):
+        def should_stop(self) -> bool:
+            super().should_stop()
+            return self.stop_checks == 3
+
+    rec = StopAtThirdChunk()
+    result = train(tiny_config(tmp_path, max_steps=10), rec)
+    assert result.stopped and result.steps == 0 and result.trained_tokens == 0
+    assert rec.stop_checks == 3 and rec.steps == [] and rec.checkpoints == []
+    assert ("info", "Stop requested: stopped while tokenizing train.jsonl") in rec.events
+    assert not (tmp_path / "out" / "checkpoints").exists()
 
 
 def test_non_finite_loss_names_the_step_and_saves_nothing(tmp_path: Path) -> None:

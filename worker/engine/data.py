@@ -21,11 +21,13 @@ Blank (whitespace-only) lines are not examples and are skipped.
 from __future__ import annotations
 
 import bisect
+import heapq
 import random
-from collections.abc import Callable, Iterator
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -40,9 +42,13 @@ from worker.engine.dataset_rules import (
 )
 from worker.engine.holdout import holdout_size
 from worker.engine.training_config import AutoPlan, DataShape, batches_per_epoch
-from worker.engine.types import DatasetError, LineError, ModelError
+from worker.engine.types import DatasetError, LineError, ModelError, StopRequested
 
 IGNORE_INDEX = -100
+CHUNK_LINES = 1024  # lines parsed and tokenized together; `should_stop` is asked between chunks
+PACK_CHECK_EVERY = 1 << 16  # examples placed between two `should_stop` questions while packing
+
+StopCheck = Callable[[], bool]  # `TrainingCallbacks.should_stop`: True raises StopRequested
 
 
 @dataclass
@@ -82,9 +88,117 @@ class ValidationReport:
         return not self.errors
 
 
+class Examples(Sequence[Example]):
+    """A file's tokenized examples in flat arrays, in file order: what a run keeps in memory.
+
+    Per token: its id (2 bytes where the vocabulary fits 16 bits, else 4) and a loss flag (1 byte);
+    per example: its end offset (8 bytes), line (4) and trainable tokens (4). A Python list of ints
+    would take about 36 bytes a token. `labels[t]` is `input_ids[t]` where the flag is set, else
+    IGNORE_INDEX. `subset` views some of the examples without copying their tokens.
+    """
+
+    def __init__(self, vocab_size: int = 1 << 31) -> None:
+        self.ids = array("H" if vocab_size <= 1 << 16 else "i")
+        self.trainable = array("B")
+        self.ends = array("q")  # ends[i]: offset just past example i in `ids`
+        self.lines = array("i")
+        self.trainable_counts = array("i")
+        self.picked: array[int] | None = None  # a subset: its examples' positions in the arrays above
+
+    @classmethod
+    def of(cls, examples: Iterable[Example]) -> Examples:
+        out = cls()
+        for e in examples:
+            out.append(e.line, e.input_ids, [label != IGNORE_INDEX for label in e.labels])
+        return out
+
+    def append(self, line: int, ids: Sequence[int], trainable: Sequence[bool]) -> None:
+        self.ids.extend(ids)
+        self.trainable.extend(trainable)
+        self.ends.append(len(self.ids))
+        self.lines.append(line)
+        self.trainable_counts.append(sum(trainable))
+
+    def subset(self, positions: torch.Tensor) -> Examples:
+        """The examples at `positions` ((k,) integer tensor, of this sequence), sharing this one's
+        arrays: 4 bytes per example."""
+        out = Examples.__new__(Examples)
+        out.ids, out.trainable, out.ends, out.lines = self.ids, self.trainable, self.ends, self.lines
+        out.trainable_counts = self.trainable_counts
+        base = positions.long() if self.picked is None else _int64(self.picked)[positions.long()]
+        out.picked = array("i", base.to(torch.int32).numpy().tobytes())
+        return out
+
+    def _at(self, i: int) -> int:
+        return i if self.picked is None else self.picked[i]
+
+    def __len__(self) -> int:
+        return len(self.lines) if self.picked is None else len(self.picked)
+
+    @overload
+    def __getitem__(self, i: int) -> Example: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Example]: ...
+    def __getitem__(self, i: int | slice) -> Example | list[Example]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        ids, labels = self.tokens_of(i % len(self))
+        return Example(self.line(i % len(self)), ids, labels)
+
+    def line(self, i: int) -> int:
+        return self.lines[self._at(i)]
+
+    def span(self, i: int) -> tuple[int, int]:
+        p = self._at(i)
+        return (self.ends[p - 1] if p else 0), self.ends[p]
+
+    def tokens_of(self, i: int) -> tuple[list[int], list[int]]:
+        """(input_ids, labels) of example `i`."""
+        a, b = self.span(i)
+        ids = self.ids[a:b].tolist()
+        flags = self.trainable[a:b]
+        return ids, [t if f else IGNORE_INDEX for t, f in zip(ids, flags, strict=True)]
+
+    def lengths(self) -> torch.Tensor:
+        """(n,) int64: tokens of each example."""
+        all_lengths = torch.diff(_int64(self.ends), prepend=torch.zeros(1, dtype=torch.int64))
+        return all_lengths if self.picked is None else all_lengths[_int64(self.picked)]
+
+    def trainable_per_example(self) -> torch.Tensor:
+        """(n,) int64: trainable tokens of each example."""
+        counts = _int64(self.trainable_counts)
+        return counts if self.picked is None else counts[_int64(self.picked)]
+
+    @property
+    def tokens(self) -> int:
+        return int(self.lengths().sum())
+
+    @property
+    def trainable_tokens(self) -> int:
+        return int(self.trainable_per_example().sum())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the arrays (a subset counts its index only)."""
+        if self.picked is not None:
+            return len(self.picked) * self.picked.itemsize
+        arrays = (self.ids, self.trainable, self.ends, self.lines, self.trainable_counts)
+        return sum(len(a) * a.itemsize for a in arrays)
+
+
+def _int64(values: array[int]) -> torch.Tensor:
+    """An array of integers as a new (n,) int64 tensor."""
+    if not values:
+        return torch.zeros(0, dtype=torch.int64)
+    dtype = {"q": torch.int64, "i": torch.int32}[values.typecode]
+    return torch.frombuffer(values, dtype=dtype).to(torch.int64, copy=True)
+
+
 @dataclass
 class TokenizedDataset:
-    rows: list[Row]
+    rows: Rows
     examples: int
     tokens: int
     trainable_tokens: int
@@ -95,6 +209,69 @@ class TokenizedDataset:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+
+class Rows(Sequence[Row]):
+    """A dataset's training rows, built from its examples when asked for: row r holds the examples
+    `members[starts[r]:starts[r + 1]]` (positions in `examples`, in file order), or example r alone
+    when unpacked. 4 bytes per example and 8 per row besides the examples."""
+
+    def __init__(
+        self, examples: Examples, members: torch.Tensor | None = None, starts: torch.Tensor | None = None
+    ) -> None:
+        self.examples = examples
+        self.members = members  # (n,) int32, or None: one example per row
+        self.starts = starts  # (rows + 1,) int64
+
+    def __len__(self) -> int:
+        return len(self.examples) if self.starts is None else len(self.starts) - 1
+
+    def member_positions(self, r: int) -> list[int]:
+        if self.members is None or self.starts is None:
+            return [r]
+        return self.members[int(self.starts[r]) : int(self.starts[r + 1])].tolist()
+
+    @overload
+    def __getitem__(self, r: int) -> Row: ...
+    @overload
+    def __getitem__(self, r: slice) -> list[Row]: ...
+    def __getitem__(self, r: int | slice) -> Row | list[Row]:
+        if isinstance(r, slice):
+            return [self[k] for k in range(*r.indices(len(self)))]
+        if not -len(self) <= r < len(self):
+            raise IndexError(r)
+        row = Row([], [], [], [])
+        for p in self.member_positions(r % len(self)):
+            ids, labels = self.examples.tokens_of(p)
+            row.input_ids += ids
+            row.labels += labels
+            row.position_ids += range(len(ids))
+            row.lines.append(self.examples.line(p))
+        return row
+
+    def _per_row(self, per_example: torch.Tensor) -> torch.Tensor:
+        if self.members is None or self.starts is None:
+            return per_example
+        sums = torch.zeros(len(self), dtype=torch.int64)
+        row_of = torch.repeat_interleave(torch.arange(len(self)), torch.diff(self.starts))
+        return sums.index_add_(0, row_of, per_example[self.members.long()])
+
+    def lengths(self) -> torch.Tensor:
+        """(rows,) int64: tokens of each row."""
+        return self._per_row(self.examples.lengths())
+
+    def trainable(self) -> torch.Tensor:
+        """(rows,) int64: tokens of each row that carry loss."""
+        return self._per_row(self.examples.trainable_per_example())
+
+    def segments(self) -> torch.Tensor:
+        """(rows,) int64: examples in each row."""
+        if self.starts is None:
+            return torch.ones(len(self), dtype=torch.int64)
+        return torch.diff(self.starts)
+
+    def longest(self) -> int:
+        return int(self.lengths().max()) if len(self) else 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,8 +357,11 @@ def _mask_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]
     return out
 
 
-def _tokenize(parsed: list[_Parsed], tokenizer: PreTrainedTokenizerBase) -> list[Example | LineError]:
-    """Tokenize all parsed lines in a few batched calls (the fast tokenizer is linear in the text)."""
+_Tokenized = tuple[int, list[int], list[bool]]  # (line, input_ids, loss flags)
+
+
+def _tokenize(parsed: list[_Parsed], tokenizer: PreTrainedTokenizerBase) -> list[_Tokenized | LineError]:
+    """Tokenize a chunk of parsed lines in a few batched calls (the fast tokenizer is linear in the text)."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise DatasetError([LineError(0, "the model's tokenizer has no EOS token")])
@@ -193,7 +373,7 @@ def _tokenize(parsed: list[_Parsed], tokenizer: PreTrainedTokenizerBase) -> list
                 )
             ]
         )
-    results: list[Example | LineError] = []
+    results: list[_Tokenized | LineError] = []
     chat_texts: list[str] = []
     chat_spans: list[list[tuple[int, int]]] = []
     chat_index: list[int] = []
@@ -217,9 +397,7 @@ def _tokenize(parsed: list[_Parsed], tokenizer: PreTrainedTokenizerBase) -> list
         for k, ids, offsets, spans in zip(
             chat_index, enc["input_ids"], enc["offset_mapping"], chat_spans, strict=True
         ):
-            mask = _mask_from_spans(offsets, spans)
-            labels = [t if m else IGNORE_INDEX for t, m in zip(ids, mask, strict=True)]
-            results[k] = Example(parsed[k].line, list(ids), labels)
+            results[k] = (parsed[k].line, list(ids), _mask_from_spans(offsets, spans))
 
     prompts = [parsed[k].record.get("prompt", "") for k in plain_index]
     bodies = [
@@ -232,17 +410,15 @@ def _tokenize(parsed: list[_Parsed], tokenizer: PreTrainedTokenizerBase) -> list
         body_ids = tokenizer(bodies, add_special_tokens=False)["input_ids"]
         prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"] if any(prompts) else None
         for n, k in enumerate(plain_index):
-            target = [*body_ids[n], eos]
             context = list(prompt_ids[n]) if prompt_ids is not None else []
-            ids = context + target
-            labels = [IGNORE_INDEX] * len(context) + target
-            results[k] = Example(parsed[k].line, ids, labels)
+            target = [*body_ids[n], eos]
+            results[k] = (parsed[k].line, context + target, [False] * len(context) + [True] * len(target))
 
     for k, r in enumerate(results):
-        if isinstance(r, Example):
-            r.labels[0] = IGNORE_INDEX  # nothing predicts the first token
-            if r.trainable_tokens == 0:
-                results[k] = LineError(r.line, NO_TRAINABLE_TOKENS)
+        if isinstance(r, tuple):
+            r[2][0] = False  # nothing predicts the first token
+            if not any(r[2]):
+                results[k] = LineError(r[0], NO_TRAINABLE_TOKENS)
     return results
 
 
@@ -251,19 +427,51 @@ def _tokenize(parsed: list[_Parsed], tokenizer: PreTrainedTokenizerBase) -> list
 
 
 def read_examples(
-    path: Path, tokenizer: PreTrainedTokenizerBase, max_seq_len: int
-) -> tuple[list[Example], ValidationReport]:
-    """Parse and tokenize every line; return the valid examples and a report listing every bad line."""
+    path: Path,
+    tokenizer: PreTrainedTokenizerBase,
+    max_seq_len: int,
+    *,
+    should_stop: StopCheck | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[Examples, ValidationReport]:
+    """Parse and tokenize every line, `CHUNK_LINES` at a time into compact arrays (`Examples`);
+    return the valid examples and a report listing every bad line. `should_stop` is asked between
+    chunks: True raises `StopRequested` (a cancel is honoured within a chunk, well under a second);
+    `progress` is told the bytes of the file read so far after each chunk."""
     if max_seq_len < 2:
         raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
     path = Path(path)
     if not path.is_file():
         raise DatasetError([LineError(0, f"file {path} does not exist")])
     errors: list[LineError] = []
-    parsed: list[_Parsed] = []
+    examples = Examples(len(tokenizer))
     file_format = FileFormat()
+    chunk: list[_Parsed] = []
+    done = 0  # bytes read
+
+    def flush() -> None:
+        for r in _tokenize(chunk, tokenizer):
+            if isinstance(r, LineError):
+                errors.append(r)
+            elif len(r[1]) > max_seq_len:
+                errors.append(
+                    LineError(
+                        r[0],
+                        f"{len(r[1])} tokens is longer than max_seq_len {max_seq_len} "
+                        "(nothing is truncated: shorten or split the example, or raise max_seq_len)",
+                    )
+                )
+            else:
+                examples.append(*r)
+        chunk.clear()
+        if progress is not None:
+            progress(done)
+        if should_stop is not None and should_stop():
+            raise StopRequested(f"stopped while tokenizing {path.name}")
+
     with path.open("rb") as f:
         for number, raw in enumerate(f, start=1):
+            done += len(raw)
             if not raw.strip():
                 continue
             try:
@@ -272,31 +480,19 @@ def read_examples(
             except LineProblem as exc:
                 errors.append(LineError(number, str(exc)))
                 continue
-            parsed.append(_Parsed(number, line.format, line.record))
-
-    examples: list[Example] = []
-    for r in _tokenize(parsed, tokenizer):
-        if isinstance(r, LineError):
-            errors.append(r)
-        elif len(r.input_ids) > max_seq_len:
-            errors.append(
-                LineError(
-                    r.line,
-                    f"{len(r.input_ids)} tokens is longer than max_seq_len {max_seq_len} "
-                    "(nothing is truncated: shorten or split the example, or raise max_seq_len)",
-                )
-            )
-        else:
-            examples.append(r)
-    if not examples and not errors:
+            chunk.append(_Parsed(number, line.format, line.record))
+            if len(chunk) == CHUNK_LINES:
+                flush()
+    flush()
+    if not len(examples) and not errors:
         errors.append(LineError(0, NO_EXAMPLES))
     errors.sort(key=lambda e: e.line)
     report = ValidationReport(
         format=file_format.format,
         examples=len(examples),
-        tokens=sum(len(e.input_ids) for e in examples),
-        trainable_tokens=sum(e.trainable_tokens for e in examples),
-        max_tokens=max((len(e.input_ids) for e in examples), default=0),
+        tokens=examples.tokens,
+        trainable_tokens=examples.trainable_tokens,
+        max_tokens=int(examples.lengths().max()) if len(examples) else 0,
         errors=errors,
     )
     return examples, report
@@ -306,21 +502,30 @@ def validate_dataset(path: Path, tokenizer: PreTrainedTokenizerBase, max_seq_len
     return read_examples(path, tokenizer, max_seq_len)[1]
 
 
-def split_holdout(examples: list[Example], fraction: float, seed: int) -> tuple[list[Example], list[Example]]:
+def split_holdout(examples: Examples, fraction: float, seed: int) -> tuple[Examples, Examples]:
     """(trained, held out): `holdout_size(len(examples), fraction)` examples drawn by `seed`, both
-    in file order."""
-    k = holdout_size(len(examples), fraction)
-    held = set(random.Random(seed).sample(range(len(examples)), k)) if k else set()
-    train = [e for i, e in enumerate(examples) if i not in held]
-    valid = [e for i, e in enumerate(examples) if i in held]
-    return train, valid
+    in file order (views of `examples`: no token is copied)."""
+    n = len(examples)
+    k = holdout_size(n, fraction)
+    held = torch.tensor(sorted(random.Random(seed).sample(range(n), k)) if k else [], dtype=torch.int64)
+    if not k:
+        return examples, examples.subset(held)
+    kept = torch.ones(n, dtype=torch.bool)
+    kept[held] = False
+    return examples.subset(torch.nonzero(kept).flatten()), examples.subset(held)
 
 
 def read_valid_examples(
-    path: Path, tokenizer: PreTrainedTokenizerBase, max_seq_len: int, *, file_label: str = "training_file"
-) -> tuple[list[Example], DatasetFormat]:
+    path: Path,
+    tokenizer: PreTrainedTokenizerBase,
+    max_seq_len: int,
+    *,
+    file_label: str = "training_file",
+    should_stop: StopCheck | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[Examples, DatasetFormat]:
     """A file's examples and its format; raise DatasetError listing every bad line if any line is bad."""
-    examples, report = read_examples(path, tokenizer, max_seq_len)
+    examples, report = read_examples(path, tokenizer, max_seq_len, should_stop=should_stop, progress=progress)
     if report.errors:
         raise DatasetError(report.errors, file_label=file_label)
     assert report.format is not None
@@ -334,17 +539,21 @@ def load_dataset(
     *,
     pack: bool = False,
     file_label: str = "training_file",
+    should_stop: StopCheck | None = None,
 ) -> TokenizedDataset:
     """Tokenize a JSONL file into rows of at most max_seq_len tokens (DatasetError on bad lines)."""
-    examples, fmt = read_valid_examples(path, tokenizer, max_seq_len, file_label=file_label)
-    return _dataset(examples, tokenizer, max_seq_len, pack, fmt)
+    examples, fmt = read_valid_examples(
+        path, tokenizer, max_seq_len, file_label=file_label, should_stop=should_stop
+    )
+    return _dataset(examples, tokenizer, max_seq_len, pack, fmt, should_stop)
 
 
-def data_shape(examples: list[Example]) -> DataShape:
+def data_shape(examples: Examples) -> DataShape:
+    lengths = examples.lengths()
     return DataShape(
         examples=len(examples),
-        tokens=sum(len(e.input_ids) for e in examples),
-        longest=max((len(e.input_ids) for e in examples), default=0),
+        tokens=int(lengths.sum()),
+        longest=int(lengths.max()) if len(lengths) else 0,
     )
 
 
@@ -360,7 +569,7 @@ class PlannedData:
 
 
 def planned_datasets(
-    examples: list[Example],
+    examples: Examples,
     tokenizer: PreTrainedTokenizerBase,
     max_seq_len: int,
     fmt: DatasetFormat,
@@ -369,6 +578,7 @@ def planned_datasets(
     holdout: float,
     seed: int,
     planner: Planner,
+    should_stop: StopCheck | None = None,
 ) -> PlannedData:
     """A file's valid examples as the run trains and validates on them: the seeded holdout set
     apart, the run planned from the rest (`planner`: "auto" resolved, `plan_auto`), and the rest
@@ -377,26 +587,27 @@ def planned_datasets(
     train, valid = split_holdout(examples, holdout, seed)
     shape = data_shape(train)
     plan = planner(shape)
-    trained = _dataset(train, tokenizer, plan.row_tokens, pack, fmt)
-    held = _dataset(valid, tokenizer, max_seq_len, pack, fmt) if valid else None
+    trained = _dataset(train, tokenizer, plan.row_tokens, pack, fmt, should_stop)
+    held = _dataset(valid, tokenizer, max_seq_len, pack, fmt, should_stop) if len(valid) else None
     return PlannedData(trained, held, shape, plan)
 
 
 def _dataset(
-    examples: list[Example],
+    examples: Examples,
     tokenizer: PreTrainedTokenizerBase,
     max_seq_len: int,
     pack: bool,
     fmt: DatasetFormat,
+    should_stop: StopCheck | None = None,
 ) -> TokenizedDataset:
-    rows = training_rows(examples, max_seq_len, pack=pack)
+    rows = training_rows(examples, max_seq_len, pack=pack, should_stop=should_stop)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     assert pad is not None
     return TokenizedDataset(
         rows=rows,
         examples=len(examples),
-        tokens=sum(len(e.input_ids) for e in examples),
-        trainable_tokens=sum(e.trainable_tokens for e in examples),
+        tokens=examples.tokens,
+        trainable_tokens=examples.trainable_tokens,
         max_seq_len=max_seq_len,
         packed=pack,
         format=fmt,
@@ -404,46 +615,64 @@ def _dataset(
     )
 
 
-def training_rows(examples: list[Example], max_seq_len: int, *, pack: bool) -> list[Row]:
+def training_rows(
+    examples: Examples, max_seq_len: int, *, pack: bool, should_stop: StopCheck | None = None
+) -> Rows:
     """The rows a run trains on: packed (padding-free, several examples a row) or one per example."""
-    return pack_examples(examples, max_seq_len) if pack else [_single_row(e) for e in examples]
+    return pack_examples(examples, max_seq_len, should_stop=should_stop) if pack else Rows(examples)
 
 
-def _single_row(e: Example) -> Row:
-    return Row(list(e.input_ids), list(e.labels), list(range(len(e.input_ids))), [e.line])
-
-
-def pack_examples(examples: list[Example], max_seq_len: int) -> list[Row]:
+def pack_examples(
+    examples: Examples | Sequence[Example], max_seq_len: int, *, should_stop: StopCheck | None = None
+) -> Rows:
     """Best-fit decreasing bin packing into rows of at most max_seq_len tokens; deterministic.
 
     Examples are placed longest first (ties in file order) into the row with the least room that
-    still fits them; rows are then returned in order of their first example's line.
+    still fits them (ties: the row opened first); rows are then returned in order of their first
+    example's line. Rows are kept by how much room they have left (one min-heap of row numbers per
+    free-token count, and the sorted list of counts that have rows), so placing an example costs
+    O(log max_seq_len), and what a row holds is one row number per example.
     """
-    order = sorted(examples, key=lambda e: -len(e.input_ids))  # stable: ties keep file order
-    bins: list[list[Example]] = []
-    room: list[tuple[int, int]] = []  # sorted (free tokens, bin index)
-    for e in order:
-        n = len(e.input_ids)
-        i = bisect.bisect_left(room, (n, -1))
-        if i < len(room):
-            free, b = room.pop(i)
-            bins[b].append(e)
-            bisect.insort(room, (free - n, b))
-        else:
-            bins.append([e])
-            bisect.insort(room, (max_seq_len - n, len(bins) - 1))
-    rows: list[Row] = []
-    for members in bins:
-        members.sort(key=lambda e: e.line)
-        row = Row([], [], [], [])
-        for e in members:
-            row.input_ids += e.input_ids
-            row.labels += e.labels
-            row.position_ids += range(len(e.input_ids))
-            row.lines.append(e.line)
-        rows.append(row)
-    rows.sort(key=lambda r: r.lines[0])
-    return rows
+    if not isinstance(examples, Examples):
+        examples = Examples.of(examples)
+    lengths = examples.lengths()
+    n = len(lengths)
+    order = torch.sort(lengths, descending=True, stable=True).indices
+    size = array("q", lengths.numpy().tobytes())  # item access without a Python int per example kept
+    row_of = array("i", bytes(4 * n))
+    frees: list[int] = []  # sorted free-token counts that some open row has
+    rows_with: dict[int, list[int]] = {}  # free tokens -> min-heap of the rows that have that many
+    opened = 0
+    for chunk_start in range(0, n, PACK_CHECK_EVERY):
+        if should_stop is not None and chunk_start and should_stop():
+            raise StopRequested("stopped while packing rows")
+        for e in order[chunk_start : chunk_start + PACK_CHECK_EVERY].tolist():
+            need = size[e]
+            i = bisect.bisect_left(frees, need)
+            if i < len(frees):
+                free = frees[i]
+                heap = rows_with[free]
+                row = heapq.heappop(heap)
+                if not heap:
+                    del frees[i], rows_with[free]
+            else:
+                row, free = opened, max_seq_len
+                opened += 1
+            row_of[e] = row
+            left = free - need
+            if left not in rows_with:
+                rows_with[left] = []
+                bisect.insort(frees, left)
+            heapq.heappush(rows_with[left], row)
+    # rows in order of their first example, each row's examples in file order
+    bins = torch.frombuffer(row_of, dtype=torch.int32).long() if n else torch.zeros(0, dtype=torch.int64)
+    first = torch.full((opened,), n, dtype=torch.int64).scatter_reduce_(0, bins, torch.arange(n), "amin")
+    rank = torch.empty(opened, dtype=torch.int64)
+    rank[torch.argsort(first)] = torch.arange(opened)
+    ordered = torch.sort(rank[bins], stable=True).indices
+    counts = torch.bincount(rank[bins], minlength=opened)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)])
+    return Rows(examples, ordered.to(torch.int32), starts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -495,7 +724,7 @@ class Batch:
         return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
 
 
-def collate(rows: list[Row], pad_token_id: int, *, packed: bool, pad_to: int | None = None) -> Batch:
+def collate(rows: Sequence[Row], pad_token_id: int, *, packed: bool, pad_to: int | None = None) -> Batch:
     longest = max(len(r.input_ids) for r in rows)
     width = longest if pad_to is None else pad_to
     if width < longest:
@@ -546,7 +775,7 @@ class BatchSampler:
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.pad_to = pad_to
-        self._order: tuple[int, list[int]] | None = None
+        self._order: tuple[int, torch.Tensor] | None = None
 
     def __len__(self) -> int:
         """Batches per epoch."""
@@ -554,31 +783,36 @@ class BatchSampler:
         return n // self.batch_size if self.drop_last else batches_per_epoch(n, self.batch_size)
 
     def order(self, epoch: int) -> list[int]:
-        """The epoch's row order (cached for the last epoch asked: batch() is called once per step)."""
+        """The epoch's row order."""
+        return self.order_ids(epoch).tolist()
+
+    def order_ids(self, epoch: int) -> torch.Tensor:
+        """The epoch's row order as a (rows,) int64 tensor: 8 bytes a row where a list of ints
+        would take 36 (cached for the last epoch asked: batch() is called once per step)."""
         if self._order is not None and self._order[0] == epoch:
             return self._order[1]
         n = len(self.dataset)
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed + epoch)
-            order = torch.randperm(n, generator=g).tolist()
+            order = torch.randperm(n, generator=g)
         else:
-            order = list(range(n))
+            order = torch.arange(n)
         self._order = (epoch, order)
         return order
 
     def batch(self, epoch: int, index: int) -> Batch:
         if not 0 <= index < len(self):
             raise IndexError(f"batch index {index} out of range (0..{len(self) - 1})")
-        ids = self.order(epoch)[index * self.batch_size : (index + 1) * self.batch_size]
+        ids = self.order_ids(epoch)[index * self.batch_size : (index + 1) * self.batch_size].tolist()
         rows = [self.dataset.rows[i] for i in ids]
         return collate(rows, self.dataset.pad_token_id, packed=self.dataset.packed, pad_to=self.pad_to)
 
     def iter_from(self, epoch: int = 0, index: int = 0) -> Iterator[tuple[int, int, Batch]]:
         """Yield (epoch, index, batch) forever, starting at (epoch, index); the caller stops it."""
         while True:
-            order = self.order(epoch)
+            order = self.order_ids(epoch)
             for i in range(index, len(self)):
-                ids = order[i * self.batch_size : (i + 1) * self.batch_size]
+                ids = order[i * self.batch_size : (i + 1) * self.batch_size].tolist()
                 rows = [self.dataset.rows[j] for j in ids]
                 yield (
                     epoch,

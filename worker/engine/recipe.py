@@ -10,7 +10,8 @@ bf16 autocast, fp32 on CPU). On CPU a run is a pure function of the config (seed
 data order), and a run resumed from a checkpoint continues the uninterrupted run bit for bit.
 
 The engine knows nothing of databases: progress goes out through `TrainingCallbacks`, and
-cancellation comes in through `callbacks.should_stop()`, checked before every step.
+cancellation comes in through `callbacks.should_stop()`, checked before every step and, while the
+data is prepared, between chunks of tokenizing and packing (`StopRequested`).
 """
 
 from __future__ import annotations
@@ -63,13 +64,37 @@ from worker.engine.types import (
     LimitExceeded,
     NonFiniteError,
     StepMetrics,
+    StopRequested,
     TrainConfig,
     TrainingCallbacks,
     TrainResult,
 )
 
 ADAPTER_DIR = "adapter"
+STOP_CHECK_EVERY = 4096  # micro-batches sized between two should_stop questions (_step_shape)
 log = logging.getLogger(__name__)
+
+
+class _PrepProgress:
+    """How far the training file's tokenizing is: an event when it starts and at each tenth of the
+    file (a 512 MB file takes many minutes on a few cores), a log line every `LOG_EVERY_S`."""
+
+    LOG_EVERY_S = 5.0
+
+    def __init__(self, callbacks: TrainingCallbacks, total: int) -> None:
+        self.callbacks, self.total = callbacks, max(total, 1)
+        self.tenths = 0
+        self.logged = time.monotonic()
+        callbacks.on_event("info", f"Preparing data: tokenizing training_file ({total / 2**20:.1f} MiB)")
+
+    def __call__(self, done: int) -> None:
+        tenths = done * 10 // self.total
+        if self.tenths < tenths < 10:
+            self.tenths = tenths
+            self.callbacks.on_event("info", f"Preparing data: {tenths * 10}% of training_file tokenized")
+        if (now := time.monotonic()) - self.logged >= self.LOG_EVERY_S:
+            self.logged = now
+            log.info("data: %d of %d bytes of training_file tokenized", done, self.total)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -142,8 +167,14 @@ class LoRAFinetuneRecipe:
         tokenizer = self.loaded.tokenizer
 
         # The run is planned from the examples it trains on ("auto" resolved: plan_auto), then
-        # those are formed into rows of the plan's length.
-        examples, fmt = read_valid_examples(cfg.train_file, tokenizer, cfg.max_seq_len)
+        # those are formed into rows of the plan's length. Tokenized a chunk at a time into compact
+        # arrays (data.Examples), asking should_stop between chunks: a cancel ends the run here too.
+        stop = self.callbacks.should_stop
+        prepared = time.monotonic()
+        progress = _PrepProgress(self.callbacks, cfg.train_file.stat().st_size)
+        examples, fmt = read_valid_examples(
+            cfg.train_file, tokenizer, cfg.max_seq_len, should_stop=stop, progress=progress
+        )
         planned = planned_datasets(
             examples,
             tokenizer,
@@ -154,13 +185,25 @@ class LoRAFinetuneRecipe:
             holdout=0.0 if cfg.validation_file is not None else cfg.validation_split,
             seed=cfg.seed,
             planner=lambda shape: cfg.plan(shape, world_size=self.dist.world_size),
+            should_stop=stop,
         )
         self.config = cfg = cfg.planned(planned.plan)
         self.train_data, self.valid_data = planned.train, planned.held_out
         if cfg.validation_file is not None:
             self.valid_data = load_dataset(
-                cfg.validation_file, tokenizer, cfg.max_seq_len, pack=cfg.pack, file_label="validation_file"
+                cfg.validation_file,
+                tokenizer,
+                cfg.max_seq_len,
+                pack=cfg.pack,
+                file_label="validation_file",
+                should_stop=stop,
             )
+        log.info(
+            "data prepared in %.1fs: %d examples, %.1f MiB of arrays",
+            time.monotonic() - prepared,
+            len(examples),
+            examples.nbytes / 2**20,
+        )
         self.sampler = BatchSampler(self.train_data, cfg.batch_size, cfg.seed)
         plan = plan_steps(
             len(self.train_data),
@@ -171,7 +214,7 @@ class LoRAFinetuneRecipe:
         )
         self.batches_per_epoch = plan.micro_batches_per_epoch
         self.total_micro_batches, self.total_steps = plan.micro_batches, plan.steps
-        # the plan in words, first of the run's events; its data is the job's resolved hyperparameters
+        # the plan in words, once the data is ready; its data is the job's resolved hyperparameters
         self.callbacks.on_event(
             "info",
             "Plan: "
@@ -284,16 +327,18 @@ class LoRAFinetuneRecipe:
         cfg, data, world = self.config, self.train_data, self.dist.world_size
         rows = -(-cfg.batch_size // world)
         seq = data.max_seq_len  # the rows' length: max_seq_len, or the shorter rows auto planned
-        segments = [len(r.lines) for r in data.rows]  # padding continues a row's last sequence
-        trainable = [sum(1 for x in r.labels if x != IGNORE_INDEX) for r in data.rows]
+        segments = data.rows.segments()  # (rows,): padding continues a row's last sequence
+        trainable = data.rows.trainable()  # (rows,)
         most_segments = most_trainable = 1
         for n in range(self.total_micro_batches):
+            if n % STOP_CHECK_EVERY == STOP_CHECK_EVERY - 1 and self.callbacks.should_stop():
+                raise StopRequested("stopped while sizing the training step")
             epoch, index = divmod(n, self.batches_per_epoch)
-            ids = self.sampler.order(epoch)[index * cfg.batch_size : (index + 1) * cfg.batch_size]
+            ids = self.sampler.order_ids(epoch)[index * cfg.batch_size : (index + 1) * cfg.batch_size]
             for rank in range(world):  # distributed.shard_rows: rows rank, rank + W, ...
                 shard = ids[rank::world]
-                most_segments = max(most_segments, sum(segments[i] for i in shard) + rows - len(shard))
-                most_trainable = max(most_trainable, sum(trainable[i] for i in shard))
+                most_segments = max(most_segments, int(segments[shard].sum()) + rows - len(shard))
+                most_trainable = max(most_trainable, int(trainable[shard].sum()))
         loss_tokens = min(rows * seq, -(-most_trainable // 8) * 8)
         return StepShape(cfg.grad_accum, rows, seq, max(most_segments, rows), loss_tokens)
 
@@ -740,7 +785,11 @@ def train(
     """Run one fine-tune; `loaded` lets a worker reuse a base model it keeps between jobs."""
     recipe = LoRAFinetuneRecipe(config, callbacks, loaded=loaded)
     try:
-        recipe.setup()
+        try:
+            recipe.setup()
+        except StopRequested as stop:  # asked to stop before the first step: nothing to save
+            recipe.callbacks.on_event("info", f"Stop requested: {stop}")
+            return TrainResult(config.output_dir, 0, 0, math.nan, None, [], stopped=True)
         return recipe.train()
     finally:
         recipe.cleanup()

@@ -208,6 +208,11 @@ class NullCallbacks:
         return False
 
 
+class StopRequested(Exception):
+    """`callbacks.should_stop()` said stop while the run was being set up (its data tokenized and
+    packed): `recipe.train` returns a stopped result that trained nothing."""
+
+
 class EngineError(Exception):
     """Base of every error the engine raises on purpose. `code` is stable for API mapping."""
 
