@@ -102,17 +102,20 @@ def tick(now: float | None = None) -> list[str]:
         )
     settled: list[str] = []
     for job_id in waiting:
-        unchecked = None
-        if _starts.get(job_id, 0) >= MAX_STARTS:
-            unchecked = f"its token count was started {MAX_STARTS} times and did not finish"
-        if settle_and_enqueue(job_id, unchecked=unchecked):
+        if settle_and_enqueue(job_id):
             settled.append(job_id)
             continue
         with session_scope() as session:
             missing = _missing_counts(session, job_id)
-        if missing and not any(being_counted(file, counter) for file, counter in missing):
+        if not missing or any(being_counted(file, counter) for file, counter in missing):
+            continue  # no longer waiting, or being counted
+        if _starts.get(job_id, 0) < MAX_STARTS:
             log.warning("job %s: no process counts its files; counting again", job_id)
             start(job_id)
+            continue
+        unchecked = f"its token count was started {MAX_STARTS} times and did not finish"
+        if settle_and_enqueue(job_id, unchecked=unchecked):
+            settled.append(job_id)
     return settled
 
 

@@ -160,3 +160,20 @@ def test_repeated_lines_are_counted_once_and_kept_in_file_order(
     each = {raw: count_all([("text", json.loads(raw))])[0] for raw in lines}
     assert list(found.tokens) == [each[x] for x in (a, b, a, c, a, b, d)]
     assert tokenized == [3, 1, 1]  # a b a (a batch counts its own repeats) | c (a b seen) | d
+
+
+@pytest.mark.usefixtures("count_in_background")
+def test_a_count_that_never_finishes_leaves_the_check_to_the_worker(
+    api: ApiClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    start = file_validation.start
+    monkeypatch.setattr(file_validation, "start", lambda job_id: None)
+    body = job_body(api.upload(LONG_FILE), max_seq_len=64)
+    job_id = api.post("/v1/fine_tuning/jobs", json=body).json()["id"]
+    monkeypatch.setattr(file_validation, "start", start)
+    monkeypatch.setitem(file_validation._starts, job_id, file_validation.MAX_STARTS)  # all died
+    assert job_id in file_validation.tick(time.time() + file_validation.START_GRACE_S)
+    assert job_id not in file_validation._children  # not started a fourth time
+    assert api.get(f"/v1/fine_tuning/jobs/{job_id}").json()["status"] == "queued"
+    said = events(api, job_id)
+    assert said[1].startswith("The token lengths of the job's files were not checked (its token count"), said
