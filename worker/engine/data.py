@@ -16,6 +16,12 @@ predicts it, and in a packed row it would otherwise be "predicted" by the previo
 Policy: nothing is truncated or dropped silently. A line longer than `max_seq_len` is an error,
 like every other bad line; `validate_dataset` reports them all with 1-based line numbers.
 Blank (whitespace-only) lines are not examples and are skipped.
+
+Memory is bounded by the file's tokens, not by Python objects per token: a file is read and
+tokenized `CHUNK_LINES` at a time into flat arrays (`Examples`: 2 or 4 bytes a token id, 1 byte a
+loss flag, 20 bytes an example); the held-out and trained sets are views of them, a row is a list
+of example positions (`Rows`), and a batch's rows are built when the batch is drawn. A stop asked
+for while this runs (`should_stop`, between chunks and while packing) raises `StopRequested`.
 """
 
 from __future__ import annotations
