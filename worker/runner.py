@@ -43,6 +43,7 @@ from worker.engine.types import (
     DatasetError,
     EngineError,
     StepMetrics,
+    StopRequested,
     TrainConfig,
     TrainResult,
 )
@@ -271,7 +272,12 @@ def ensure_base_model(name: str, settings: Settings, callbacks: JobCallbacks) ->
         return
     from worker.engine.pull import ensure_pulled
 
-    ensure_pulled(name, settings.model_store, lambda message: callbacks.on_event("info", message))
+    ensure_pulled(
+        name,
+        settings.model_store,
+        lambda message: callbacks.on_event("info", message),
+        should_stop=callbacks.should_stop,  # a cancel is honoured while the base model downloads
+    )
 
 
 def run_engine(config: TrainConfig, callbacks: JobCallbacks, settings: Settings) -> TrainResult:
@@ -340,8 +346,15 @@ def run_claimed_job(job_id: str, *, worker_id: str = WORKER_ID) -> str:
         if result.stopped and not callbacks.cancel_requested and _worker_shutting_down.is_set():
             return _requeue(claim, reason="the worker shut down; the job resumes from its last checkpoint")
         if result.stopped:
-            return _cancelled(claim, result)
+            return _cancelled(claim, trained_tokens=result.trained_tokens if result.steps else None)
         return _succeed(claim, result)
+    except StopRequested:  # stopped while the base model downloaded: nothing trained in this attempt
+        callbacks.flush()
+        if callbacks.fenced:
+            return "fenced"
+        if not callbacks.cancel_requested and _worker_shutting_down.is_set():
+            return _requeue(claim, reason="the worker shut down; the job resumes from its last checkpoint")
+        return _cancelled(claim, trained_tokens=None)
     except DatasetError as e:
         callbacks.flush()
         return _fail(claim, code=e.code, message=str(e), param=e.param or "training_file")
@@ -421,12 +434,12 @@ def _succeed(claim: jobs.Claim, result: TrainResult) -> str:
     return "succeeded" if ok else "fenced"
 
 
-def _cancelled(claim: jobs.Claim, result: TrainResult) -> str:
+def _cancelled(claim: jobs.Claim, *, trained_tokens: int | None) -> str:
     """End a run that stopped on a cancel request; its metrics and checkpoints stay (one stopped
-    while it prepared its data ran no step: the job keeps the tokens an earlier attempt trained)."""
-    trained = result.trained_tokens if result.steps else None
+    before its first step, while its base model downloaded or its data was prepared, passes None:
+    the job keeps the tokens an earlier attempt trained)."""
     with session_scope() as session:
-        ok = jobs.finish(session, claim=claim, status="cancelled", trained_tokens=trained)
+        ok = jobs.finish(session, claim=claim, status="cancelled", trained_tokens=trained_tokens)
         if ok:
             jobs.add_event(session, job_id=claim.job_id, level="info", message="Fine-tuning job cancelled")
     return "cancelled" if ok else "fenced"

