@@ -43,7 +43,7 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel.worker_count()))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel.worker_count(config)))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

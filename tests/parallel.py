@@ -42,20 +42,22 @@ SERIAL_MARK = "serial"
 UNITS_FILE = "xdist-units.json"
 
 
-def worker_id() -> str | None:
-    """This xdist worker's id (gw0, gw1, ...), or None when the suite runs in one process."""
-    return os.environ.get("PYTEST_XDIST_WORKER")
+def is_worker(config: pytest.Config) -> bool:
+    """Whether this process is an xdist worker. From the config, not xdist's PYTEST_XDIST_WORKER
+    variable, which every process a test starts inherits (a pytest run inside a test included)."""
+    return hasattr(config, "workerinput")
 
 
-def worker_count() -> int:
-    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+def worker_count(config: pytest.Config) -> int:
+    """How many workers share the machine (1 when the suite runs in one process)."""
+    return int(config.workerinput["workercount"]) if is_worker(config) else 1  # type: ignore[attr-defined]
 
 
 def run_dir(config: pytest.Config) -> Path:
     """A directory of this run that the controller and every worker see: the controller's base
     temp dir, whose `popen-gwN` subdirs are the workers' (so other people's runs never meet ours)."""
     basetemp: Path = config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
-    return basetemp.parent if worker_id() is not None else basetemp
+    return basetemp.parent if is_worker(config) else basetemp
 
 
 def _group(item: pytest.Item) -> str | None:
@@ -139,13 +141,13 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Iterator[None]:
     yield
-    if worker_id() is not None:  # after pytest's own order
+    if is_worker(config):  # after pytest's own order
         plan(items, run_dir(config))
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)  # outside pytest-timeout: the wait is not the test's
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
-    if worker_id() is None:
+    if not is_worker(item.config):
         return (yield)
     with run_lock(run_dir(item.config), exclusive=item.get_closest_marker(SERIAL_MARK) is not None):
         return (yield)

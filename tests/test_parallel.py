@@ -61,6 +61,11 @@ def test_long():
 """
 
 
+def top_level_env(**extra: str) -> dict[str, str]:
+    """A clean environment without the variables xdist gives this test's own worker."""
+    return {k: v for k, v in clean_env(**extra).items() if not k.startswith("PYTEST_XDIST_")}
+
+
 def test_units_order_and_serial_on_three_workers(tmp_path: Path) -> None:
     suite = tmp_path / "suite"
     suite.mkdir()
@@ -71,7 +76,7 @@ def test_units_order_and_serial_on_three_workers(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "3", "--dist", "loadgroup",
          f"--basetemp={tmp_path / 'basetemp'}"],
-        cwd=suite, env=clean_env(PYTHONPATH=str(ROOT), RUN_LOG=str(log)), capture_output=True, text=True,
+        cwd=suite, env=top_level_env(PYTHONPATH=str(ROOT), RUN_LOG=str(log)), capture_output=True, text=True,
         timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr

@@ -50,6 +50,7 @@ def test_a_killed_child_is_restarted_and_the_others_keep_running(tmp_path: Path)
         sup.stop()
 
 
+@pytest.mark.serial  # each restart within 0.3 s of its backoff: alone on the machine (8 s)
 def test_a_crash_loop_gives_up_naming_the_child_and_its_log_tail(tmp_path: Path) -> None:
     lines: list[tuple[float, str]] = []
     sup = Supervisor(echo=lambda line: lines.append((time.monotonic(), line)), grace=1)
