@@ -553,7 +553,7 @@ def _trained_part(
         "longest_row": train.rows.longest(),
         "held_out_examples": held.examples if held is not None else 0,
         "plan": {
-            "hyperparameters": plan.hyperparameters().model_dump(),
+            "hyperparameters": plan.hyperparameters(),
             "row_tokens": plan.row_tokens,
             "message": plan_sentence(planned.shape, rows=len(train.rows), steps=steps, plan=plan),
         },

@@ -222,7 +222,7 @@ class LoRAFinetuneRecipe:
                 planned.shape, rows=len(self.train_data), steps=self.total_steps, plan=planned.plan
             ),
             {
-                "hyperparameters": planned.plan.hyperparameters().model_dump(),
+                "hyperparameters": planned.plan.hyperparameters(),
                 "row_tokens": planned.plan.row_tokens,
             },
         )

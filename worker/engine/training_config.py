@@ -271,12 +271,14 @@ class AutoPlan:
     row_tokens: int  # a packed row holds at most this many tokens (max_seq_len unless auto shortened it)
     reason: str  # one sentence for the job's events and the dry run
 
-    def hyperparameters(self) -> Hyperparameters:
-        return Hyperparameters(
-            n_epochs=self.n_epochs,
-            batch_size=self.batch_size,
-            learning_rate_multiplier=self.learning_rate_multiplier,
-        )
+    def hyperparameters(self) -> dict[str, int | float]:
+        """OpenAI's three, as a job shows them once planned (not range-checked: a local run's
+        absolute learning_rate may be any multiple of the base rate)."""
+        return {
+            "n_epochs": self.n_epochs,
+            "batch_size": self.batch_size,
+            "learning_rate_multiplier": self.learning_rate_multiplier,
+        }
 
 
 def plan_job(config: TrainingConfig, data: DataShape, *, world_size: int = 1) -> AutoPlan:
