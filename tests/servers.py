@@ -26,7 +26,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypedDict
@@ -104,6 +104,25 @@ class RedisServer:
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         stop(self.proc, sig)
+
+    def stall(self) -> None:
+        """Freeze the server (SIGSTOP): connections stay open and nothing answers, as with a
+        stalled disk or a paused VM."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def unstall(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def stallable_redis(workdir: Path) -> Iterator[RedisServer]:
+    """A test's own `redis-server` (the test stalls it), resumed and stopped however the test ends."""
+    server = start_redis(workdir)
+    try:
+        yield server
+    finally:
+        server.unstall()
+        server.stop()
 
 
 def api_ready(url: str) -> bool:

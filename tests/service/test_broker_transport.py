@@ -4,8 +4,6 @@ message is delivered; a shutdown requested meanwhile ends the waiting."""
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +16,7 @@ from kombu import Connection, Consumer, Message, Queue
 
 from service.broker import KOMBU_UNACKED_KEY, make_celery
 from service.settings import Settings
-from tests.servers import RedisServer, start_redis
+from tests.servers import RedisServer, stallable_redis
 
 STALL_S = 3.0
 QUEUE = "outage-test"
@@ -26,12 +24,8 @@ QUEUE = "outage-test"
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = start_redis(tmp_path / "redis")  # its own: the test stops it
-    try:
+    with stallable_redis(tmp_path / "redis") as server:
         yield server
-    finally:
-        os.kill(server.proc.pid, signal.SIGCONT)
-        server.stop()
 
 
 @pytest.fixture
@@ -75,7 +69,7 @@ def test_an_ack_during_a_stall_waits_for_redis_and_frees_the_consumer(
     qos: Any = connection.default_channel.qos
     assert not qos.can_consume()  # its one slot is taken until the ack
 
-    os.kill(server.proc.pid, signal.SIGSTOP)
+    server.stall()
     errors: list[BaseException] = []
 
     def ack() -> None:
@@ -89,7 +83,7 @@ def test_an_ack_during_a_stall_waits_for_redis_and_frees_the_consumer(
     acking.start()
     time.sleep(STALL_S)
     assert acking.is_alive() and not qos.can_consume()  # still waiting for Redis, not given up
-    os.kill(server.proc.pid, signal.SIGCONT)
+    server.unstall()
     acking.join(timeout=30)
     assert not acking.is_alive() and errors == []
     assert time.monotonic() - t0 >= STALL_S
@@ -109,7 +103,7 @@ def test_a_shutdown_requested_during_the_stall_ends_the_waiting(
     consumer, got = consume(connection)
     first = take_one(connection, consumer, got)
     monkeypatch.setattr(state, "should_stop", 0)  # a warm shutdown with exit code 0 (falsy, yet set)
-    os.kill(server.proc.pid, signal.SIGSTOP)
+    server.stall()
     t0 = time.monotonic()
     with pytest.raises(redis.exceptions.TimeoutError):
         first.ack()

@@ -5,8 +5,6 @@ stays up, says `loraq_redis_up 0` meanwhile, and once Redis answers it registers
 from __future__ import annotations
 
 import json
-import os
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +16,7 @@ import redis
 from service.inference import requests_key, workers_key
 from service.settings import Settings
 from tests.e2e.procs import wait_for
-from tests.servers import RedisServer, start_redis
+from tests.servers import RedisServer, stallable_redis
 from worker.inference import InferenceWorker
 
 STALL_S = 5.0
@@ -26,12 +24,8 @@ STALL_S = 5.0
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = start_redis(tmp_path / "redis")  # its own: the test stops it
-    try:
+    with stallable_redis(tmp_path / "redis") as server:
         yield server
-    finally:
-        os.kill(server.proc.pid, signal.SIGCONT)
-        server.stop()
 
 
 def gauge(worker: InferenceWorker, name: str, **labels: str) -> float | None:
@@ -54,13 +48,13 @@ def test_the_inference_worker_serves_again_after_a_redis_stall(server: RedisServ
         wait_for(lambda: client.zscore(key, "outage-test") is not None, "registered", 60)
         wait_for(lambda: gauge(worker, "loraq_redis_up") == 1.0, "redis up", 10)
 
-        os.kill(server.proc.pid, signal.SIGSTOP)
+        server.stall()
         try:
             wait_for(lambda: gauge(worker, "loraq_redis_up") == 0.0, "outage seen", 10)
             time.sleep(STALL_S)
             assert serving.is_alive()
         finally:
-            os.kill(server.proc.pid, signal.SIGCONT)
+            server.unstall()
         resumed = time.time()
 
         # registered afresh (the API refuses chat requests to workers silent for 15 s) ...
