@@ -223,3 +223,75 @@ class Artifact(Base):
     sha256: Mapped[str] = mapped_column(String(64))
     bytes: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+
+
+class WebhookEndpoint(Base):
+    """An HTTPS URL a tenant registered for its jobs' status events (service/webhooks.py). The
+    signing secret is kept as given to the user once (`whsec_` + base64): the sender needs it to
+    sign, so it cannot be hashed like an API key."""
+
+    __tablename__ = "webhook_endpoints"
+    __table_args__ = (Index("ix_webhook_endpoints_tenant_seq", "tenant_id", "seq"),)
+
+    seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True, default=lambda: new_id("whep"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    url: Mapped[str] = mapped_column(Text)
+    description: Mapped[str | None] = mapped_column(String(512), default=None)
+    events: Mapped[list[str]] = mapped_column(JSON)  # the event types it receives
+    secret: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+    # set when the receiver answered 410 Gone (Standard Webhooks: stop sending), with why
+    disabled_at: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    disabled_reason: Mapped[str | None] = mapped_column(Text, default=None)
+    deleted_at: Mapped[int | None] = mapped_column(BigInteger, default=None)  # deliveries stay visible
+
+
+class WebhookDelivery(Base):
+    """One event for one endpoint: the outbox row a job transition writes in its own transaction,
+    then the sender's state. `id` is the `webhook-id` header, the same on every retry."""
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (
+        Index("ix_webhook_deliveries_due", "state", "next_attempt_at"),
+        Index("ix_webhook_deliveries_job", "job_id", "seq"),
+        Index("ix_webhook_deliveries_endpoint", "endpoint_id", "seq"),
+    )
+
+    seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True)
+    event_id: Mapped[str] = mapped_column(String(64))  # the payload's `id` (shared by its endpoints)
+    event_type: Mapped[str] = mapped_column(String(64))
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    # NULL: the operator's endpoint from the settings (LORAQ_WEBHOOK_OPERATOR_URL)
+    endpoint_id: Mapped[str | None] = mapped_column(
+        ForeignKey("webhook_endpoints.id", ondelete="CASCADE"), default=None
+    )
+    body: Mapped[str] = mapped_column(Text)  # exactly the bytes signed and sent (UTF-8 JSON)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+    state: Mapped[str] = mapped_column(String(16), default="pending")  # pending | delivered | failed
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[float] = mapped_column(Float)
+    # a sender holds the row until then (its token fences the result it writes back)
+    lease_until: Mapped[float | None] = mapped_column(Float, default=None)
+    lease_token: Mapped[str | None] = mapped_column(String(32), default=None)
+    last_status: Mapped[int | None] = mapped_column(Integer, default=None)
+    last_error: Mapped[str | None] = mapped_column(Text, default=None)
+    finished_at: Mapped[int | None] = mapped_column(BigInteger, default=None)
+
+
+class WebhookAttempt(Base):
+    """One HTTP request of a delivery: what the receiver answered, or why there was no answer."""
+
+    __tablename__ = "webhook_attempts"
+    __table_args__ = (
+        UniqueConstraint("delivery_id", "attempt", name="uq_webhook_attempts_delivery_attempt"),
+    )
+
+    id: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    delivery_id: Mapped[str] = mapped_column(ForeignKey("webhook_deliveries.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    started_at: Mapped[float] = mapped_column(Float)
+    duration_ms: Mapped[float] = mapped_column(Float)
+    status_code: Mapped[int | None] = mapped_column(Integer, default=None)
+    error: Mapped[str | None] = mapped_column(Text, default=None)
