@@ -90,7 +90,8 @@ def locked(name: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize(
-    ("lock", "extras"), [("api", []), ("cpu", ["worker", "dev"]), ("cuda", ["worker", "bench"])]
+    ("lock", "extras"),
+    [("api", []), ("cpu", ["worker", "integrations", "dev"]), ("cuda", ["worker", "integrations", "bench"])],
 )
 def test_locks_satisfy_pyproject(lock: str, extras: list[str]) -> None:
     """Each lock pins every dependency its install asks for, at a version the range admits: a
