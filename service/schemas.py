@@ -239,6 +239,13 @@ class ModelPublic(BaseModel):
     upstream: str | None = None
     # random weights (a preset, or an adapter trained on one): what a job or chat on it says
     warning: str | None = None
+    # What a user picks a base by (fine-tunes: their base's): its family ("Qwen3"), parameter
+    # count and context length (max_position_embeddings); null where not known yet (a Hub model
+    # no job has named, whose config.json is not in the store)
+    kind: Literal["pretrained", "random", "local", "hub"] | None = None
+    family: str | None = None
+    parameters: int | None = None
+    context_length: int | None = None
 
 
 class ModelsPublic(BaseModel):

@@ -2,9 +2,12 @@
 
 Real bases (pretrained, local) come first, then the random-weight presets: those say so
 (`random`, `use` "tests"/"benchmarks", and the `warning` a job or chat on them carries), and so
-do fine-tunes of them."""
+do fine-tunes of them. Every base says its kind, family, parameter count, context length and
+whether it is `local`; a fine-tune says its base's family, size and context."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from fastapi import APIRouter
 
@@ -14,8 +17,8 @@ from service.db.session import SessionDep
 from service.errors import NotFoundError
 from service.schemas import DATABASE_UNAVAILABLE, ModelPublic, ModelsPublic, error_responses
 from service.settings import get_settings
+from worker.engine.catalog import BaseModelInfo, random_weights_warning
 from worker.engine.catalog import list_models as catalog_models
-from worker.engine.catalog import random_weights_warning
 
 router = APIRouter(
     prefix="/v1/models",
@@ -24,6 +27,15 @@ router = APIRouter(
 )
 
 BASE_OWNER = "loraq"
+
+
+def _shape(m: BaseModelInfo) -> dict[str, Any]:
+    return {
+        "kind": m.kind,
+        "family": m.family,
+        "parameters": m.parameters,
+        "context_length": m.context_length,
+    }
 
 
 def all_models(session: SessionDep, tenant_id: str) -> list[ModelPublic]:
@@ -41,11 +53,13 @@ def all_models(session: SessionDep, tenant_id: str) -> list[ModelPublic]:
             use=m.use,
             upstream=m.upstream,
             warning=random_weights_warning(m.name),
+            **_shape(m),
         )
         for m in sorted(catalog, key=lambda m: m.random)  # stable: catalog order within each group
     ]
     random_bases = {m.name for m in catalog if m.random}
     uses = {m.name: m.use for m in catalog}
+    shapes = {m.name: _shape(m) for m in catalog}
     tuned = [
         # "ft:<base>:<suffix>:<job id>": an adapter on random weights is random (and test-only) too
         ModelPublic(
@@ -55,6 +69,7 @@ def all_models(session: SessionDep, tenant_id: str) -> list[ModelPublic]:
             random=name.split(":")[1] in random_bases,
             use=uses.get(name.split(":")[1]),
             warning=random_weights_warning(name.split(":")[1]),
+            **{k: v for k, v in shapes.get(name.split(":")[1], {}).items() if k != "kind"},
         )
         for name, finished in jobs.succeeded_models(session, tenant_id=tenant_id)
     ]

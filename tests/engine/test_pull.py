@@ -91,7 +91,7 @@ def test_cli_models_pull_and_list(pulled_store: Path, cli_env: CliRunner) -> Non
     result = cli_env.invoke(models_app, ["list"])
     assert result.exit_code == 0, result.output
     rows = {line.split("│")[1].strip(): line for line in result.output.splitlines() if line.count("│") >= 4}
-    assert "pulled" in rows["smollm2-135m-instruct"] and "pretrained" in rows["smollm2-135m-instruct"]
+    assert "local" in rows["smollm2-135m-instruct"] and "pretrained" in rows["smollm2-135m-instruct"]
     for name in ("tiny-llama", "llama-1b", "llama-8b", "smollm2-135m"):
         assert "random" in rows[name], rows[name]
 
@@ -151,7 +151,7 @@ def test_cli_models_add_then_list(tiny: LoadedModel, tmp_path: Path, monkeypatch
         assert (tmp_path / "data" / "models" / "registry.json").is_file()
         result = runner.invoke(models_app, ["list"])
         (row,) = [line for line in result.output.splitlines() if "my-tiny" in line]
-        assert "local" in row and "ok" in row and "random" not in row
+        assert "local" in row and "Llama" in row and "random" not in row
         result = runner.invoke(models_app, ["path", "my-tiny"])
         assert result.exit_code == 0 and result.stdout == f"{directory.resolve()}\n", result.output
         shutil.rmtree(directory)

