@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 
 from service.db.models import File, Job, is_id, new_id
 from service.errors import ConflictError, InvalidRequestError, NotFoundError
-from service.job_status import ACTIVE
+from service.job_status import UNFINISHED
 from service.settings import get_settings
 from service.storage import FileStore, StoredObject, file_key, local_path, put_bytes
 
@@ -133,7 +133,7 @@ def delete_file(session: Session, store: FileStore, *, tenant_id: str, file_id: 
     user = session.scalar(
         select(Job.id).where(
             Job.tenant_id == tenant_id,
-            Job.status.in_(ACTIVE),
+            Job.status.in_(UNFINISHED),
             (Job.training_file == file_id) | (Job.validation_file == file_id),
         )
     )

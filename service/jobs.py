@@ -7,6 +7,12 @@
                           │                `cancelled` if a cancel was requested)
                           └─► cancelled   (and `failed` at claim time if its dataset file vanished)
 
+A pause (`request_pause`) moves a queued job to `paused` at once and asks a running one to stop:
+its worker stops at the next step with a checkpoint and ends the attempt `paused` (`pause`),
+freeing the GPU; `request_resume` puts it back to `queued`, and the next claim resumes from
+that checkpoint. A paused job can be cancelled; its attempts that ended in a pause are not
+retries (`paused_attempts`).
+
 A job whose files take longer to count than a submit waits stays in `validating_files` until they
 are counted, then goes to `queued`, or to `failed` with the error a submit answers for them
 (service/file_validation.py); a cancel ends it `cancelled` there too.
@@ -34,7 +40,7 @@ import math
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import Row, Update, bindparam, func, insert, select, update
 from sqlalchemy import inspect as sa_inspect
@@ -45,7 +51,7 @@ from service.auth import KEY_QUERY
 from service.db.models import Artifact, Checkpoint, File, Job, JobEvent, JobMetric, Tenant, is_id, now_s
 from service.db.session import decode_json_and_bools
 from service.errors import ConflictError, InvalidRequestError, NotFoundError, RateLimitError
-from service.job_status import ACTIVE, TERMINAL
+from service.job_status import ACTIVE, PAUSED, TERMINAL
 from service.schemas import JobCreate, StoredCheckpointMetrics
 from service.settings import get_settings
 from service.step_metrics import StepRow, event_data
@@ -86,6 +92,7 @@ class Claim:
     resume_checkpoint: str | None  # storage key of the latest registered checkpoint zip
     n_gpus: int = 1  # > 1: the worker runs the engine under torchrun
     resume_step: int = 0  # the step of `resume_checkpoint` (0: none, the run starts from step 0)
+    paused_attempts: int = 0  # earlier attempts that ended in a pause (not counted as retries)
 
 
 # ---------------------------------------------------------------- reads
@@ -835,6 +842,7 @@ def claim(session: Session, *, job_id: str, worker_id: str, running_limit: int =
         resume_checkpoint=resume.storage_key if resume is not None else None,
         resume_step=int(resume.step) if resume is not None else 0,
         n_gpus=job.n_gpus,
+        paused_attempts=job.paused_attempts,
     )
 
 
@@ -959,6 +967,83 @@ def is_cancel_requested(session: Session, *, job_id: str) -> bool:
     return bool(flag)
 
 
+def stop_requested(session: Session, *, job_id: str) -> Literal["cancel", "pause"] | None:
+    """What a running job was asked to stop for, read by its worker at each step: a cancel wins
+    over a pause requested before it."""
+    row = session.execute(select(Job.cancel_requested, Job.pause_requested).where(Job.id == job_id)).first()
+    if row is None or row.cancel_requested:
+        return "cancel"  # a job that is gone stops too
+    return "pause" if row.pause_requested else None
+
+
+def _invalid_state(job_id: str, job: Job, action: str, why: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"fine-tuning job {job_id} is {job.status}{why}; it cannot be {action}",
+        param="fine_tuning_job_id",
+        code="invalid_job_state",
+    )
+
+
+def request_pause(session: Session, *, tenant_id: str, job_id: str) -> Job:
+    """running → `pause_requested` (its worker stops at the next step with a checkpoint and ends it
+    `paused`, freeing the GPU); queued → paused at once; paused stays paused. Anything else is a
+    400: a job still validating its files, one with a cancel requested, one that ended."""
+    job = get_job(session, tenant_id=tenant_id, job_id=job_id)
+    if job.status == PAUSED:
+        return job
+    if job.status not in ("queued", "running") or job.cancel_requested:
+        why = " with a cancel requested" if job.cancel_requested else ""
+        raise _invalid_state(job_id, job, "paused", why)
+    if _transition(session, job_id, "queued", PAUSED, waiting_for=None):
+        add_event(session, job_id=job_id, level="info", message="Fine-tuning job paused before it started")
+    else:
+        stmt = (
+            update(Job)
+            .where(Job.id == job_id, Job.status == "running", Job.cancel_requested.is_(False))
+            .values(pause_requested=True)
+        )
+        if _run(session, stmt) == 1 and not job.pause_requested:
+            add_event(session, job_id=job_id, level="info", message="Pause requested")
+    session.flush()
+    session.refresh(job)
+    return job
+
+
+def request_resume(session: Session, *, tenant_id: str, job_id: str) -> Job:
+    """paused → queued (the caller commits, then enqueues): the next worker resumes from the job's
+    latest checkpoint. A running job whose pause was not reached yet just keeps running. Within
+    the tenant's queued-job limit, as a submit is (429)."""
+    job = get_job(session, tenant_id=tenant_id, job_id=job_id)
+    if job.status == "running" and job.pause_requested:
+        stmt = update(Job).where(Job.id == job_id, Job.status == "running").values(pause_requested=False)
+        if _run(session, stmt) == 1:
+            add_event(session, job_id=job_id, level="info", message="Pause withdrawn; the job keeps running")
+    elif job.status != PAUSED:
+        raise _invalid_state(job_id, job, "resumed", "" if job.status in TERMINAL else ", not paused")
+    else:
+        waiting_for = check_job_limits(session, tenant_id=tenant_id)
+        if _transition(session, job_id, PAUSED, "queued", waiting_for=waiting_for):
+            saved = session.scalar(select(func.max(Checkpoint.step)).where(Checkpoint.job_id == job_id))
+            at = f"its checkpoint at step {saved}" if saved else "step 0"
+            add_event(session, job_id=job_id, level="info", message=f"Fine-tuning job resumed from {at}")
+    session.flush()
+    session.refresh(job)
+    return job
+
+
+def pause(session: Session, *, claim: Claim, step: int) -> bool:
+    """running → paused for this attempt, which stopped on a pause request (`step`: that of the
+    checkpoint it resumes from, 0: none); False if fenced out or the pause was withdrawn (or
+    overtaken by a cancel) meanwhile."""
+    values = {**_RELEASED, "paused_attempts": Job.paused_attempts + 1}
+    asked = _fenced(claim).where(Job.pause_requested.is_(True), Job.cancel_requested.is_(False))
+    if _run(session, asked.values(status=PAUSED, **values)) != 1:
+        return False
+    kept = f"at step {step}; a resume continues from its checkpoint" if step else "before its first step"
+    add_event(session, job_id=claim.job_id, level="info", message=f"Fine-tuning job paused {kept}")
+    return True
+
+
 def request_cancel(session: Session, *, tenant_id: str, job_id: str) -> Job:
     """queued → cancelled at once; running → `cancel_requested`, the worker ends it `cancelled`."""
     job = get_job(session, tenant_id=tenant_id, job_id=job_id)
@@ -969,9 +1054,10 @@ def request_cancel(session: Session, *, tenant_id: str, job_id: str) -> Job:
             code="invalid_job_state",
         )
     if job.status != "cancelled":
-        for status in ("validating_files", "queued"):
+        for status in ("validating_files", "queued", PAUSED):
             if _transition(session, job_id, status, "cancelled", cancel_requested=True, finished_at=now_s()):
                 add_event(session, job_id=job_id, level="info", message="Fine-tuning job cancelled")
+                webhooks.job_ended(session, job_id=job_id, status="cancelled")
                 break
         else:
             stmt = update(Job).where(Job.id == job_id, Job.status == "running").values(cancel_requested=True)
@@ -1001,6 +1087,7 @@ def finish(
         "status": status,
         "finished_at": now_s(),
         "estimated_finish": None,
+        "pause_requested": False,
         "error": error,
         "fine_tuned_model": fine_tuned_model if status == "succeeded" else None,
         "result_files": [result_file_id] if result_file_id else [],
@@ -1081,15 +1168,29 @@ def cancel_requested_queued(session: Session) -> list[str]:
     return ended
 
 
+# What releasing a running attempt clears: its token (the released worker's later writes are
+# refused), its worker and the finish estimate of a run no longer running.
+_RELEASED: dict[str, Any] = {
+    "attempt_token": None,
+    "worker_id": None,
+    "heartbeat_at": None,
+    "estimated_finish": None,
+    "pause_requested": False,
+}
+
+
 def requeue(session: Session, *, job_id: str, attempt_token: str, reason: str) -> bool:
     """running → queued for a job whose attempt `attempt_token` went silent; the token is cleared
     so the silent worker's later writes are refused. The caller re-sends the job after commit.
     Never a job with a cancel requested (`cancel_stale` ends that one): a cancel that lands
-    between the two leaves the job running for the next tick, which cancels it."""
-    stmt = _silent_attempt(job_id, attempt_token, cancel_requested=False).values(
-        status="queued", attempt_token=None, worker_id=None, heartbeat_at=None
-    )
-    if _run(session, stmt) != 1:
+    between the two leaves the job running for the next tick, which cancels it. A job with a
+    pause requested goes to `paused` instead (False: nothing to re-send)."""
+    released = _silent_attempt(job_id, attempt_token, cancel_requested=False)
+    paused = released.where(Job.pause_requested.is_(True)).values(status=PAUSED, **_RELEASED)
+    if _run(session, paused) == 1:  # a pause was requested: it is reached here, with nothing to send
+        add_event(session, job_id=job_id, level="info", message=f"Fine-tuning job paused: {reason}")
+        return False
+    if _run(session, released.values(status="queued", **_RELEASED)) != 1:
         return False
     add_event(session, job_id=job_id, level="warn", message=f"Job re-queued: {reason}")
     return True
@@ -1109,9 +1210,10 @@ def fail_stale(session: Session, *, job_id: str, attempt_token: str, reason: str
 
 
 def stale_running_jobs(session: Session, *, older_than: float) -> list[tuple[str, str, int]]:
-    """(job id, attempt token, attempt) of running jobs whose last heartbeat is before `older_than`."""
+    """(job id, attempt token, attempt) of running jobs whose last heartbeat is before `older_than`;
+    the attempt counts retries only (attempts that ended in a pause are not)."""
     rows = session.execute(
-        select(Job.id, Job.attempt_token, Job.attempt).where(
+        select(Job.id, Job.attempt_token, Job.attempt - Job.paused_attempts).where(
             Job.status == "running", Job.heartbeat_at < older_than
         )
     ).all()
@@ -1120,9 +1222,9 @@ def stale_running_jobs(session: Session, *, older_than: float) -> list[tuple[str
 
 def running_jobs_of_worker(session: Session, *, host: str, pid: int) -> list[tuple[str, str, int]]:
     """(job id, attempt token, attempt) of running jobs held by process `pid` on `host` (worker ids
-    are `host:<device>:pid`, see worker.launcher.worker_identity)."""
+    are `host:<device>:pid`, see worker.launcher.worker_identity); the attempt counts retries only."""
     rows = session.execute(
-        select(Job.id, Job.attempt_token, Job.attempt).where(
+        select(Job.id, Job.attempt_token, Job.attempt - Job.paused_attempts).where(
             Job.status == "running", Job.worker_id.like(f"{host}:%:{pid}")
         )
     ).all()

@@ -155,6 +155,8 @@ class JobPublic(TrainingOptions, Placement):
     # asked for but not reached yet (its status stays `running` until the step ends)
     started_at: int | None = None
     cancel_requested: bool = False
+    # Loraq extension: a pause a running job has been asked for but not reached yet
+    pause_requested: bool = False
     # Loraq extension: why a queued job has not started, in words (tenant limit, no worker yet)
     waiting_for: str | None = None
     # Loraq extension: set on a job of a random-weight preset (it runs, for tests and benchmarks,

@@ -5,11 +5,12 @@
 2. builds a `TrainConfig` from the claim (dataset files from the store, output under
    `data_dir/jobs/<id>/attempt-<n>`, resume from the last registered checkpoint),
 3. runs `worker.engine.recipe.train` with `JobCallbacks`, which batch metrics into the database,
-   heartbeat, register checkpoints and turn a cancel request into `should_stop() == True`,
+   heartbeat, register checkpoints and turn a cancel or pause request into `should_stop() == True`,
 4. ends the job: succeeded (adapter zip + metrics CSV stored, `fine_tuned_model` set), cancelled
-   (partial metrics kept), or failed (an `EngineError`'s code and message; anything unexpected
-   gets a generic one-line message, and its traceback goes to the worker's log and to an
-   operator-only event that tenants never see: `jobs.OPERATOR_EVENT`, `loraq jobs internal-errors`).
+   (partial metrics kept), paused (the checkpoint of the step it stopped at registered), or failed
+   (an `EngineError`'s code and message; anything unexpected gets a generic one-line message, and
+   its traceback goes to the worker's log and to an operator-only event that tenants never see:
+   `jobs.OPERATOR_EVENT`, `loraq jobs internal-errors`).
    A write that found the disk full goes back to the queue instead (`_out_of_disk`), and a worker
    whose disk has less than `min_free_disk_bytes` free claims nothing (`disk_space_wait`).
 
@@ -108,12 +109,16 @@ class JobCallbacks:
         self.claim = claim
         self.checkpoint_dir_key = checkpoint_dir_key
         self.fenced = False
-        self.cancel_requested = False
+        self.stop: Literal["cancel", "pause"] | None = None  # what the job was asked to stop for
         self.saved_step = claim.resume_step  # of the last checkpoint registered (0: none)
         self.last_metrics: StepMetrics | None = None
         self._buffer: list[StepMetrics] = []
         self._last_flush = time.monotonic()
         self._cancel_checked_at = float("-inf")
+
+    @property
+    def cancel_requested(self) -> bool:
+        return self.stop == "cancel"
 
     # -- TrainingCallbacks
     def on_step(self, metrics: StepMetrics) -> None:
@@ -154,17 +159,17 @@ class JobCallbacks:
         self.saved_step = checkpoint.step
 
     def should_stop(self) -> bool:
-        if self.fenced or self.cancel_requested or _worker_shutting_down.is_set():
+        if self.fenced or self.stop is not None or _worker_shutting_down.is_set():
             return True
         now = time.monotonic()
         if now - self._cancel_checked_at >= CANCEL_CACHE_SECONDS:
             self._cancel_checked_at = now
             try:
                 with session_scope() as session:
-                    self.cancel_requested = jobs.is_cancel_requested(session, job_id=self.claim.job_id)
+                    self.stop = jobs.stop_requested(session, job_id=self.claim.job_id)
             except OperationalError:  # a lost connection: asked again at the next check
                 log.warning("job %s: cancel check failed", self.claim.job_id, exc_info=True)
-        return self.cancel_requested
+        return self.stop is not None
 
     # -- helpers
     def flush(self) -> None:
@@ -343,18 +348,15 @@ def run_claimed_job(job_id: str, *, worker_id: str = WORKER_ID) -> str:
             callbacks.flush()
         if callbacks.fenced:
             return "fenced"
-        if result.stopped and not callbacks.cancel_requested and _worker_shutting_down.is_set():
-            return _requeue(claim, reason="the worker shut down; the job resumes from its last checkpoint")
         if result.stopped:
-            return _cancelled(claim, trained_tokens=result.trained_tokens if result.steps else None)
+            trained = result.trained_tokens if result.steps else None
+            return _stopped(claim, callbacks, trained_tokens=trained, step=result.steps)
         return _succeed(claim, result)
     except StopRequested:  # stopped while the base model downloaded: nothing trained in this attempt
         callbacks.flush()
         if callbacks.fenced:
             return "fenced"
-        if not callbacks.cancel_requested and _worker_shutting_down.is_set():
-            return _requeue(claim, reason="the worker shut down; the job resumes from its last checkpoint")
-        return _cancelled(claim, trained_tokens=None)
+        return _stopped(claim, callbacks, trained_tokens=None, step=claim.resume_step)
     except DatasetError as e:
         callbacks.flush()
         return _fail(claim, code=e.code, message=str(e), param=e.param or "training_file")
@@ -434,6 +436,28 @@ def _succeed(claim: jobs.Claim, result: TrainResult) -> str:
     return "succeeded" if ok else "fenced"
 
 
+def _stopped(claim: jobs.Claim, callbacks: JobCallbacks, *, trained_tokens: int | None, step: int) -> str:
+    """End a run that stopped on request: paused (its checkpoint saved, the GPU freed), back to
+    the queue (the worker shuts down), or cancelled."""
+    if callbacks.stop == "pause":
+        return _paused(claim, trained_tokens=trained_tokens, step=step)
+    if callbacks.stop is None and _worker_shutting_down.is_set():
+        return _requeue(claim, reason="the worker shut down; the job resumes from its last checkpoint")
+    return _cancelled(claim, trained_tokens=trained_tokens)
+
+
+def _paused(claim: jobs.Claim, *, trained_tokens: int | None, step: int) -> str:
+    """running → paused; a pause withdrawn while the run stopped sends the job back to the queue
+    instead (it resumes from the checkpoint just saved), a cancel that came meanwhile ends it."""
+    with session_scope() as session:
+        if jobs.pause(session, claim=claim, step=step):
+            return "paused"
+        stop = jobs.stop_requested(session, job_id=claim.job_id)
+    if stop == "cancel":
+        return _cancelled(claim, trained_tokens=trained_tokens)
+    return _requeue(claim, reason="its pause was withdrawn as it stopped; it resumes from its checkpoint")
+
+
 def _cancelled(claim: jobs.Claim, *, trained_tokens: int | None) -> str:
     """End a run that stopped on a cancel request; its metrics and checkpoints stay (one stopped
     before its first step, while its base model downloaded or its data was prepared, passes None:
@@ -478,9 +502,10 @@ def _out_of_disk(claim: jobs.Claim, saved_step: int, settings: Settings) -> str:
     has disk space (`disk_space_wait`) and resumes from that checkpoint; on its last attempt it
     fails with code `disk_full`."""
     kept = f"its checkpoint at step {saved_step} is kept" if saved_step else "it had saved no checkpoint"
-    what = f"the worker ran out of disk space (attempt {claim.attempt} of {settings.max_attempts}); {kept}"
+    attempt = claim.attempt - claim.paused_attempts  # attempts ended by a pause are not retries
+    what = f"the worker ran out of disk space (attempt {attempt} of {settings.max_attempts}); {kept}"
     log.warning("job %s: %s", claim.job_id, what, exc_info=True)
-    if claim.attempt < settings.max_attempts:
+    if attempt < settings.max_attempts:
         return _requeue(claim, reason=f"{what}; it resumes from step {saved_step} once a worker has space")
     message = f"{what}; free disk space, then submit the job again"
     return _fail(claim, code="disk_full", message=message, param=None)

@@ -1,4 +1,5 @@
-"""`/v1/fine_tuning/jobs`: create, list, retrieve, cancel, events, checkpoints, adapter download."""
+"""`/v1/fine_tuning/jobs`: create, list, retrieve, cancel, pause, resume, events, checkpoints, adapter
+download."""
 
 from __future__ import annotations
 
@@ -94,6 +95,7 @@ def job_public(job: Job) -> JobPublic:
         worker_id=job.worker_id,
         started_at=job.started_at,
         cancel_requested=bool(job.cancel_requested),
+        pause_requested=bool(job.pause_requested),
         waiting_for=job.waiting_for if job.status == "queued" else None,
         warning=random_weights_warning(job.model),
         progress=ProgressPublic(
@@ -239,6 +241,36 @@ status_read_route = PlainGetRoute(router.prefix + "/{fine_tuning_job_id}", read_
 def cancel_job(fine_tuning_job_id: str, tenant: CurrentTenant, session: SessionDep) -> JobPublic:
     job = jobs.request_cancel(session, tenant_id=tenant.id, job_id=fine_tuning_job_id)
     session.commit()
+    return job_public(job)
+
+
+@router.post(
+    "/{fine_tuning_job_id}/pause",
+    response_model=JobPublic,
+    responses={
+        **error_response(
+            400,
+            "the job is not queued, running or paused, or has a cancel requested (code invalid_job_state)",
+        ),
+        **DISK_FULL,
+    },
+)
+def pause_job(fine_tuning_job_id: str, tenant: CurrentTenant, session: SessionDep) -> JobPublic:
+    job = jobs.request_pause(session, tenant_id=tenant.id, job_id=fine_tuning_job_id)
+    session.commit()
+    return job_public(job)
+
+
+@router.post(
+    "/{fine_tuning_job_id}/resume",
+    response_model=JobPublic,
+    responses={**error_response(400, "the job is not paused (code invalid_job_state)"), **DISK_FULL},
+)
+def resume_job(fine_tuning_job_id: str, tenant: CurrentTenant, session: SessionDep) -> JobPublic:
+    job = jobs.request_resume(session, tenant_id=tenant.id, job_id=fine_tuning_job_id)
+    session.commit()
+    if job.status == "queued":  # after commit, as a submit enqueues
+        enqueue_job(job.id, queue=job_queue(job))
     return job_public(job)
 
 

@@ -25,6 +25,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
     true,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -133,12 +134,18 @@ class Job(Base):
     suffix: Mapped[str | None] = mapped_column(String(64), default=None)
     seed: Mapped[int] = mapped_column(BigInteger)
     metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON, default=None)
+    # OpenAI's `integrations` as validated (service.schemas.Integration): where the worker logs
+    integrations: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, default=None)
     eval_prompts: Mapped[list[str] | None] = mapped_column(JSON, default=None)  # sampled at checkpoints
 
     # lifecycle
     status: Mapped[str] = mapped_column(String(24))
     error: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    # a pause a running job was asked for: its worker stops at the next step with a checkpoint
+    pause_requested: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # attempts that ended in a pause: they do not count against `max_attempts` (service/reaper.py)
+    paused_attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     # a queued job's reason for not starting yet, in words (tenant limit, no worker for its queue)
     waiting_for: Mapped[str | None] = mapped_column(Text, default=None)
     created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
