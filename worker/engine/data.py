@@ -2,9 +2,11 @@
 
 One JSONL file holds one format (the first valid line decides):
 
-- chat: `{"messages": [{"role": "system"|"user"|"assistant", "content": str, "weight": 0|1}, ...]}`
-  rendered with the tokenizer's chat template; the loss covers each weight-1 (the default) assistant
-  turn: its content and the template's end-of-turn text (ChatML: '<|im_end|>' and a newline).
+- chat: `{"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str, "weight": 0|1},
+  ...], "tools": [...]}` rendered with the model's own chat template (its tool-calling format for
+  `tools`, assistant `tool_calls` and `tool` results); the loss covers each weight-1 (the default)
+  assistant turn as the template writes it, tool calls included, through its end-of-turn text
+  (ChatML: '<|im_end|>' and a newline); tool results are context (worker/engine/chat_format.py).
 - prompt/completion: `{"prompt": str, "completion": str}` as raw text, no template (OpenAI's
   legacy semantics); the loss covers the completion and an appended EOS token.
 - text: `{"text": str}`; the loss covers every token, EOS appended.
@@ -32,12 +34,14 @@ import random
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, overload
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from worker.engine.chat_format import Render, Span, assistant_spans, end_of_turn, prompt_text
 from worker.engine.dataset_rules import (
     NO_EXAMPLES,
     NO_TRAINABLE_TOKENS,
@@ -48,7 +52,7 @@ from worker.engine.dataset_rules import (
 )
 from worker.engine.holdout import holdout_size
 from worker.engine.training_config import AutoPlan, DataShape, batches_per_epoch
-from worker.engine.types import DatasetError, LineError, ModelError, StopRequested
+from worker.engine.types import DatasetError, LineError, ModelError, RequestError, StopRequested
 
 IGNORE_INDEX = -100
 CHUNK_LINES = 1024  # lines parsed and tokenized together; `should_stop` is asked between chunks
@@ -296,60 +300,50 @@ class _Parsed:
 
 
 def _chat_spans(
-    messages: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase
-) -> tuple[str, list[tuple[int, int]]]:
-    """Render the conversation; return the text and the character spans of weight-1 assistant turns.
-
-    A turn's span runs from the end of the prompt that precedes it (template rendered with
-    add_generation_prompt) to the end of the conversation rendered through that turn, so it holds the
-    content and the end-of-turn marker. This needs templates whose renderings of a prefix are
-    prefixes of the full rendering (true for ChatML-style templates such as SmolLM2's).
-    """
-    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
-    full = _render(plain, tokenizer, add_generation_prompt=False)
-    spans: list[tuple[int, int]] = []
-    for i, msg in enumerate(messages):
-        if msg["role"] != "assistant" or msg.get("weight", 1) == 0:
-            continue
-        before = _render(plain[:i], tokenizer, add_generation_prompt=True)
-        through = _render(plain[: i + 1], tokenizer, add_generation_prompt=False)
-        if not (full.startswith(before) and full.startswith(through) and len(before) < len(through)):
-            raise LineProblem(
-                "the model's chat template does not render conversation prefixes as prefixes of the "
-                "whole conversation, so assistant turns cannot be located"
-            )
-        spans.append((len(before), len(through)))
-    return full, spans
+    messages: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, tools: list[Any] | None = None
+) -> tuple[str, list[Span]]:
+    """Render the conversation with the model's own chat template; return the text and the
+    character spans of its weight-1 assistant turns, each through the template's end-of-turn text
+    (worker/engine/chat_format.py says how they are found, Qwen 3's thinking tags included)."""
+    eot = _end_of_turn(tokenizer, tokenizer.chat_template)
+    return assistant_spans(messages, tools or None, _renderer(tokenizer), eot)
 
 
-def _render(
-    messages: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase, add_generation_prompt: bool
-) -> str:
-    if not messages:
-        # the generation prompt of an empty conversation: render one dummy turn and cut it off
-        return "" if not add_generation_prompt else _generation_prompt_only(tokenizer)
-    out = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    assert isinstance(out, str)
-    return out
+def _renderer(tokenizer: PreTrainedTokenizerBase) -> Render:
+    def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, generation: bool) -> str:
+        out = tokenizer.apply_chat_template(
+            messages, tools=list(tools or []) or None, tokenize=False, add_generation_prompt=generation
+        )
+        assert isinstance(out, str)
+        return out
+
+    return render
 
 
-def prompt_ids(messages: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase) -> list[int]:
+@lru_cache(maxsize=8)
+def _end_of_turn(tokenizer: PreTrainedTokenizerBase, template: str) -> str:
+    """The template's end-of-turn text (`template` keys the cache: a tokenizer's may be replaced)."""
+
+    def offsets(text: str) -> list[Span]:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return [(int(a), int(b)) for a, b in enc["offset_mapping"]]
+
+    return end_of_turn(_renderer(tokenizer), offsets)
+
+
+def prompt_ids(
+    messages: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, tools: list[Any] | None = None
+) -> list[int]:
     """The token ids a model is asked to continue for `messages` (serving): the chat template with
-    the generation prompt, tokenized without added special tokens, exactly as training renders
-    the context of an assistant turn (`_chat_spans`)."""
+    `tools` and the generation prompt, tokenized without added special tokens, exactly as training
+    renders the context of an assistant turn (`_chat_spans`)."""
     if not tokenizer.chat_template:
         raise ModelError("the model's tokenizer has no chat template, so it cannot serve chat completions")
-    text = _render(messages, tokenizer, add_generation_prompt=True)
+    try:
+        text = prompt_text(messages, tools or None, _renderer(tokenizer))
+    except LineProblem as exc:
+        raise RequestError("tools" if tools and "tool" in str(exc) else "messages", str(exc)) from exc
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _generation_prompt_only(tokenizer: PreTrainedTokenizerBase) -> str:
-    # A conversation that starts with the assistant: what precedes its content is whatever the
-    # template emits before an assistant turn (e.g. a default system prompt + "<|im_start|>assistant\n").
-    marker = "\x00LORAQ\x00"
-    text = tokenizer.apply_chat_template([{"role": "assistant", "content": marker}], tokenize=False)
-    assert isinstance(text, str)
-    return text[: text.index(marker)]
 
 
 def _mask_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
@@ -388,7 +382,7 @@ def _tokenize(parsed: list[_Parsed], tokenizer: PreTrainedTokenizerBase) -> list
         results.append(LineError(p.line, "not tokenized"))  # placeholder, replaced below
         if p.format == "chat":
             try:
-                text, spans = _chat_spans(p.record["messages"], tokenizer)
+                text, spans = _chat_spans(p.record["messages"], tokenizer, p.record.get("tools"))
             except LineProblem as exc:
                 results[k] = LineError(p.line, str(exc))
                 continue

@@ -19,8 +19,9 @@ from typing import Any, Literal
 
 DatasetFormat = Literal["chat", "prompt_completion", "text"]
 
-ROLES = ("system", "user", "assistant")
-MESSAGE_KEYS = {"role", "content", "weight", "name"}
+ROLES = ("system", "user", "assistant", "tool")
+MESSAGE_KEYS = {"role", "content", "weight", "name", "tool_calls", "tool_call_id"}
+FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
 MAX_JSON_DEPTH = 32  # a chat line nests 3 deep; thousands of levels only hurt the parser
 MAX_INT_DIGITS = 32  # no field of a dataset line holds a number anywhere near this long
 NO_EXAMPLES = "the file holds no examples"
@@ -75,9 +76,9 @@ def parse_line(raw: bytes) -> ParsedLine:
     if not isinstance(record, dict):
         raise LineProblem(f"expected a JSON object, got {type(record).__name__}")
     if "messages" in record:
-        n, assistants = _check_messages(record["messages"])
-        size = sum(len(m["content"].encode()) for m in record["messages"])
-        return ParsedLine("chat", record, n, assistants, size)
+        tools = record.get("tools")
+        n, assistants = check_conversation(record["messages"], tools, record.get("parallel_tool_calls", True))
+        return ParsedLine("chat", record, n, assistants, conversation_bytes(record["messages"], tools))
     if "prompt" in record or "completion" in record:
         for key in ("prompt", "completion"):
             if key not in record:
@@ -100,6 +101,171 @@ def parse_line(raw: bytes) -> ParsedLine:
     raise LineProblem(
         f"missing field: expected 'messages', 'prompt'+'completion' or 'text' (got keys: {keys})"
     )
+
+
+def check_conversation(
+    messages: Any,
+    tools: Any = None,
+    parallel_tool_calls: Any = True,
+    *,
+    where: str = "messages",
+    needs_assistant: bool = True,
+) -> tuple[int, int]:
+    """(messages, assistant messages) of a valid conversation; raises `LineProblem` naming the field.
+
+    OpenAI's chat format with function calling: `tools` is a list of functions (`check_tools`); an
+    assistant message may hold `tool_calls` (each {"id", "type": "function", "function": {"name",
+    "arguments"}}: `name` one of `tools`, `arguments` a JSON object written as a string) beside or
+    instead of its content; a `tool` message answers an earlier call by its `tool_call_id`; with
+    `parallel_tool_calls` false a message makes at most one call. `where` names the list in
+    messages ("input.messages" for a preference pair's prompt); `needs_assistant=False` checks a
+    conversation that trains no turn of its own (a prompt)."""
+    names = check_tools(tools) if tools is not None else set()
+    if not isinstance(parallel_tool_calls, bool):
+        raise LineProblem(f"field 'parallel_tool_calls' must be true or false, got {parallel_tool_calls!r}")
+    if not isinstance(messages, list) or not messages:
+        raise LineProblem(f"field '{where}' must be a non-empty list")
+    answered: dict[str, bool] = {}  # tool call id -> whether a tool message answered it
+    for i, msg in enumerate(messages):
+        at = f"{where}[{i}]"
+        if not isinstance(msg, dict):
+            raise LineProblem(f"{at} must be an object")
+        if "role" not in msg:
+            raise LineProblem(f"{at} is missing field 'role'")
+        role = msg["role"]
+        if role not in ROLES:
+            raise LineProblem(f"{at} has unknown role {role!r} (allowed: {', '.join(ROLES)})")
+        unknown = set(msg) - MESSAGE_KEYS
+        if unknown:
+            raise LineProblem(f"{at} has unknown field(s): {', '.join(sorted(unknown))}")
+        if "tool_calls" in msg and role != "assistant":
+            raise LineProblem(f"{at}: 'tool_calls' is only allowed on assistant messages")
+        if "tool_call_id" in msg and role != "tool":
+            raise LineProblem(f"{at}: 'tool_call_id' is only allowed on tool messages")
+        calls = msg.get("tool_calls")
+        if calls is not None:
+            _check_tool_calls(calls, f"{at}.tool_calls", names, answered, parallel_tool_calls)
+        _check_content(msg, at, optional=bool(calls))
+        if role == "tool":
+            _check_answer(msg.get("tool_call_id"), at, answered)
+        if "weight" in msg:
+            if role != "assistant":
+                raise LineProblem(f"{at}: 'weight' is only allowed on assistant messages")
+            if msg["weight"] not in (0, 1) or isinstance(msg["weight"], bool):
+                raise LineProblem(f"{at}.weight must be 0 or 1, got {msg['weight']!r}")
+    assistants = sum(1 for m in messages if m["role"] == "assistant")
+    if needs_assistant and assistants == 0:
+        raise LineProblem("no assistant message (nothing to train on)")
+    if needs_assistant and not any(m["role"] == "assistant" and m.get("weight", 1) != 0 for m in messages):
+        raise LineProblem(NO_TRAINABLE_TOKENS)
+    return len(messages), assistants
+
+
+def check_tools(tools: Any, where: str = "tools") -> set[str]:
+    """The function names of a valid `tools` list, OpenAI's [{"type": "function", "function":
+    {"name", "description", "parameters"}}]; raises `LineProblem` naming the field."""
+    if not isinstance(tools, list):
+        raise LineProblem(f"field '{where}' must be a list, got {type(tools).__name__}")
+    names: set[str] = set()
+    for i, tool in enumerate(tools):
+        at = f"{where}[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or set(tool) - {"type", "function"}:
+            raise LineProblem(f'{at} must be an object {{"type": "function", "function": {{...}}}}')
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise LineProblem(f"{at}.function must be an object")
+        unknown = set(function) - FUNCTION_KEYS
+        if unknown:
+            raise LineProblem(f"{at}.function has unknown field(s): {', '.join(sorted(unknown))}")
+        name = function.get("name")
+        if not isinstance(name, str) or not name.strip():
+            raise LineProblem(f"{at}.function.name must be a non-empty string")
+        if name in names:
+            raise LineProblem(f"{at}.function.name {name!r} is defined twice")
+        if not isinstance(function.get("description", ""), str):
+            raise LineProblem(f"{at}.function.description must be a string")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise LineProblem(f"{at}.function.parameters must be a JSON Schema object")
+        _check_text(json.dumps(function, ensure_ascii=False), f"{at}.function")
+        names.add(name)
+    return names
+
+
+def conversation_bytes(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+    """UTF-8 bytes of a valid conversation's text: contents, tool call arguments and the tools."""
+    size = sum(len((m.get("content") or "").encode()) for m in messages)
+    size += sum(len(c["function"]["arguments"].encode()) for m in messages for c in m.get("tool_calls") or [])
+    return size + (len(json.dumps(tools).encode()) if tools else 0)
+
+
+def _check_content(msg: dict[str, Any], at: str, *, optional: bool) -> None:
+    """`content` is a string, non-empty but for a tool result's; an assistant message that makes
+    tool calls may leave it out, null or empty (OpenAI's assistant tool-call messages do)."""
+    content = msg.get("content")
+    if content is None:
+        if optional:
+            return
+        raise LineProblem(f"{at} is missing field 'content'")
+    if not isinstance(content, str):
+        raise LineProblem(f"{at}.content must be a string, got {type(content).__name__}")
+    if not content.strip() and not optional and msg["role"] != "tool":
+        raise LineProblem(f"{at}.content is empty")
+    _check_text(content, f"{at}.content")
+
+
+def _check_tool_calls(
+    calls: Any, at: str, names: set[str], answered: dict[str, bool], parallel: bool
+) -> None:
+    if not isinstance(calls, list) or not calls:
+        raise LineProblem(f"{at} must be a non-empty list")
+    if len(calls) > 1 and not parallel:
+        raise LineProblem(f"{at} makes {len(calls)} calls but 'parallel_tool_calls' is false")
+    for j, call in enumerate(calls):
+        here = f"{at}[{j}]"
+        if not isinstance(call, dict) or set(call) - {"id", "type", "function"}:
+            raise LineProblem(f"{here} must be an object with 'id', 'type' and 'function'")
+        call_id = call.get("id")
+        if not isinstance(call_id, str) or not call_id.strip():
+            raise LineProblem(f"{here}.id must be a non-empty string")
+        if call_id in answered:
+            raise LineProblem(f"{here}.id {call_id!r} is the id of an earlier call")
+        if call.get("type", "function") != "function":
+            raise LineProblem(f"{here}.type must be 'function', got {call.get('type')!r}")
+        function = call.get("function")
+        if not isinstance(function, dict) or set(function) != {"name", "arguments"}:
+            raise LineProblem(f"{here}.function must be an object with 'name' and 'arguments'")
+        name = function["name"]
+        if name not in names:
+            offered = ", ".join(sorted(names)) or "the line has no 'tools'"
+            raise LineProblem(f"{here}.function.name {name!r} is not a tool in 'tools' ({offered})")
+        arguments = function["arguments"]
+        if not isinstance(arguments, str):
+            raise LineProblem(
+                f"{here}.function.arguments must be a string of JSON, got {type(arguments).__name__}"
+            )
+        _check_text(arguments, f"{here}.function.arguments")
+        try:
+            parsed = json.loads(arguments, parse_int=_bounded_int)
+        except json.JSONDecodeError as exc:
+            raise LineProblem(
+                f"{here}.function.arguments is not JSON: {exc.msg} at character {exc.pos + 1}"
+            ) from exc
+        except RecursionError as exc:
+            raise LineProblem(f"{here}.function.arguments is JSON nested too deeply") from exc
+        if not isinstance(parsed, dict):
+            raise LineProblem(f"{here}.function.arguments must be a JSON object, got {type(parsed).__name__}")
+        answered[call_id] = False
+
+
+def _check_answer(call_id: Any, at: str, answered: dict[str, bool]) -> None:
+    """A tool message's `tool_call_id` answers an earlier call, once."""
+    if not isinstance(call_id, str):
+        raise LineProblem(f"{at} is missing field 'tool_call_id' (the id of the call it answers)")
+    if call_id not in answered:
+        raise LineProblem(f"{at}.tool_call_id {call_id!r} answers no earlier tool call")
+    if answered[call_id]:
+        raise LineProblem(f"{at}.tool_call_id {call_id!r} answers a call that was answered before")
+    answered[call_id] = True
 
 
 def json_error(exc: json.JSONDecodeError, line: str) -> str:
@@ -136,38 +302,3 @@ def _check_text(value: str, where: str) -> None:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise LineProblem(f"{where} holds a lone UTF-16 surrogate at character {exc.start}") from exc
-
-
-def _check_messages(messages: Any) -> tuple[int, int]:
-    """(messages, assistant messages) of a valid chat line; raises `LineProblem` naming the field."""
-    if not isinstance(messages, list) or not messages:
-        raise LineProblem("field 'messages' must be a non-empty list")
-    for i, msg in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(msg, dict):
-            raise LineProblem(f"{where} must be an object")
-        if "role" not in msg:
-            raise LineProblem(f"{where} is missing field 'role'")
-        if msg["role"] not in ROLES:
-            raise LineProblem(f"{where} has unknown role {msg['role']!r} (allowed: {', '.join(ROLES)})")
-        if "content" not in msg:
-            raise LineProblem(f"{where} is missing field 'content'")
-        if not isinstance(msg["content"], str):
-            raise LineProblem(f"{where}.content must be a string, got {type(msg['content']).__name__}")
-        if not msg["content"].strip():
-            raise LineProblem(f"{where}.content is empty")
-        _check_text(msg["content"], f"{where}.content")
-        unknown = set(msg) - MESSAGE_KEYS
-        if unknown:
-            raise LineProblem(f"{where} has unknown field(s): {', '.join(sorted(unknown))}")
-        if "weight" in msg:
-            if msg["role"] != "assistant":
-                raise LineProblem(f"{where}: 'weight' is only allowed on assistant messages")
-            if msg["weight"] not in (0, 1) or isinstance(msg["weight"], bool):
-                raise LineProblem(f"{where}.weight must be 0 or 1, got {msg['weight']!r}")
-    assistants = sum(1 for m in messages if m["role"] == "assistant")
-    if assistants == 0:
-        raise LineProblem("no assistant message (nothing to train on)")
-    if not any(m["role"] == "assistant" and m.get("weight", 1) != 0 for m in messages):
-        raise LineProblem(NO_TRAINABLE_TOKENS)
-    return len(messages), assistants

@@ -29,6 +29,7 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from worker.engine.catalog import PRESET_SHAPES, PRETRAINED, TINY_LLAMA_SHAPE, get_model_info
+from worker.engine.chat_format import template_messages
 from worker.engine.gguf_tokenizer import tokenizer_dir
 from worker.engine.types import ModelError
 
@@ -100,7 +101,7 @@ class TokenCounter:
         parts: list[tuple[int, int, int] | None] = []
         for fmt, record in lines:
             if fmt == "chat":
-                text = self.render(record["messages"])
+                text = self.render(record["messages"], record.get("tools"))
                 parts.append(None if text is None else (len(texts), 1, 0))
                 if text is not None:
                     texts.append(text)
@@ -114,13 +115,14 @@ class TokenCounter:
         sizes = [len(e) for e in encoded]
         return [None if p is None else sum(sizes[p[0] : p[0] + p[1]]) + p[2] for p in parts]
 
-    def render(self, messages: list[dict[str, Any]]) -> str | None:
+    def render(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> str | None:
         if self.chat_template is None:
             return None
-        plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+        plain = template_messages(messages)  # as the engine hands them to the template
         try:
             return _template(self.chat_template).render(
                 messages=plain,
+                tools=tools or None,  # as transformers: always given, None without tools
                 add_generation_prompt=False,
                 eos_token=self.eos_token,
                 bos_token=self.bos_token,
