@@ -21,7 +21,7 @@ from service.api.security_headers import SecureHeadersApp
 from service.db.pipelined_reads import close_read_pools
 from service.errors import install_error_handlers
 from service.settings import Settings, get_settings
-from service.storage import FileStore
+from service.storage import default_store
 
 PARTIAL_MAX_AGE_S = 3600.0
 
@@ -43,7 +43,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
             upgrade_head(settings.resolved_database_url)
         # Uploads cut off by a crash leave invisible temp files; an hour-old one is nobody's.
-        FileStore(settings.artifact_dir).sweep_partials(older_than_s=PARTIAL_MAX_AGE_S)
+        default_store().sweep_partials(older_than_s=PARTIAL_MAX_AGE_S)
         # Re-queue jobs of silent workers; re-send queued jobs the broker lost (service/reaper.py).
         reaper = None
         if settings.reaper_interval_seconds > 0:

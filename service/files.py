@@ -12,7 +12,7 @@ from service.db.models import File, Job, is_id, new_id
 from service.errors import ConflictError, InvalidRequestError, NotFoundError
 from service.job_status import UNFINISHED
 from service.settings import get_settings
-from service.storage import FileStore, StoredObject, file_key, local_path, put_bytes
+from service.storage import Store, StoredObject, default_store, file_key, put_bytes
 
 UPLOAD_PURPOSES = ("fine-tune",)
 ALL_PURPOSES = ("fine-tune", "fine-tune-results")
@@ -102,7 +102,8 @@ def stored_summary(session: Session, row: File) -> dict[str, Any]:
     if row.summary is None:
         from service.api.dataset_summary import check_file
 
-        row.summary = check_file(local_path(row.storage_key), get_settings().max_line_bytes).to_dict()
+        path = default_store().materialize(row.storage_key, row.sha256)
+        row.summary = check_file(path, get_settings().max_line_bytes).to_dict()
         session.flush()  # stored with the request's commit
     return row.summary
 
@@ -127,7 +128,7 @@ def list_files(
     return rows[:limit], len(rows) > limit
 
 
-def delete_file(session: Session, store: FileStore, *, tenant_id: str, file_id: str) -> None:
+def delete_file(session: Session, store: Store, *, tenant_id: str, file_id: str) -> None:
     """Delete the row, then the bytes. A file an unfinished job still reads is kept (409)."""
     row = get_file(session, tenant_id=tenant_id, file_id=file_id)
     user = session.scalar(
@@ -150,5 +151,5 @@ def delete_file(session: Session, store: FileStore, *, tenant_id: str, file_id: 
     store.delete_tree(derived_key(key))
 
 
-def file_content(store: FileStore, row: File) -> Iterator[bytes]:
+def file_content(store: Store, row: File) -> Iterator[bytes]:
     return store.iter_verified(row.storage_key, row.sha256)

@@ -101,7 +101,7 @@ def stored(file: File, counter: TokenCounter) -> Lengths | None:
             _cache.move_to_end(key)
             return _cache[key]
     try:
-        found = Lengths.from_bytes(storage.local_path(lengths_key(file, counter)).read_bytes())
+        found = Lengths.from_bytes(storage.default_store().get_bytes(lengths_key(file, counter)))
     except (FileNotFoundError, ValueError):  # not counted yet (a torn object cannot be: writes are atomic)
         return None
     _remember(key, found)
@@ -138,7 +138,8 @@ def count(file: File, counter: TokenCounter, *, seconds: float | None = None) ->
                 seen_bytes += len(raw)
         batch.clear()
 
-    for item in example_lines(storage.local_path(file.storage_key), max_line_bytes, seen):
+    path = storage.default_store().materialize(file.storage_key, file.sha256)
+    for item in example_lines(path, max_line_bytes, seen):
         batch.append(item)
         if len(batch) == BATCH_LINES:
             flush()
@@ -176,7 +177,7 @@ def _remember(key: tuple[str, str], found: Lengths) -> None:
 def counting(file: File, counter: TokenCounter) -> Iterator[None]:
     """Held while this process counts the file (an exclusive lock on a file beside the counts;
     the kernel releases it when the process ends, however it ends). Waits for another holder."""
-    path = storage.local_path(lengths_key(file, counter) + ".lock")
+    path = storage.default_store().lock_path(lengths_key(file, counter) + ".lock")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -188,7 +189,7 @@ def counting(file: File, counter: TokenCounter) -> Iterator[None]:
 
 def being_counted(file: File, counter: TokenCounter) -> bool:
     """Whether some process holds `counting` for these counts now."""
-    path = storage.local_path(lengths_key(file, counter) + ".lock")
+    path = storage.default_store().lock_path(lengths_key(file, counter) + ".lock")
     try:
         fd = os.open(path, os.O_RDWR)
     except FileNotFoundError:

@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from service.errors import InsufficientStorageError, InvalidRequestError, PayloadTooLargeError
-from service.storage import FileStore, ObjectWriter, StoredObject
+from service.storage import ObjectWriter, Store, StoredObject
 
 MAX_FIELD_BYTES = 1024
 # Multipart framing around the file: boundaries, part headers, the `purpose` field.
@@ -51,7 +51,7 @@ def clean_filename(raw: str) -> str:
 
 
 class _Receiver:
-    def __init__(self, store: FileStore, key: str, allowed_fields: set[str], max_bytes: int) -> None:
+    def __init__(self, store: Store, key: str, allowed_fields: set[str], max_bytes: int) -> None:
         self.store = store
         self.key = key
         self.allowed_fields = allowed_fields
@@ -120,7 +120,7 @@ class _Receiver:
 
 
 async def receive_upload(
-    request: Request, *, store: FileStore, key: str, allowed_fields: set[str], max_bytes: int
+    request: Request, *, store: Store, key: str, allowed_fields: set[str], max_bytes: int
 ) -> Upload:
     content_type, params = parse_options_header(request.headers.get("content-type", ""))
     if content_type != b"multipart/form-data" or b"boundary" not in params:

@@ -8,6 +8,8 @@ from here, and every external binary is found here.
   loopback port, or an `initdb` cluster in a temp dir (fsync off, trust auth, its unix socket in
   that dir) run by `postgres` on a free port. `stop_throwaway_servers()` (the root conftest's
   `pytest_unconfigure`) stops them; they also die with the pytest process (PR_SET_PDEATHSIG).
+- S3: `start_s3` runs moto's standalone server (`python -m moto.server`, from the dev extra) on a
+  free loopback port; `shared_s3()` is the session's, and each test makes a bucket of its own.
 - `require_binary` fails a test whose binary is missing, naming the Debian package: a missing
   server is never a silent skip.
 
@@ -24,12 +26,13 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import pytest
 
@@ -254,8 +257,93 @@ def _pg_answers(url: str) -> bool:
         return False
 
 
+# --------------------------------------------------------------------------- S3 (moto's server)
+# Parts of a multipart upload may be this small on the test server (S3's own floor is 5 MiB), so
+# a test's small objects still go up in several parts.
+S3_MIN_PART_BYTES = 64 * 1024
+S3_ACCESS = {"AWS_ACCESS_KEY_ID": "loraq-test", "AWS_SECRET_ACCESS_KEY": "loraq-test-secret"}
+
+
+@dataclass
+class S3Server:
+    """moto's standalone S3-compatible server (`python -m moto.server`), objects in its memory."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        return boto3.session.Session().client(
+            "s3", endpoint_url=self.endpoint, region_name="us-east-1",
+            aws_access_key_id=S3_ACCESS["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=S3_ACCESS["AWS_SECRET_ACCESS_KEY"],
+            config=Config(s3={"addressing_style": "path"}),
+        )  # fmt: skip
+
+    def new_bucket(self) -> str:
+        """A new empty bucket of the caller's own (`loraq-<xdist worker>-<random>`)."""
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        name = f"loraq-{worker}-{secrets.token_hex(4)}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def env(self, bucket: str, prefix: str = "loraq") -> dict[str, str]:
+        """The settings that point a Loraq process at `s3://bucket/prefix` on this server."""
+        return {
+            "LORAQ_STORAGE_URL": f"s3://{bucket}/{prefix}",
+            "LORAQ_S3_ENDPOINT_URL": self.endpoint,
+            "LORAQ_S3_REGION": "us-east-1",
+            "LORAQ_S3_ACCESS_KEY_ID": S3_ACCESS["AWS_ACCESS_KEY_ID"],
+            "LORAQ_S3_SECRET_ACCESS_KEY": S3_ACCESS["AWS_SECRET_ACCESS_KEY"],
+            "LORAQ_S3_ADDRESSING_STYLE": "path",
+            "LORAQ_STORAGE_PART_BYTES": str(S3_MIN_PART_BYTES),
+        }
+
+    def stop(self) -> None:
+        stop(self.proc)
+
+
+def _s3_answers(endpoint: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(endpoint + "/moto-api/", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def start_s3(workdir: Path) -> S3Server:
+    """moto's S3 server on a free loopback port, its log in `workdir`."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    env = {**os.environ, **S3_ACCESS, "S3_UPLOAD_PART_MIN_SIZE": str(S3_MIN_PART_BYTES)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        env=env, stdout=(workdir / "moto.log").open("ab"), stderr=subprocess.STDOUT,
+        start_new_session=True, preexec_fn=die_with_parent(),
+    )  # fmt: skip
+    server = S3Server(proc, port)
+    wait_until(lambda: _s3_answers(server.endpoint), "moto S3 server", proc, timeout=60)
+    return server
+
+
 # --------------------------------------------------------------------------- the session's servers
-_throwaway: dict[str, RedisServer | PostgresServer] = {}
+_throwaway: dict[str, RedisServer | PostgresServer | S3Server] = {}
+
+
+def shared_s3() -> S3Server:
+    """The session's S3 server (moto's, started on first use); each test makes its own bucket."""
+    if "s3" not in _throwaway:
+        _throwaway["s3"] = start_s3(Path(tempfile.mkdtemp(prefix="loraq-test-s3-")))
+    server = _throwaway["s3"]
+    assert isinstance(server, S3Server)
+    return server
 
 
 def shared_redis_url() -> str:

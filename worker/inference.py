@@ -263,10 +263,10 @@ class InferenceWorker:
         return self.models[name]
 
     def read_adapter(self, key: str, sha256: str) -> Adapter:
-        from service.storage import FileStore
+        from service.storage import default_store
         from worker.engine.serving import Adapter
 
-        return Adapter.from_zip(FileStore(self.settings.artifact_dir).verify(key, sha256))
+        return Adapter.from_zip(default_store().materialize(key, sha256))
 
     def tokenizer(self, name: str) -> Any:
         """A loaded model's tokenizer, else the tokenizer alone (cached; no weights loaded)."""
@@ -280,10 +280,10 @@ class InferenceWorker:
 
     # -- a job's dry run: tokenize its files as the job would (service/dry_run.py plans the rest)
     def _dry_run(self, p: Pending) -> None:
-        from service.storage import FileStore
+        from service.storage import default_store
         from worker.engine.data import read_examples
 
-        store = FileStore(self.settings.artifact_dir)
+        store = default_store()
         try:
             tokenizer = self.tokenizer(p.raw["base"])
             max_seq_len = int(p.raw["max_seq_len"])
@@ -292,7 +292,7 @@ class InferenceWorker:
             for name in reports:
                 key = p.raw.get(name)  # a store key, or None (no validation file)
                 if key:
-                    examples[name], report = read_examples(store.path(key), tokenizer, max_seq_len)
+                    examples[name], report = read_examples(store.materialize(key), tokenizer, max_seq_len)
                     reports[name] = asdict(report)
             training = _trained_part(examples["training_file"], reports["training_file"], tokenizer, p.raw)
         except Exception as exc:

@@ -22,6 +22,7 @@ writes nothing more.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import shutil
 import threading
@@ -145,7 +146,8 @@ class JobCallbacks:
         if self.fenced:
             return
         key = f"{self.checkpoint_dir_key}/step-{checkpoint.step:06d}.zip"
-        stored = storage.put_dir_zip(checkpoint.path, key)
+        # the zip, then its manifest, then the row: a worker killed midway leaves nothing that is read
+        stored = storage.put_checkpoint(storage.default_store(), checkpoint.path, key, step=checkpoint.step)
         metrics = checkpoint_metrics(checkpoint, self.last_metrics)
         with session_scope() as session:
             jobs.register_checkpoint(
@@ -246,15 +248,17 @@ def build_train_config(claim: jobs.Claim, settings: Settings, out_dir: Path) -> 
     training = claim.training
     if training.checkpoint_every is None:  # the job left it to the service
         training = training.model_copy(update={"checkpoint_every": settings.checkpoint_every})
+    store = storage.default_store()
     resume: Path | None = None
     if claim.resume_checkpoint:
         resume = out_dir / "resume"
-        storage.extract_zip(claim.resume_checkpoint, resume)
+        sha256 = storage.checkpoint_sha256(store, claim.resume_checkpoint)  # trusted_resume found it
+        store.extract_zip(claim.resume_checkpoint, resume, sha256)
     return TrainConfig.build(
         training,
         model=claim.model,
-        train_file=storage.local_path(claim.training_file),
-        validation_file=storage.local_path(claim.validation_file) if claim.validation_file else None,
+        train_file=store.materialize(claim.training_file),
+        validation_file=store.materialize(claim.validation_file) if claim.validation_file else None,
         output_dir=out_dir,
         model_store=settings.model_store,
         checkpoint_each_epoch=settings.checkpoint_each_epoch,
@@ -264,6 +268,24 @@ def build_train_config(claim: jobs.Claim, settings: Settings, out_dir: Path) -> 
         max_tokens=settings.job_max_tokens,
         step_limit=settings.job_max_steps,
     )
+
+
+def trusted_resume(claim: jobs.Claim) -> jobs.Claim:
+    """The claim, resuming from the latest registered checkpoint whose manifest is in the store
+    (`storage.put_checkpoint`); one without (lost, or registered before manifests were written)
+    is skipped for the one before it, and none left starts from step 0."""
+    store = storage.default_store()
+    if claim.resume_checkpoint is None or storage.checkpoint_sha256(store, claim.resume_checkpoint):
+        return claim
+    with session_scope() as session:
+        rows = [(c.storage_key, c.step) for c in jobs.checkpoints_by_step(session, job_id=claim.job_id)]
+    for key, step in reversed(rows):
+        if step < claim.resume_step and storage.checkpoint_sha256(store, key):
+            log.warning("job %s: checkpoint %s has no manifest; resuming from step %d", claim.job_id,
+                        claim.resume_checkpoint, step)  # fmt: skip
+            return dataclasses.replace(claim, resume_checkpoint=key, resume_step=step)
+    log.warning("job %s: no checkpoint has a manifest; starting from step 0", claim.job_id)
+    return dataclasses.replace(claim, resume_checkpoint=None, resume_step=0)
 
 
 def fine_tuned_model_name(claim: jobs.Claim) -> str:
@@ -334,6 +356,7 @@ def run_claimed_job(job_id: str, *, worker_id: str = WORKER_ID) -> str:
         log.info("delivery of job %s claimed job %s (fair share)", job_id, claim.job_id)
         job_id = claim.job_id
 
+    claim = trusted_resume(claim)
     out_dir = attempt_dir(settings, claim)
     # Store keys carry the attempt: a fenced-out attempt that keeps running for a moment (a
     # frozen worker woken up) writes only its own objects and never replaces the current one's.
@@ -405,7 +428,7 @@ def _wake_waiting(claim: jobs.Claim) -> None:
 
 
 def _succeed(claim: jobs.Claim, result: TrainResult) -> str:
-    adapter = storage.put_dir_zip(
+    adapter = storage.default_store().put_dir_zip(
         result.adapter_dir, f"jobs/{claim.job_id}/attempt-{claim.attempt}/adapter.zip"
     )
     with session_scope() as session:

@@ -6,10 +6,11 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, Response
 
-from service import files, storage
+from service import files
 from service.api.dataset_summary import check_file, status_details
+from service.api.downloads import download_response
 from service.auth import CurrentTenant
 from service.db.models import File
 from service.db.session import SessionDep
@@ -79,7 +80,7 @@ async def upload_file(request: Request, tenant: CurrentTenant, session: SessionD
         def record() -> File:
             # Validated now, streaming line by line with bounded memory: a job on a
             # file with bad lines is refused at submit, naming them, instead of failing later.
-            path = storage.local_path(upload.stored.key)
+            path = default_store().materialize(upload.stored.key, upload.stored.sha256)
             summary = check_file(path, get_settings().max_line_bytes)
             row = files.create_file(
                 session,
@@ -133,11 +134,12 @@ def retrieve_file(file_id: str, tenant: CurrentTenant, session: SessionDep) -> F
     # uploads come back as bytes; a job's results file (purpose fine-tune-results) as text/csv
     responses={200: {"content": {"application/octet-stream": {}, "text/csv": {}}}},
 )
-def file_content(file_id: str, tenant: CurrentTenant, session: SessionDep) -> FileResponse:
+def file_content(file_id: str, tenant: CurrentTenant, session: SessionDep) -> Response:
     row = files.get_file(session, tenant_id=tenant.id, file_id=file_id)
-    path = default_store().verify(row.storage_key, row.sha256)
     media = "text/csv" if row.purpose == "fine-tune-results" else "application/octet-stream"
-    return FileResponse(path, media_type=media, filename=row.filename)
+    return download_response(
+        row.storage_key, row.sha256, media_type=media, filename=row.filename, size=row.bytes
+    )
 
 
 @router.delete("/{file_id}", response_model=FileDeleted, responses=DISK_FULL)

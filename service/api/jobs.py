@@ -11,6 +11,7 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import FileResponse, Response
 
 from service import dry_run, file_validation, inference, jobs
+from service.api.downloads import download_response
 from service.api.last_served import LastServed
 from service.api.plain_route import PlainGetRoute
 from service.auth import (
@@ -45,7 +46,6 @@ from service.schemas import (
     error_responses,
 )
 from service.settings import get_settings
-from service.storage import default_store
 from service.worker_registry import served_queues_now
 from worker.engine.catalog import random_weights_warning
 
@@ -310,10 +310,15 @@ def list_checkpoints(
 
 
 @router.get("/{fine_tuning_job_id}/adapter", response_class=FileResponse, responses=ZIP_RESPONSE)
-def download_adapter(fine_tuning_job_id: str, tenant: CurrentTenant, session: SessionDep) -> FileResponse:
+def download_adapter(fine_tuning_job_id: str, tenant: CurrentTenant, session: SessionDep) -> Response:
     artifact = jobs.get_adapter(session, tenant_id=tenant.id, job_id=fine_tuning_job_id)
-    path = default_store().verify(artifact.storage_key, artifact.sha256)
-    return FileResponse(path, media_type="application/zip", filename=f"{fine_tuning_job_id}-adapter.zip")
+    return download_response(
+        artifact.storage_key,
+        artifact.sha256,
+        media_type="application/zip",
+        filename=f"{fine_tuning_job_id}-adapter.zip",
+        size=artifact.bytes,
+    )
 
 
 @router.get(
@@ -323,9 +328,10 @@ def download_adapter(fine_tuning_job_id: str, tenant: CurrentTenant, session: Se
 )
 def download_checkpoint_adapter(
     fine_tuning_job_id: str, checkpoint_id: str, tenant: CurrentTenant, session: SessionDep
-) -> FileResponse:
+) -> Response:
     ckpt = jobs.get_checkpoint(
         session, tenant_id=tenant.id, job_id=fine_tuning_job_id, checkpoint_id=checkpoint_id
     )
-    path = default_store().verify(ckpt.storage_key, ckpt.sha256)
-    return FileResponse(path, media_type="application/zip", filename=f"{checkpoint_id}.zip")
+    return download_response(
+        ckpt.storage_key, ckpt.sha256, media_type="application/zip", filename=f"{checkpoint_id}.zip"
+    )

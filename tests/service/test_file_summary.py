@@ -24,7 +24,7 @@ def test_the_upload_stores_the_summary_that_the_dashboard_serves(api: ApiClient)
     assert isinstance(stored, dict) and stored["examples"] == 4 and stored["bad_line_count"] == 1
     with session_scope() as s:  # the bytes are gone: only the stored summary can answer now
         key = s.scalars(select(File.storage_key).where(File.id == file_id)).one()
-    storage.local_path(key).unlink()
+    storage.default_store().delete(key)
     body = api.get(f"/dashboard/api/files/{file_id}/summary").json()
     assert body["examples"] == 4 and body["valid"] is False
     assert body["bad_lines"] == [{"line": 5, "reason": stored["bad_lines"][0]["reason"]}]

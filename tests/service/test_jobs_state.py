@@ -73,7 +73,7 @@ def test_create_job_queues_and_claim_carries_what_the_worker_needs(tenant: str) 
     assert c is not None
     assert (c.job_id, c.tenant_id, c.attempt, c.model) == (job_id, tenant, 1, "tiny-llama")
     assert c.training_file == key and c.validation_file == key
-    assert storage.local_path(c.training_file).read_bytes() == DATASET
+    assert storage.default_store().get_bytes(c.training_file) == DATASET
     # validation_split 0: the job has a validation file, so nothing is held out of training
     t = c.training
     # "auto" travels as requested: the engine plans it from the tokenized data (plan_auto)

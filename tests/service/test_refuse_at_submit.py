@@ -176,7 +176,7 @@ def test_token_lengths_are_counted_once_per_file_and_tokenizer_and_stored_beside
     from collections import OrderedDict
 
     from service import files, token_lengths
-    from service.storage import local_path
+    from service.storage import FileStore, default_store
 
     file_ids = [api.upload(DATASET), api.upload(DATASET + DATASET)]
     with session_scope() as s:
@@ -204,7 +204,9 @@ def test_token_lengths_are_counted_once_per_file_and_tokenizer_and_stored_beside
     assert list(token_lengths._cache) == [key] and token_lengths._cached_bytes == 32
     assert token_lengths.stored(rows[0], counter) is a
     # deleted with the file
-    sidecar = local_path(token_lengths.lengths_key(rows[1], counter))
+    store = default_store()
+    assert isinstance(store, FileStore)
+    sidecar = store.path(token_lengths.lengths_key(rows[1], counter))
     assert sidecar.is_file()
     assert api.delete(f"/v1/files/{file_ids[1]}").status_code == 200
     assert not sidecar.exists() and not sidecar.parent.exists()

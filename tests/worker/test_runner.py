@@ -43,7 +43,7 @@ def explain(job_id: str) -> str:
 
 
 def sha256_of(key: str) -> str:
-    return hashlib.sha256(storage.local_path(key).read_bytes()).hexdigest()
+    return hashlib.sha256(storage.default_store().get_bytes(key)).hexdigest()
 
 
 def test_job_succeeds_with_artifacts_checkpoints_and_metrics(worker_env: WorkerEnv) -> None:
@@ -83,7 +83,7 @@ def test_job_succeeds_with_artifacts_checkpoints_and_metrics(worker_env: WorkerE
     assert arts["adapter"].sha256 == sha256_of(arts["adapter"].storage_key)
     assert arts["adapter"].bytes == storage.default_store().size(arts["adapter"].storage_key)
     assert result.purpose == "fine-tune-results" and result.sha256 == sha256_of(result.storage_key)
-    rows = list(csv.reader(io.StringIO(storage.local_path(result.storage_key).read_text())))
+    rows = list(csv.reader(io.StringIO(storage.default_store().get_bytes(result.storage_key).decode())))
     assert rows[0] == list(RESULTS_CSV_COLUMNS)
     assert [int(r[0]) for r in rows[1:]] == [1, 2, 3, 4]
     # The attempt's scratch directory is gone; everything lives in the store.
