@@ -11,7 +11,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 
 from service import file_validation
-from service.api import chat, files, health, jobs, models
+from service.api import chat, files, health, jobs, models, webhooks
 from service.api.dashboard import mount_dashboard
 from service.api.docs import mount_docs
 from service.api.metrics import install_service_metrics
@@ -50,11 +50,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             from service.reaper import ReaperThread
 
             reaper = ReaperThread(settings.reaper_interval_seconds).start()
+        # Send the job events the outbox holds to webhook endpoints (service/webhook_delivery.py).
+        sender = None
+        if settings.webhook_interval_seconds > 0:
+            from service.webhook_delivery import WebhookThread
+
+            sender = WebhookThread(settings.webhook_interval_seconds).start()
         try:
             yield
         finally:
             if reaper is not None:
                 reaper.stop()
+            if sender is not None:
+                sender.stop()
             file_validation.stop_children()  # token counts of waiting jobs: the next start resumes them
             await close_read_pools()
 
@@ -77,7 +85,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             allow_methods=["GET", "POST", "DELETE"],
             allow_headers=["Authorization", "Content-Type", "Idempotency-Key"],
         )
-    for router in (health.router, files.router, jobs.router, models.router, chat.router):
+    for router in (health.router, files.router, jobs.router, models.router, chat.router, webhooks.router):
         app.include_router(router)
     install_plain_routes(app, [jobs.status_read_route])
     # request metrics middleware + GET /metrics; the dashboard at / and its /static assets

@@ -47,6 +47,7 @@ from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased
 
+from service import webhooks
 from service.auth import KEY_QUERY
 from service.db.models import Artifact, Checkpoint, File, Job, JobEvent, JobMetric, Tenant, is_id, now_s
 from service.db.session import decode_json_and_bools
@@ -611,6 +612,7 @@ def files_refused(session: Session, *, job_id: str, error: dict[str, Any]) -> bo
     if not _transition(session, job_id, "validating_files", "failed", error=error, finished_at=now_s()):
         return False
     add_event(session, job_id=job_id, level="error", message=error["message"])
+    webhooks.job_ended(session, job_id=job_id, status="failed")
     return True
 
 
@@ -820,6 +822,7 @@ def claim(session: Session, *, job_id: str, worker_id: str, running_limit: int =
         fenced = update(Job).where(Job.id == job_id, Job.status == "running", Job.attempt_token == token)
         if _run(session, fenced.values(status="failed", error=error, finished_at=now_s())) == 1:
             add_event(session, job_id=job_id, level="error", message=message)
+            webhooks.job_ended(session, job_id=job_id, status="failed")
         return None
     resume = session.execute(
         select(Checkpoint.storage_key, Checkpoint.step)
@@ -1096,6 +1099,7 @@ def finish(
         values["trained_tokens"] = trained_tokens
     if _run(session, _fenced(claim).values(**values)) != 1:
         return False
+    webhooks.job_ended(session, job_id=claim.job_id, status=status)
     if adapter_key is not None:
         if adapter_sha256 is None:
             raise ValueError("adapter_sha256 is required with adapter_key")
@@ -1150,6 +1154,7 @@ def cancel_stale(session: Session, *, job_id: str, attempt_token: str, reason: s
     if _run(session, stmt) != 1:
         return False
     add_event(session, job_id=job_id, level="info", message=f"Fine-tuning job cancelled: {reason}")
+    webhooks.job_ended(session, job_id=job_id, status="cancelled")
     return True
 
 
@@ -1165,6 +1170,7 @@ def cancel_requested_queued(session: Session) -> list[str]:
     ]
     for job_id in ended:
         add_event(session, job_id=job_id, level="info", message="Fine-tuning job cancelled")
+        webhooks.job_ended(session, job_id=job_id, status="cancelled")
     return ended
 
 
@@ -1206,6 +1212,7 @@ def fail_stale(session: Session, *, job_id: str, attempt_token: str, reason: str
     if _run(session, stmt) != 1:
         return False
     add_event(session, job_id=job_id, level="error", message=reason)
+    webhooks.job_ended(session, job_id=job_id, status="failed")
     return True
 
 

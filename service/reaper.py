@@ -34,13 +34,13 @@ import hashlib
 import json
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from service import file_validation, jobs
 from service.db.session import WORKER_APPLICATION, end_idle_transactions, session_scope, set_lock_timeout
+from service.periodic import PeriodicThread
 from service.queue import enqueue_job
 from service.settings import get_settings
 
@@ -232,26 +232,9 @@ def release_jobs_of_worker(worker_pid: int) -> TickResult:
     return result
 
 
-class ReaperThread:
+class ReaperThread(PeriodicThread):
     """Runs `Reaper.tick` every `interval` seconds in a daemon thread until `stop()`."""
 
     def __init__(self, interval: float) -> None:
-        self.interval = interval
         self.reaper = Reaper()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="loraq-reaper", daemon=True)
-
-    def start(self) -> ReaperThread:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.reaper.tick()
-            except Exception:  # a database blip must not end the loop; the next tick retries
-                log.warning("reaper tick failed", exc_info=True)
+        super().__init__("reaper", interval, self.reaper.tick)

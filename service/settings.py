@@ -12,7 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, IPvAnyNetwork
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -134,6 +134,29 @@ class Settings(BaseSettings):
     # A job without a validation_file holds out this share of its examples for a validation curve
     # (at most 200, and only from 100 examples on); a job's `validation_split` overrides it; 0: off.
     validation_split: float = Field(0.05, ge=0, le=0.5)
+
+    # Webhooks (service/webhooks.py, service/webhook_delivery.py; README "Webhooks"). Endpoints
+    # must be https (http too with `webhook_allow_http`) and may not point at loopback, link-local
+    # or unspecified addresses, this machine's own addresses or the API's host, nor at
+    # `webhook_deny_networks`, unless listed in `webhook_allow_hosts` (host names, addresses or
+    # CIDR networks). Checked at registration and again on each resolved address at delivery.
+    webhook_allow_http: bool = False
+    webhook_allow_hosts: list[str] = Field(default_factory=list)
+    webhook_deny_networks: list[IPvAnyNetwork] = Field(default_factory=list)
+    webhook_max_endpoints_per_tenant: int = Field(10, ge=1)
+    # An operator-wide endpoint that receives every tenant's job events (its secret: `whsec_...`).
+    webhook_operator_url: str | None = None
+    webhook_operator_secret: str | None = None
+    # The sender loop in the API process: how often it looks for due deliveries (0: off), how many
+    # it sends at once, a request's timeout, the delays between attempts (the last repeats) and how
+    # long after the event it stops trying (Standard Webhooks' schedule, cut at a day).
+    webhook_interval_seconds: float = Field(1.0, ge=0)
+    webhook_concurrency: int = Field(4, ge=1, le=64)
+    webhook_timeout_seconds: float = Field(15.0, gt=0)
+    webhook_retry_delays_seconds: list[float] = Field(
+        default_factory=lambda: [5.0, 300.0, 1800.0, 7200.0, 18000.0, 36000.0], min_length=1
+    )
+    webhook_retry_window_seconds: float = Field(24 * 3600.0, gt=0)
 
     checkpoint_each_epoch: bool = True
     checkpoint_interval_seconds: float = Field(600.0, ge=0)

@@ -106,6 +106,8 @@ def loraq_env(db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> I
     # No reaper loop in API tests: the databases are shared by the session, and a tick would
     # re-queue or re-send other tests' jobs. tests/service/test_reaper.py runs it on its own.
     monkeypatch.setenv("LORAQ_REAPER_INTERVAL_SECONDS", "0")
+    # Nor the webhook sender: tests/service/test_webhook_delivery.py turns it on for its own endpoints.
+    monkeypatch.setenv("LORAQ_WEBHOOK_INTERVAL_SECONDS", "0")
     get_settings.cache_clear()
     yield env
     get_settings.cache_clear()

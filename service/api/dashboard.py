@@ -11,6 +11,7 @@ Dashboard-only endpoints (same auth as /v1, the tenant's rows only):
 - `GET /dashboard/api/jobs/{id}/metrics?after=`   per-step rows after step `after`, for the charts
 - `GET /dashboard/api/jobs/{id}/samples`          eval_prompts and their greedy answers per checkpoint
 - `GET /dashboard/api/jobs/{id}/metrics.csv`       every step so far as OpenAI's results CSV (any status)
+- `GET /dashboard/api/jobs/{id}/webhook_deliveries` its webhook deliveries and their attempts
 - `GET /dashboard/api/files/{id}/summary`         structural check of an uploaded JSONL file
 - `GET /dashboard/api/workers`                    the worker registry (Redis): GPUs, job, kernels;
                                                   then the inference workers (their heartbeats)
@@ -29,8 +30,9 @@ from fastapi.responses import HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import ValidationError
 
-from service import files, inference, worker_registry
+from service import files, inference, webhooks, worker_registry
 from service import jobs as job_service
+from service.api.webhooks import delivery_public
 from service.auth import CurrentTenant
 from service.dashboard_schemas import (
     CheckpointSamplesPublic,
@@ -50,6 +52,7 @@ from service.errors import NotFoundError, UnavailableError
 from service.job_status import JobStatus
 from service.schemas import error_responses
 from service.step_metrics import metrics_csv
+from service.webhook_schemas import WebhookDeliveriesPublic
 from worker.engine.holdout import holdout_sentence
 
 log = logging.getLogger("loraq.dashboard")
@@ -57,6 +60,7 @@ log = logging.getLogger("loraq.dashboard")
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 PAGES_DIR = STATIC_DIR / "dashboard"
 MAX_METRIC_ROWS = 100_000
+MAX_WEBHOOK_DELIVERIES = 100
 MAX_STEP = 2**31 - 1  # steps are INTEGER columns: PostgreSQL's int4 ends here
 
 
@@ -187,6 +191,16 @@ def validation(session: SessionDep, job: Job) -> str:
         except (NotFoundError, OSError):
             examples = None
     return holdout_sentence(examples=examples, fraction=fraction, validation_file=job.validation_file)
+
+
+@api.get("/jobs/{job_id}/webhook_deliveries", response_model=WebhookDeliveriesPublic)
+def job_webhook_deliveries(
+    job_id: str, tenant: CurrentTenant, session: SessionDep
+) -> WebhookDeliveriesPublic:
+    """The job's events sent to the tenant's webhook endpoints, newest first, with each attempt."""
+    tenant_job(session, tenant.id, job_id)
+    rows = webhooks.deliveries(session, tenant_id=tenant.id, job_id=job_id, limit=MAX_WEBHOOK_DELIVERIES)
+    return WebhookDeliveriesPublic(data=[delivery_public(*row) for row in rows])
 
 
 @api.get(

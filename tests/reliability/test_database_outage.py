@@ -59,6 +59,7 @@ def every_request(api: ApiClient, ids: dict[str, str]) -> Iterator[tuple[str, st
     bodies: dict[tuple[str, str], dict[str, Any]] = {
         ("post", "/v1/files"): {"data": {"purpose": "fine-tune"}, "files": {"file": ("t.jsonl", DATASET)}},
         ("post", "/v1/fine_tuning/jobs"): {"json": job_body(ids["file_id"])},
+        ("post", "/v1/webhook_endpoints"): {"json": {"url": "https://93.184.215.14/hook"}},
         ("post", "/v1/chat/completions"): {
             "json": {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]}
         },
@@ -75,6 +76,7 @@ def test_the_schema_documents_503_where_the_database_is_read_and_507_where_a_wri
 
     writes = {("post", "/v1/files"), ("delete", "/v1/files/{file_id}"), ("post", "/v1/fine_tuning/jobs")}
     writes.add(("post", "/v1/fine_tuning/jobs/{fine_tuning_job_id}/cancel"))
+    writes |= {("post", "/v1/webhook_endpoints"), ("delete", "/v1/webhook_endpoints/{endpoint_id}")}
     for path, operations in create_app().openapi()["paths"].items():
         for method, operation in operations.items():
             documented = operation["responses"].keys()
@@ -95,6 +97,7 @@ def test_database_stopped_answers_503_and_recent_status_reads_stale(
         "fine_tuning_job_id": unpolled,
         "job_id": unpolled,
         "checkpoint_id": "ftckpt-000000000000000000000000",
+        "endpoint_id": "whep-000000000000000000000000",
         "model": "tiny-llama",
     }
 
