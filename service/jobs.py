@@ -57,7 +57,16 @@ from service.schemas import JobCreate, StoredCheckpointMetrics
 from service.settings import get_settings
 from service.step_metrics import StepRow, event_data
 from worker.engine.catalog import random_weights_warning
-from worker.engine.training_config import MAX_SEED, TrainingConfig
+from worker.engine.dataset_rules import PREFERENCE_FORMAT
+from worker.engine.training_config import (
+    MAX_SEED,
+    METHOD_TYPES,
+    DpoTraining,
+    Hyperparameters,
+    SupervisedTraining,
+    TrainingConfig,
+    TrainingMethod,
+)
 from worker.engine.types import ModelError, StepMetrics
 
 # The training fields (worker/engine/training_config.py) with a column of their own in the job
@@ -410,18 +419,80 @@ def routing_wait(
 
 
 def requested_training(spec: JobCreate) -> TrainingConfig:
-    """The request's training configuration: its hyperparameters from
-    `method.supervised.hyperparameters` (current API) or `hyperparameters` (deprecated), not both,
+    """The request's training configuration: its method (`requested_method`) and hyperparameters,
     with Loraq's top-level training fields. "auto" and unset values are kept."""
-    method_hp = spec.method.supervised.hyperparameters if spec.method and spec.method.supervised else None
+    method, hp = requested_method(spec)
+    return TrainingConfig(**(hp.model_dump() if hp is not None else {}), **spec.options(), method=method)
+
+
+def requested_method(spec: JobCreate) -> tuple[TrainingMethod, Hyperparameters | None]:
+    """The request's training method and its hyperparameters, 400 naming the field otherwise.
+
+    Supervised: from `method.supervised.hyperparameters` (current API) or `hyperparameters`
+    (deprecated), not both. DPO: from `method.dpo.hyperparameters` (beta among them) only. A
+    method type Loraq does not train (`reinforcement`) is `unsupported_method`."""
+    method = spec.method
+    kind = method.type if method is not None else "supervised"
+    if kind not in METHOD_TYPES:
+        raise InvalidRequestError(
+            f"method.type {kind!r} is not supported: Loraq fine-tunes with "
+            + " or ".join(repr(t) for t in METHOD_TYPES),
+            param="method.type",
+            code="unsupported_method",
+        )
+    assert method is not None or kind == "supervised"
+    for other in ("supervised", "dpo", "reinforcement"):
+        if other != kind and method is not None and getattr(method, other) is not None:
+            raise InvalidRequestError(
+                f"method.{other} is given but method.type is {kind!r}: give the hyperparameters of "
+                f"method.{kind}",
+                param=f"method.{other}",
+            )
+    if kind == "dpo":
+        assert method is not None
+        if spec.hyperparameters is not None:
+            raise InvalidRequestError(
+                "a dpo job takes its hyperparameters in 'method.dpo.hyperparameters' (beta among them), "
+                "not in the top-level 'hyperparameters'",
+                param="hyperparameters",
+            )
+        dpo_hp = method.dpo.hyperparameters if method.dpo is not None else None
+        beta = dpo_hp.beta if dpo_hp is not None else "auto"
+        three = Hyperparameters(**dpo_hp.model_dump(exclude={"beta"})) if dpo_hp is not None else None
+        return DpoTraining(beta=beta), three
+    method_hp = method.supervised.hyperparameters if method and method.supervised else None
     if method_hp is not None and spec.hyperparameters is not None:
         raise InvalidRequestError(
             "give hyperparameters either in 'hyperparameters' or in "
             "'method.supervised.hyperparameters', not both",
             param="hyperparameters",
         )
-    hp = method_hp or spec.hyperparameters
-    return TrainingConfig(**(hp.model_dump() if hp is not None else {}), **spec.options())
+    return SupervisedTraining(), method_hp or spec.hyperparameters
+
+
+def check_file_format(file: File, method: TrainingMethod, param: str) -> None:
+    """400 naming the file when its format (as its upload check found it) is not the method's:
+    a DPO job needs preference pairs, a supervised job chat, prompt/completion or text lines. A
+    file stored before uploads kept their summary is left to the worker's loader."""
+    found = (file.summary or {}).get("format")
+    if found is None:
+        return
+    if method.type == "dpo" and found != PREFERENCE_FORMAT:
+        raise InvalidRequestError(
+            f"invalid {param}: file {file.id} is in the {found!r} format; a dpo job needs preference "
+            'pairs, one per line: {"input": {"messages": [...]}, "preferred_output": '
+            '[{"role": "assistant", ...}], "non_preferred_output": [{"role": "assistant", ...}]}',
+            param=param,
+            code="invalid_file_format",
+        )
+    if method.type == "supervised" and found == PREFERENCE_FORMAT:
+        raise InvalidRequestError(
+            f"invalid {param}: file {file.id} holds preference pairs (the dpo format); a supervised job "
+            "needs chat ('messages'), 'prompt'+'completion' or 'text' lines, or set "
+            "method.type to 'dpo'",
+            param=param,
+            code="invalid_file_format",
+        )
 
 
 def training_columns(training: TrainingConfig) -> dict[str, Any]:
@@ -546,6 +617,10 @@ def create_job(
     # each file checked (or its count found pending), so a short validation file still refuses now
     checked = [check_max_seq_len(training, spec.model, spec.max_seq_len, "training_file")]
     if validation is not None:
+    requested = requested_training(spec)
+    check_file_format(training, requested.method, "training_file")
+    if validation is not None:
+        check_file_format(validation, requested.method, "validation_file")
         checked.append(check_max_seq_len(validation, spec.model, spec.max_seq_len, "validation_file"))
     queue = spec.queue or settings.worker_queue
     waiting_for = waiting_for or routing_wait(
@@ -553,9 +628,7 @@ def create_job(
     )
 
     seed = job_seed(spec)
-    config = requested_training(spec).model_copy(
-        update={"seed": seed, "validation_split": validation_split(spec)}
-    )
+    config = requested.model_copy(update={"seed": seed, "validation_split": validation_split(spec)})
     job = Job(
         tenant_id=tenant_id,
         idempotency_key=idempotency_key,
@@ -565,7 +638,7 @@ def create_job(
         training_file=spec.training_file,
         validation_file=spec.validation_file,
         **training_columns(config),
-        method_type="supervised",
+        method_type=config.method.type,
         queue=queue,
         n_gpus=spec.n_gpus,
         suffix=spec.suffix or None,

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from service.job_status import JobStatus
 from worker.engine.training_config import (
     Hyperparameters,
+    DpoHyperparameters,
     Placement,
     Strict,
     Text,
@@ -36,9 +37,22 @@ class SupervisedMethod(Strict):
 
 
 class Method(Strict):
-    type: Literal["supervised"] = "supervised"
+class DpoMethod(Strict):
+    hyperparameters: DpoHyperparameters | None = None
+
+
+    """OpenAI's `method`. `type` is any string here so that a method Loraq does not train
+    (`reinforcement`) is answered 400 `unsupported_method` naming the supported ones
+    (`service.jobs.requested_method`) rather than a schema error."""
+
+    type: str = Field(
+        "supervised", min_length=1, max_length=32, description="supervised or dpo", examples=["dpo"]
+    )
     supervised: SupervisedMethod | None = None
 
+    dpo: DpoMethod | None = None
+    # accepted only to be refused by name with the method (Loraq has no reinforcement fine-tuning)
+    reinforcement: dict[str, Any] | None = None
 
 class JobCreate(TrainingOptions, Placement):
     """OpenAI's job request. The training fields are `TrainingOptions` (Loraq's extensions, at the
@@ -108,8 +122,20 @@ class SupervisedPublic(BaseModel):
 
 
 class MethodPublic(BaseModel):
-    type: Literal["supervised"] = "supervised"
-    supervised: SupervisedPublic
+class DpoHyperparametersPublic(DpoHyperparameters):
+    """A DPO job's hyperparameters: as `HyperparametersPublic`, with beta ("auto" resolved once
+    the run is planned)."""
+
+
+class DpoPublic(BaseModel):
+    hyperparameters: DpoHyperparametersPublic
+
+
+    """The job's method as OpenAI echoes it: its type and that type's hyperparameters."""
+
+    type: Literal["supervised", "dpo"] = "supervised"
+    supervised: SupervisedPublic | None = None
+    dpo: DpoPublic | None = None
 
 
 class ProgressPublic(BaseModel):

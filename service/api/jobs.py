@@ -31,6 +31,8 @@ from service.schemas import (
     CheckpointMetrics,
     CheckpointPublic,
     CheckpointsPublic,
+    DpoHyperparametersPublic,
+    DpoPublic,
     DryRunPublic,
     EventPublic,
     EventsPublic,
@@ -69,6 +71,20 @@ def job_public(job: Job) -> JobPublic:
     # as requested until the engine planned the run, then what "auto" resolved to
     planned = job.plan["hyperparameters"] if job.plan else training.hyperparameter_block().model_dump()
     hp = HyperparametersPublic(**planned)
+    method = training.method
+    echoed = (
+        MethodPublic(
+            type="dpo",
+            dpo=DpoPublic(
+                # beta needs no data: once the run is planned it shows what "auto" resolved to
+                hyperparameters=DpoHyperparametersPublic(
+                    **planned, beta=method.beta_value if job.plan else method.beta
+                )
+            ),
+        )
+        if method.type == "dpo"
+        else MethodPublic(supervised=SupervisedPublic(hyperparameters=hp))
+    )
     options = {**training.options(), "validation_split": training.validation_split or 0.0}
     return JobPublic(
         **options,
@@ -88,7 +104,7 @@ def job_public(job: Job) -> JobPublic:
         estimated_finish=job.estimated_finish,
         integrations=[],
         metadata=job.metadata_,
-        method=MethodPublic(supervised=SupervisedPublic(hyperparameters=hp)),
+        method=echoed,
         user_provided_suffix=job.suffix,
         queue=job.queue,
         n_gpus=job.n_gpus,

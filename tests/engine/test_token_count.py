@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,20 +29,35 @@ PLAIN = [
     {"prompt": "", "completion": "x" * 300},
 ]
 TEXT = [{"text": "plain text with <|endoftext|> inside and emoji \U0001f680"}]
+PAIRS = [  # DPO: a pair counts both its conversations (one row holds both)
+    {
+        "input": {
+            "messages": [{"role": "system", "content": "be a pirate"}, {"role": "user", "content": "hi"}]
+        },
+        "preferred_output": [{"role": "assistant", "content": "arr matey \U0001f600"}],
+        "non_preferred_output": [{"role": "assistant", "content": "hello"}],
+    }
+]
+FORMATS: dict[str, Any] = {
+    "chat": LINES,
+    "prompt_completion": PLAIN,
+    "text": TEXT,
+    "preference": PAIRS,
+}
 
 
-@pytest.mark.parametrize("records", [LINES, PLAIN, TEXT], ids=["chat", "prompt_completion", "text"])
-def test_counts_equal_the_engines_input_ids(tmp_path: Path, records: list[dict[str, object]]) -> None:
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_counts_equal_the_engines_input_ids(tmp_path: Path, fmt: str) -> None:
     from worker.engine.data import read_examples
     from worker.engine.tiny import build_tiny_tokenizer
 
+    records = FORMATS[fmt]
     path = tmp_path / "data.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     engine, report = read_examples(path, build_tiny_tokenizer(), max_seq_len=100_000)
     assert not report.errors, report.errors
     counter = load_counter("tiny-llama", tmp_path)
     assert counter is not None
-    fmt = "chat" if "messages" in records[0] else "prompt_completion" if "prompt" in records[0] else "text"
     assert [counter.count(fmt, r) for r in records] == [len(e.input_ids) for e in engine]
 
 

@@ -4,6 +4,8 @@ fine-tuning jobs, events, checkpoints, cancel, models and typed errors."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -15,17 +17,23 @@ from tests.conftest import DATASET, ApiClient
 from tests.service.test_api_jobs import run_job_to_success
 
 
-async def flow(api: ApiClient) -> dict[str, Any]:
+@asynccontextmanager
+async def asgi_openai(api_key: str) -> AsyncIterator[openai.AsyncOpenAI]:
+    """The official client, unmodified, on the app in process (over ASGI)."""
     transport = httpx.ASGITransport(app=create_app())
     async with httpx.AsyncClient(transport=transport, base_url="http://loraq.test") as http:
         # openai 3 annotates http_client as httpx2's AsyncClient but accepts httpx's too (the
         # legacy client), which is what serves an ASGI app in process here
-        client = openai.AsyncOpenAI(
+        yield openai.AsyncOpenAI(
             base_url="http://loraq.test/v1",
-            api_key=api.key,
+            api_key=api_key,
             http_client=http,  # type: ignore[arg-type]
             max_retries=0,
         )
+
+
+async def flow(api: ApiClient) -> dict[str, Any]:
+    async with asgi_openai(api.key) as client:
         f = await client.files.create(file=("train.jsonl", DATASET), purpose="fine-tune")
         assert f.id.startswith("file-") and f.bytes == len(DATASET) and f.purpose == "fine-tune"
         assert (await client.files.retrieve(f.id)).filename == "train.jsonl"
@@ -76,13 +84,9 @@ async def flow(api: ApiClient) -> dict[str, Any]:
         with pytest.raises(openai.NotFoundError) as missing:
             await client.fine_tuning.jobs.retrieve("ftjob-nope")
         errors["missing"] = missing.value
-        wrong = openai.AsyncOpenAI(
-            base_url="http://loraq.test/v1",
-            api_key="sk-wrong",
-            http_client=http,  # type: ignore[arg-type]  # as above: httpx's client
-        )
-        with pytest.raises(openai.AuthenticationError) as unauth:
-            await wrong.fine_tuning.jobs.list()
+        async with asgi_openai("sk-wrong") as wrong:
+            with pytest.raises(openai.AuthenticationError) as unauth:
+                await wrong.fine_tuning.jobs.list()
         errors["unauth"] = unauth.value
         deleted = await client.files.delete(done.result_files[0])
         assert deleted.deleted is True

@@ -10,6 +10,11 @@ One JSONL file holds one format (the first valid line decides):
 - prompt/completion: `{"prompt": str, "completion": str}` as raw text, no template (OpenAI's
   legacy semantics); the loss covers the completion and an appended EOS token.
 - text: `{"text": str}`; the loss covers every token, EOS appended.
+- preference (DPO): `{"input": {"messages": [...], "tools": [...]}, "preferred_output": [one
+  assistant message], "non_preferred_output": [one]}`. One example is the pair: the prompt rendered
+  with the preferred answer (chosen), then with the other (rejected), two sequences back to back
+  (`Examples.split`: where the rejected one starts); each carries loss on its answer's tokens. A
+  pair is packed, held out and batched whole, so both sequences share a row (`pair_slots`).
 
 Labels follow Hugging Face's convention: `labels[t]` is the target of the logits at `t - 1` (the
 model shifts), -100 where no loss is taken. The first label of every example is -100: nothing
@@ -45,11 +50,13 @@ from worker.engine.chat_format import Render, Span, assistant_spans, end_of_turn
 from worker.engine.dataset_rules import (
     NO_EXAMPLES,
     NO_TRAINABLE_TOKENS,
+    PREFERENCE_FORMAT,
     DatasetFormat,
     FileFormat,
     LineProblem,
     parse_line,
 )
+    preference_pair,
 from worker.engine.holdout import holdout_size
 from worker.engine.training_config import AutoPlan, DataShape, batches_per_epoch
 from worker.engine.types import DatasetError, LineError, ModelError, RequestError, StopRequested
@@ -69,6 +76,7 @@ class Example:
     input_ids: list[int]
     labels: list[int]
 
+    split: int = 0  # a preference pair: where its second (rejected) sequence starts; 0: one sequence
     @property
     def trainable_tokens(self) -> int:
         return sum(1 for x in self.labels if x != IGNORE_INDEX)
@@ -104,7 +112,8 @@ class Examples(Sequence[Example]):
     Per token: its id (2 bytes where the vocabulary fits 16 bits, else 4) and a loss flag (1 byte);
     per example: its end offset (8 bytes), line (4) and trainable tokens (4). A Python list of ints
     would take about 36 bytes a token. `labels[t]` is `input_ids[t]` where the flag is set, else
-    IGNORE_INDEX. `subset` views some of the examples without copying their tokens.
+    IGNORE_INDEX. `subset` views some of the examples without copying their tokens. A preference
+    pair is one example of two sequences; `splits` (4 bytes an example) says where the second starts.
     """
 
     def __init__(self, vocab_size: int = 1 << 31) -> None:
@@ -114,15 +123,17 @@ class Examples(Sequence[Example]):
         self.lines = array("i")
         self.trainable_counts = array("i")
         self.picked: array[int] | None = None  # a subset: its examples' positions in the arrays above
+        self.splits = array("i")  # splits[i]: offset of example i's second sequence in it (0: none)
 
     @classmethod
     def of(cls, examples: Iterable[Example]) -> Examples:
         out = cls()
         for e in examples:
-            out.append(e.line, e.input_ids, [label != IGNORE_INDEX for label in e.labels])
+            out.append(e.line, e.input_ids, [label != IGNORE_INDEX for label in e.labels], e.split)
         return out
 
-    def append(self, line: int, ids: Sequence[int], trainable: Sequence[bool]) -> None:
+    def append(self, line: int, ids: Sequence[int], trainable: Sequence[bool], split: int = 0) -> None:
+        self.splits.append(split)
         self.ids.extend(ids)
         self.trainable.extend(trainable)
         self.ends.append(len(self.ids))
@@ -134,7 +145,7 @@ class Examples(Sequence[Example]):
         arrays: 4 bytes per example."""
         out = Examples.__new__(Examples)
         out.ids, out.trainable, out.ends, out.lines = self.ids, self.trainable, self.ends, self.lines
-        out.trainable_counts = self.trainable_counts
+        out.trainable_counts, out.splits = self.trainable_counts, self.splits
         base = positions.long() if self.picked is None else _int64(self.picked)[positions.long()]
         out.picked = array("i", base.to(torch.int32).numpy().tobytes())
         return out
@@ -155,12 +166,27 @@ class Examples(Sequence[Example]):
         if not -len(self) <= i < len(self):
             raise IndexError(i)
         ids, labels = self.tokens_of(i % len(self))
-        return Example(self.line(i % len(self)), ids, labels)
+        return Example(self.line(i % len(self)), ids, labels, self.split(i % len(self)))
 
     def line(self, i: int) -> int:
         return self.lines[self._at(i)]
 
     def span(self, i: int) -> tuple[int, int]:
+    def split(self, i: int) -> int:
+        """Where example i's second sequence starts (a preference pair's rejected one); 0: none."""
+        return self.splits[self._at(i)]
+
+    def positions(self, i: int) -> list[int]:
+        """Example i's position ids: 0.. restarting where its second sequence starts."""
+        a, b = self.span(i)
+        cut = self.split(i)
+        return [*range(cut), *range(b - a - cut)] if cut else list(range(b - a))
+
+    def sequences_per_example(self) -> torch.Tensor:
+        """(n,) int64: 2 for a preference pair, else 1."""
+        counts = (_int64(self.splits) > 0).long() + 1
+        return counts if self.picked is None else counts[_int64(self.picked)]
+
         p = self._at(i)
         return (self.ends[p - 1] if p else 0), self.ends[p]
 
@@ -255,7 +281,7 @@ class Rows(Sequence[Row]):
             ids, labels = self.examples.tokens_of(p)
             row.input_ids += ids
             row.labels += labels
-            row.position_ids += range(len(ids))
+            row.position_ids += self.examples.positions(p)
             row.lines.append(self.examples.line(p))
         return row
 
@@ -275,10 +301,8 @@ class Rows(Sequence[Row]):
         return self._per_row(self.examples.trainable_per_example())
 
     def segments(self) -> torch.Tensor:
-        """(rows,) int64: examples in each row."""
-        if self.starts is None:
-            return torch.ones(len(self), dtype=torch.int64)
-        return torch.diff(self.starts)
+        """(rows,) int64: sequences in each row (an example's one, a preference pair's two)."""
+        return self._per_row(self.examples.sequences_per_example())
 
     def longest(self) -> int:
         return int(self.lengths().max()) if len(self) else 0
@@ -357,7 +381,8 @@ def _mask_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]
     return out
 
 
-_Tokenized = tuple[int, list[int], list[bool]]  # (line, input_ids, loss flags)
+# (line, input_ids, loss flags, split: where a preference pair's rejected sequence starts, else 0)
+_Tokenized = tuple[int, list[int], list[bool], int]
 
 
 def _tokenize(parsed: list[_Parsed], tokenizer: PreTrainedTokenizerBase) -> list[_Tokenized | LineError]:
@@ -365,7 +390,7 @@ def _tokenize(parsed: list[_Parsed], tokenizer: PreTrainedTokenizerBase) -> list
     eos = tokenizer.eos_token_id
     if eos is None:
         raise DatasetError([LineError(0, "the model's tokenizer has no EOS token")])
-    if any(p.format == "chat" for p in parsed) and not tokenizer.chat_template:
+    if any(p.format in ("chat", PREFERENCE_FORMAT) for p in parsed) and not tokenizer.chat_template:
         raise DatasetError(
             [
                 LineError(
@@ -376,19 +401,29 @@ def _tokenize(parsed: list[_Parsed], tokenizer: PreTrainedTokenizerBase) -> list
     results: list[_Tokenized | LineError] = []
     chat_texts: list[str] = []
     chat_spans: list[list[tuple[int, int]]] = []
-    chat_index: list[int] = []
+    chat_index: list[int] = []  # the line of each chat text (a preference line has two, in a row)
     plain_index: list[int] = []
     for k, p in enumerate(parsed):
         results.append(LineError(p.line, "not tokenized"))  # placeholder, replaced below
-        if p.format == "chat":
+        if p.format in ("chat", PREFERENCE_FORMAT):
+            # a pair's prompt trains nothing (weight 0); its answer is the one trained turn
+            conversations = (
+                [
+                    ([{**m, "weight": 0} for m in c[:-1]] + c[-1:], tools)
+                    for c, tools in preference_pair(p.record)
+                ]
+                if p.format == PREFERENCE_FORMAT
+                else [(p.record["messages"], p.record.get("tools"))]
+            )
             try:
-                text, spans = _chat_spans(p.record["messages"], tokenizer, p.record.get("tools"))
+                rendered = [_chat_spans(c, tokenizer, tools) for c, tools in conversations]
             except LineProblem as exc:
                 results[k] = LineError(p.line, str(exc))
                 continue
-            chat_texts.append(text)
-            chat_spans.append(spans)
-            chat_index.append(k)
+            for text, spans in rendered:
+                chat_texts.append(text)
+                chat_spans.append(spans)
+                chat_index.append(k)
         else:
             plain_index.append(k)
 
@@ -397,7 +432,13 @@ def _tokenize(parsed: list[_Parsed], tokenizer: PreTrainedTokenizerBase) -> list
         for k, ids, offsets, spans in zip(
             chat_index, enc["input_ids"], enc["offset_mapping"], chat_spans, strict=True
         ):
-            results[k] = (parsed[k].line, list(ids), _mask_from_spans(offsets, spans))
+            flags = _mask_from_spans(offsets, spans)
+            flags[0] = False  # nothing predicts a sequence's first token
+            done = results[k]
+            if isinstance(done, tuple):  # a pair's rejected sequence: after the chosen one
+                results[k] = (done[0], done[1] + list(ids), done[2] + flags, len(done[1]))
+            else:
+                results[k] = (parsed[k].line, list(ids), flags, 0)
 
     prompts = [parsed[k].record.get("prompt", "") for k in plain_index]
     bodies = [
@@ -412,18 +453,24 @@ def _tokenize(parsed: list[_Parsed], tokenizer: PreTrainedTokenizerBase) -> list
         for n, k in enumerate(plain_index):
             context = list(prompt_ids[n]) if prompt_ids is not None else []
             target = [*body_ids[n], eos]
-            results[k] = (parsed[k].line, context + target, [False] * len(context) + [True] * len(target))
+            flags = [False] * len(context) + [True] * len(target)
+            flags[0] = False  # nothing predicts the first token
+            results[k] = (parsed[k].line, context + target, flags, 0)
 
     for k, r in enumerate(results):
-        if isinstance(r, tuple):
-            r[2][0] = False  # nothing predicts the first token
-            if not any(r[2]):
-                results[k] = LineError(r[0], NO_TRAINABLE_TOKENS)
+        if isinstance(r, tuple) and not all(_trains(r)):
+            results[k] = LineError(r[0], NO_TRAINABLE_TOKENS)
     return results
 
 
 # ---------------------------------------------------------------------------------------------
 # public API
+
+def _trains(tokenized: _Tokenized) -> list[bool]:
+    """Whether each sequence of a tokenized line (a pair's two, else one) carries loss."""
+    _line, _ids, flags, split = tokenized
+    return [any(flags[:split]), any(flags[split:])] if split else [any(flags)]
+
 
 
 def read_examples(
@@ -609,7 +656,7 @@ def _dataset(
         tokens=examples.tokens,
         trainable_tokens=examples.trainable_tokens,
         max_seq_len=max_seq_len,
-        packed=pack,
+        packed=pack or fmt == PREFERENCE_FORMAT,  # a pair's two sequences share its row
         format=fmt,
         pad_token_id=int(pad),
     )
@@ -699,6 +746,9 @@ class Batch:
 
     @property
     def num_tokens(self) -> int:
+    # (B,) int64 CPU: the dataset rows these are (`BatchSampler`); what a preference batch's
+    # reference log-probabilities are looked up by (worker/engine/preference.py)
+    row_ids: torch.Tensor | None = None
         return int(self.attention_mask.sum().item())
 
     @property
@@ -716,6 +766,7 @@ class Batch:
         )
 
     def model_inputs(self) -> dict[str, Any]:
+            self.row_ids,
         """Keyword arguments for a Hugging Face causal LM's forward (labels not included).
 
         use_cache=False matters: with a KV cache transformers ignores position_ids when building the
@@ -805,18 +856,34 @@ class BatchSampler:
             raise IndexError(f"batch index {index} out of range (0..{len(self) - 1})")
         ids = self.order_ids(epoch)[index * self.batch_size : (index + 1) * self.batch_size].tolist()
         rows = [self.dataset.rows[i] for i in ids]
-        return collate(rows, self.dataset.pad_token_id, packed=self.dataset.packed, pad_to=self.pad_to)
+        batch = collate(rows, self.dataset.pad_token_id, packed=self.dataset.packed, pad_to=self.pad_to)
+        batch.row_ids = torch.tensor(ids, dtype=torch.int64)
+        return batch
 
+        return self._collate(ids)
+
+    def _collate(self, ids: list[int]) -> Batch:
     def iter_from(self, epoch: int = 0, index: int = 0) -> Iterator[tuple[int, int, Batch]]:
         """Yield (epoch, index, batch) forever, starting at (epoch, index); the caller stops it."""
         while True:
             order = self.order_ids(epoch)
             for i in range(index, len(self)):
                 ids = order[i * self.batch_size : (i + 1) * self.batch_size].tolist()
-                rows = [self.dataset.rows[j] for j in ids]
-                yield (
-                    epoch,
-                    i,
-                    collate(rows, self.dataset.pad_token_id, packed=self.dataset.packed, pad_to=self.pad_to),
-                )
+                yield epoch, i, self._collate(ids)
             epoch, index = epoch + 1, 0
+
+
+def pair_slots(batch: Batch) -> tuple[torch.Tensor, int]:
+    """A batch of preference rows: each token's sequence slot, (B, T) int64, and the pairs it holds.
+
+    A row holds whole pairs, each its chosen then its rejected sequence, so the real sequences of
+    the batch, counted row by row, are chosen₀, rejected₀, chosen₁, ...: slot 2·pair + side (side 0
+    chosen, 1 rejected). Padding is -1 (a packed row's padding tail starts a sequence of its own,
+    but holds no real token)."""
+    real = batch.attention_mask == 1
+    starts = (batch.position_ids == 0) & real  # (B, T)
+    per_row = starts.sum(dim=1)  # (B,) sequences in each row: two a pair
+    before = torch.cumsum(per_row, 0) - per_row  # (B,) sequences in the rows before
+    ordinal = starts.long().cumsum(dim=1) - 1 + before[:, None]  # (B, T)
+    slots = torch.where(real, ordinal, torch.full_like(ordinal, -1))
+    return slots, int(per_row.sum()) // 2

@@ -4,9 +4,11 @@ Pure Python (json and re, no torch): the API's upload check (`service/api/datase
 the engine's loader (`worker/engine/data.py`) both parse every line with `parse_line`, so a file the
 API accepts is one the engine can load, and both name a bad line's problem in the same words.
 
-Each non-blank line is a JSON object in one of three formats -- chat (`messages`), `prompt` +
-`completion`, or `text` -- and every line of a file uses the format of its first good line
-(`FileFormat`). A line's nesting depth and integer sizes are checked before `json.loads` builds
+Each non-blank line is a JSON object in one of four formats -- chat (`messages`), `prompt` +
+`completion`, `text`, or a DPO preference pair (OpenAI's: `input` {`messages`, `tools`,
+`parallel_tool_calls`}, `preferred_output` and `non_preferred_output`, each one assistant message)
+-- and every line of a file uses the format of its first good line (`FileFormat`). A line's
+nesting depth and integer sizes are checked before `json.loads` builds
 anything, so no line costs a RecursionError or a huge int deep in the parser.
 """
 
@@ -17,7 +19,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-DatasetFormat = Literal["chat", "prompt_completion", "text"]
+DatasetFormat = Literal["chat", "prompt_completion", "text", "preference"]
+PREFERENCE_FORMAT: DatasetFormat = "preference"  # what a DPO job trains on; the others are supervised
+PREFERENCE_OUTPUTS = ("preferred_output", "non_preferred_output")
+PREFERENCE_INPUT_KEYS = {"messages", "tools", "parallel_tool_calls"}
 
 ROLES = ("system", "user", "assistant", "tool")
 MESSAGE_KEYS = {"role", "content", "weight", "name", "tool_calls", "tool_call_id"}
@@ -75,6 +80,8 @@ def parse_line(raw: bytes) -> ParsedLine:
         raise LineProblem("JSON nested too deeply") from exc
     if not isinstance(record, dict):
         raise LineProblem(f"expected a JSON object, got {type(record).__name__}")
+    if "input" in record or any(key in record for key in PREFERENCE_OUTPUTS):
+        return _preference_line(record)
     if "messages" in record:
         tools = record.get("tools")
         n, assistants = check_conversation(record["messages"], tools, record.get("parallel_tool_calls", True))
@@ -99,8 +106,57 @@ def parse_line(raw: bytes) -> ParsedLine:
         return ParsedLine("text", record, 0, 0, len(record["text"].encode()))
     keys = ", ".join(sorted(record)) or "none"
     raise LineProblem(
-        f"missing field: expected 'messages', 'prompt'+'completion' or 'text' (got keys: {keys})"
+        "missing field: expected 'messages', 'prompt'+'completion', 'text' or a preference pair "
+        f"('input', 'preferred_output', 'non_preferred_output') (got keys: {keys})"
     )
+
+
+def _preference_line(record: dict[str, Any]) -> ParsedLine:
+    """A DPO pair: the prompt conversation `input.messages` (with the `tools` it may call and
+    `parallel_tool_calls`), and one assistant answer in each of `preferred_output` and
+    `non_preferred_output`, all by the chat rules (`check_conversation`). The pair's text is the
+    prompt twice and both answers: what a training row holds of it."""
+    for key in ("input", *PREFERENCE_OUTPUTS):
+        if key not in record:
+            raise LineProblem(
+                f"missing field '{key}' (a preference line needs input, {' and '.join(PREFERENCE_OUTPUTS)})"
+            )
+    source = record["input"]
+    if not isinstance(source, dict):
+        raise LineProblem(f"field 'input' must be an object, got {type(source).__name__}")
+    unknown = set(source) - PREFERENCE_INPUT_KEYS
+    if unknown:
+        raise LineProblem(f"input has unknown field(s): {', '.join(sorted(unknown))}")
+    if "messages" not in source:
+        raise LineProblem("input is missing field 'messages'")
+    prompt, tools = source["messages"], source.get("tools")
+    parallel = source.get("parallel_tool_calls", True)
+    # the prompt trains no turn of its own
+    check_conversation(prompt, tools, parallel, where="input.messages", needs_assistant=False)
+    for i, msg in enumerate(prompt):
+        if "weight" in msg:
+            raise LineProblem(f"input.messages[{i}]: 'weight' has no meaning in a preference pair's input")
+    size = 2 * conversation_bytes(prompt, tools)
+    for key in PREFERENCE_OUTPUTS:
+        answer = record[key]
+        if not isinstance(answer, list) or len(answer) != 1:
+            got = f"{len(answer)} messages" if isinstance(answer, list) else type(answer).__name__
+            raise LineProblem(f"field '{key}' must be a list of exactly one assistant message, got {got}")
+        if isinstance(answer[0], dict) and answer[0].get("role", "assistant") != "assistant":
+            raise LineProblem(f"{key}[0] must have role 'assistant', got {answer[0]['role']!r}")
+        if isinstance(answer[0], dict) and "weight" in answer[0]:
+            raise LineProblem(f"{key}[0]: 'weight' has no meaning in a preference pair")
+        check_conversation(answer, tools, parallel, where=key)
+        size += conversation_bytes(answer, None)
+    return ParsedLine(PREFERENCE_FORMAT, record, len(prompt) + 2, 2, size)
+
+
+def preference_pair(record: dict[str, Any]) -> list[tuple[list[dict[str, Any]], list[Any]]]:
+    """A valid preference line's two conversations (the prompt and the preferred answer, then
+    the prompt and the other one), each with the tools the prompt offers (empty: none)."""
+    source = record["input"]
+    tools = list(source.get("tools") or [])
+    return [(list(source["messages"]) + list(record[key]), tools) for key in PREFERENCE_OUTPUTS]
 
 
 def check_conversation(

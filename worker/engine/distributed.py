@@ -129,7 +129,10 @@ def shard_rows(batch: Batch, ctx: DistContext) -> Batch | None:
         return None  # fewer rows than ranks: this rank contributes zero gradient this micro-batch
     rows = slice(ctx.rank, None, ctx.world_size)
     b = batch
-    return Batch(b.input_ids[rows], b.labels[rows], b.attention_mask[rows], b.position_ids[rows], b.packed)
+    row_ids = b.row_ids[rows] if b.row_ids is not None else None
+    return Batch(
+        b.input_ids[rows], b.labels[rows], b.attention_mask[rows], b.position_ids[rows], b.packed, row_ids
+    )
 
 
 class FlatGrads:
@@ -141,19 +144,21 @@ class FlatGrads:
     (what a captured graph needs). A rank without rows in a micro-batch simply adds nothing.
     """
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], ctx: DistContext) -> None:
+    def __init__(self, params: Sequence[torch.nn.Parameter], ctx: DistContext, values: int = 1) -> None:
+        """`values`: slots after the gradients summed with them (the loss; DPO: and its readings)."""
         if any(p.dtype != torch.float32 for p in params):
             raise ValueError("FlatGrads holds fp32 gradients: the adapters must be fp32")
         self.params = list(params)
         self.ctx = ctx
         n = sum(p.numel() for p in self.params)
-        self.flat = torch.zeros(n + 1, dtype=torch.float32, device=self.params[0].device)
+        self.flat = torch.zeros(n + values, dtype=torch.float32, device=self.params[0].device)
         self.views: list[torch.Tensor] = []
         offset = 0
         for p in self.params:
             self.views.append(self.flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
-        self.loss = self.flat[n]  # () view: the summed loss after all_reduce_
+        # () view (or (values,)): the summed loss after all_reduce_
+        self.loss = self.flat[n] if values == 1 else self.flat[n:]
         self._attach()
 
     def _attach(self) -> None:
@@ -169,7 +174,7 @@ class FlatGrads:
     def all_reduce_(self, loss: torch.Tensor) -> torch.Tensor:
         """Sum gradients and `loss` (0-d) over the ranks in one collective; returns the summed loss
         (a view of the buffer, valid until the next zero_)."""
-        self.loss.copy_(loss.detach())
+        self.loss.copy_(loss.detach().reshape(self.loss.shape))
         if self.ctx.active:
             dist.all_reduce(self.flat, op=dist.ReduceOp.SUM)
         return self.loss

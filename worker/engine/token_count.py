@@ -7,7 +7,8 @@ transformers does, so `TokenCounter.count` equals the engine's `len(input_ids)` 
 
 - chat: the rendered conversation, tokenized without special-token additions;
 - prompt/completion: prompt tokens + completion tokens + EOS;
-- text: text tokens + EOS.
+- text: text tokens + EOS;
+- preference (DPO): the prompt rendered with each answer, both conversations' tokens (one row holds both).
 
 A pulled GGUF model is counted with the `tokenizer.json` (and chat template) that transformers
 converted from the GGUF and the worker wrote in its directory (`worker/engine/gguf_tokenizer.py`). A model
@@ -30,6 +31,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from worker.engine.catalog import PRESET_SHAPES, PRETRAINED, TINY_LLAMA_SHAPE, get_model_info
 from worker.engine.chat_format import template_messages
+from worker.engine.dataset_rules import preference_pair
 from worker.engine.gguf_tokenizer import tokenizer_dir
 from worker.engine.types import ModelError
 
@@ -94,7 +96,8 @@ class TokenCounter:
 
         - chat: the rendered conversation;
         - prompt/completion: prompt + completion + EOS (tokenized apart, as the engine does);
-        - text: text + EOS.
+        - text: text + EOS;
+        - preference: the prompt with the preferred answer + the prompt with the other one.
         """
         texts: list[str] = []
         # per line: (index of its first text, how many texts, tokens added), None if uncountable
@@ -105,6 +108,11 @@ class TokenCounter:
                 parts.append(None if text is None else (len(texts), 1, 0))
                 if text is not None:
                     texts.append(text)
+            elif fmt == "preference":
+                pair = [self.render(conversation, tools) for conversation, tools in preference_pair(record)]
+                rendered = [t for t in pair if t is not None]
+                parts.append((len(texts), 2, 0) if len(rendered) == 2 else None)
+                texts += rendered if len(rendered) == 2 else []
             elif fmt == "prompt_completion":
                 parts.append((len(texts), 2, 1))
                 texts += [record.get("prompt", ""), record["completion"]]

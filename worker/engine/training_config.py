@@ -57,6 +57,8 @@ AUTO_BATCH_SIZE = 4  # rows of max_seq_len a step at most (and examples a step u
 AUTO_MIN_STEPS = 48  # optimizer steps auto aims for at least, by making steps smaller
 AUTO_ROW_MULTIPLE = 64  # shortened packed rows are a multiple of this many tokens
 AUTO_LEARNING_RATE_MULTIPLIER = 1.0
+AUTO_DPO_BETA = 0.1  # DPO's beta when "auto" (the DPO paper's and TRL's default)
+MAX_DPO_BETA = 10.0
 # A local run (`loraq train` YAML, a TrainConfig built in code) without n_epochs makes one pass.
 LOCAL_N_EPOCHS = 1
 
@@ -131,6 +133,11 @@ LrMultiplier = Annotated[
 ]
 ModuleName = Annotated[str, Field(min_length=1, max_length=128)]
 
+Beta = Annotated[
+    float | Auto,
+    PlainValidator(_auto_or_positive(MAX_DPO_BETA)),
+    _auto_schema("number", exclusiveMinimum=0, maximum=MAX_DPO_BETA),
+]
 
 def _targets_shape(v: object) -> object:
     # Checked before the union, so a wrong shape is one error naming the field, not one per branch.
@@ -245,11 +252,51 @@ class Placement(Strict):
 
 
 class TrainingConfig(Hyperparameters, TrainingOptions):
-    """Every training field, flat."""
+    """Every training field, flat, and the training method (supervised or DPO with its beta)."""
+
+    method: TrainingMethod = Field(default_factory=SupervisedTraining, description="supervised or dpo")
 
     def hyperparameter_block(self) -> Hyperparameters:
         """OpenAI's part, as a job shows it under `hyperparameters`."""
         return Hyperparameters(**{name: getattr(self, name) for name in Hyperparameters.model_fields})
+
+class DpoHyperparameters(Hyperparameters):
+    """OpenAI's DPO hyperparameters (`method.dpo.hyperparameters`): the supervised three and beta."""
+
+    beta: Beta = Field(
+        "auto",
+        description="DPO's beta: how far the adapter may move from the base (higher: closer); "
+        f"auto: {AUTO_DPO_BETA}",
+    )
+
+
+class SupervisedTraining(Strict):
+    """Supervised fine-tuning: next-token cross-entropy on the assistant's (completion's) tokens."""
+
+    type: Literal["supervised"] = "supervised"
+
+
+class DpoTraining(Strict):
+    """Direct Preference Optimization on preference pairs: the sigmoid loss
+
+        L = -log σ(β · ((log π(y_w|x) - log π_ref(y_w|x)) - (log π(y_l|x) - log π_ref(y_l|x))))
+
+    averaged over the step's pairs; π_ref is the base with the adapter switched off."""
+
+    type: Literal["dpo"] = "dpo"
+    beta: Beta = Field("auto", description=f"auto: {AUTO_DPO_BETA}")
+
+    @property
+    def beta_value(self) -> float:
+        return AUTO_DPO_BETA if self.beta == "auto" else float(self.beta)
+
+
+# The training method, one typed value from the request (service.jobs.requested_training) through
+# the job row and the worker's claim to the engine (TrainConfig.method).
+TrainingMethod = Annotated[SupervisedTraining | DpoTraining, Field(discriminator="type")]
+MethodType = Literal["supervised", "dpo"]
+METHOD_TYPES: tuple[MethodType, ...] = ("supervised", "dpo")
+
 
 
 @dataclass(frozen=True)

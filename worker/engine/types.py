@@ -19,7 +19,9 @@ from worker.engine.training_config import (
     LOCAL_N_EPOCHS,
     AutoPlan,
     DataShape,
+    SupervisedTraining,
     TrainingConfig,
+    TrainingMethod,
     plan_auto,
 )
 from worker.engine.training_config import LoraConfig as LoraConfig  # re-exported for the engine
@@ -79,6 +81,8 @@ class TrainConfig:
     row_tokens: int | None = None
 
     def plan(self, data: DataShape, *, world_size: int = 1) -> AutoPlan:
+    # supervised (cross-entropy on the trained tokens) or DPO (preference pairs, its beta)
+    method: TrainingMethod = field(default_factory=SupervisedTraining)
         """The run's hyperparameters for `data`: "auto" ones planned, the others as set."""
         plan = plan_auto(
             data,
@@ -125,6 +129,7 @@ class TrainConfig:
             eval_prompts=list(training.eval_prompts or []),
             auto=tuple(
                 name
+            method=training.method,
                 for name, value in (
                     ("n_epochs", training.n_epochs),
                     ("batch_size", training.batch_size),
@@ -143,9 +148,21 @@ class TrainConfig:
         d["lora"] = self.lora.model_dump()
         return d
 
+        d["method"] = self.method.model_dump()
 
 @dataclass
 class StepMetrics:
+@dataclass
+class PreferenceMetrics:
+    """A DPO step's (or validation pass's) readings, means over its pairs (TRL's rewards/*):
+    r = β · (log π(answer) - log π_ref(answer)) of the chosen and the rejected answer."""
+
+    chosen_reward: float
+    rejected_reward: float
+    margin: float  # chosen_reward - rejected_reward
+    accuracy: float  # share of pairs whose chosen reward is above the rejected one
+
+
     step: int  # 1-based optimizer step
     total_steps: int
     epoch: float
@@ -162,6 +179,9 @@ class StepMetrics:
     padding_fraction: float = 0.0
 
 
+    # DPO only: the step's readings, and the validation pass's where one ran (its loss: valid_loss)
+    preference: PreferenceMetrics | None = None
+    valid_preference: PreferenceMetrics | None = None
 @dataclass
 class CheckpointInfo:
     step: int
