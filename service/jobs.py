@@ -613,14 +613,14 @@ def create_job(
     settings = get_settings()
     waiting_for = check_job_limits(session, tenant_id=tenant_id)
     training, validation = check_job_inputs(session, tenant_id=tenant_id, spec=spec)
-    check_target_modules(spec.lora.target_modules, spec.model)
-    # each file checked (or its count found pending), so a short validation file still refuses now
-    checked = [check_max_seq_len(training, spec.model, spec.max_seq_len, "training_file")]
-    if validation is not None:
     requested = requested_training(spec)
     check_file_format(training, requested.method, "training_file")
     if validation is not None:
         check_file_format(validation, requested.method, "validation_file")
+    check_target_modules(spec.lora.target_modules, spec.model)
+    # each file checked (or its count found pending), so a short validation file still refuses now
+    checked = [check_max_seq_len(training, spec.model, spec.max_seq_len, "training_file")]
+    if validation is not None:
         checked.append(check_max_seq_len(validation, spec.model, spec.max_seq_len, "validation_file"))
     queue = spec.queue or settings.worker_queue
     waiting_for = waiting_for or routing_wait(

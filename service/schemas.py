@@ -13,8 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from service.job_status import JobStatus
 from worker.engine.training_config import (
-    Hyperparameters,
     DpoHyperparameters,
+    Hyperparameters,
     Placement,
     Strict,
     Text,
@@ -36,11 +36,11 @@ class SupervisedMethod(Strict):
     hyperparameters: Hyperparameters | None = None
 
 
-class Method(Strict):
 class DpoMethod(Strict):
     hyperparameters: DpoHyperparameters | None = None
 
 
+class Method(Strict):
     """OpenAI's `method`. `type` is any string here so that a method Loraq does not train
     (`reinforcement`) is answered 400 `unsupported_method` naming the supported ones
     (`service.jobs.requested_method`) rather than a schema error."""
@@ -49,10 +49,10 @@ class DpoMethod(Strict):
         "supervised", min_length=1, max_length=32, description="supervised or dpo", examples=["dpo"]
     )
     supervised: SupervisedMethod | None = None
-
     dpo: DpoMethod | None = None
     # accepted only to be refused by name with the method (Loraq has no reinforcement fine-tuning)
     reinforcement: dict[str, Any] | None = None
+
 
 class JobCreate(TrainingOptions, Placement):
     """OpenAI's job request. The training fields are `TrainingOptions` (Loraq's extensions, at the
@@ -121,7 +121,6 @@ class SupervisedPublic(BaseModel):
     hyperparameters: HyperparametersPublic
 
 
-class MethodPublic(BaseModel):
 class DpoHyperparametersPublic(DpoHyperparameters):
     """A DPO job's hyperparameters: as `HyperparametersPublic`, with beta ("auto" resolved once
     the run is planned)."""
@@ -131,6 +130,7 @@ class DpoPublic(BaseModel):
     hyperparameters: DpoHyperparametersPublic
 
 
+class MethodPublic(BaseModel):
     """The job's method as OpenAI echoes it: its type and that type's hyperparameters."""
 
     type: Literal["supervised", "dpo"] = "supervised"

@@ -55,8 +55,8 @@ from worker.engine.dataset_rules import (
     FileFormat,
     LineProblem,
     parse_line,
-)
     preference_pair,
+)
 from worker.engine.holdout import holdout_size
 from worker.engine.training_config import AutoPlan, DataShape, batches_per_epoch
 from worker.engine.types import DatasetError, LineError, ModelError, RequestError, StopRequested
@@ -75,8 +75,8 @@ class Example:
     line: int
     input_ids: list[int]
     labels: list[int]
-
     split: int = 0  # a preference pair: where its second (rejected) sequence starts; 0: one sequence
+
     @property
     def trainable_tokens(self) -> int:
         return sum(1 for x in self.labels if x != IGNORE_INDEX)
@@ -122,8 +122,8 @@ class Examples(Sequence[Example]):
         self.ends = array("q")  # ends[i]: offset just past example i in `ids`
         self.lines = array("i")
         self.trainable_counts = array("i")
-        self.picked: array[int] | None = None  # a subset: its examples' positions in the arrays above
         self.splits = array("i")  # splits[i]: offset of example i's second sequence in it (0: none)
+        self.picked: array[int] | None = None  # a subset: its examples' positions in the arrays above
 
     @classmethod
     def of(cls, examples: Iterable[Example]) -> Examples:
@@ -171,7 +171,6 @@ class Examples(Sequence[Example]):
     def line(self, i: int) -> int:
         return self.lines[self._at(i)]
 
-    def span(self, i: int) -> tuple[int, int]:
     def split(self, i: int) -> int:
         """Where example i's second sequence starts (a preference pair's rejected one); 0: none."""
         return self.splits[self._at(i)]
@@ -187,6 +186,7 @@ class Examples(Sequence[Example]):
         counts = (_int64(self.splits) > 0).long() + 1
         return counts if self.picked is None else counts[_int64(self.picked)]
 
+    def span(self, i: int) -> tuple[int, int]:
         p = self._at(i)
         return (self.ends[p - 1] if p else 0), self.ends[p]
 
@@ -463,14 +463,14 @@ def _tokenize(parsed: list[_Parsed], tokenizer: PreTrainedTokenizerBase) -> list
     return results
 
 
-# ---------------------------------------------------------------------------------------------
-# public API
-
 def _trains(tokenized: _Tokenized) -> list[bool]:
     """Whether each sequence of a tokenized line (a pair's two, else one) carries loss."""
     _line, _ids, flags, split = tokenized
     return [any(flags[:split]), any(flags[split:])] if split else [any(flags)]
 
+
+# ---------------------------------------------------------------------------------------------
+# public API
 
 
 def read_examples(
@@ -743,12 +743,12 @@ class Batch:
     attention_mask: torch.Tensor
     position_ids: torch.Tensor
     packed: bool
-
-    @property
-    def num_tokens(self) -> int:
     # (B,) int64 CPU: the dataset rows these are (`BatchSampler`); what a preference batch's
     # reference log-probabilities are looked up by (worker/engine/preference.py)
     row_ids: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
         return int(self.attention_mask.sum().item())
 
     @property
@@ -763,10 +763,10 @@ class Batch:
             self.attention_mask.to(device, non_blocking=True),
             self.position_ids.to(device, non_blocking=True),
             self.packed,
+            self.row_ids,
         )
 
     def model_inputs(self) -> dict[str, Any]:
-            self.row_ids,
         """Keyword arguments for a Hugging Face causal LM's forward (labels not included).
 
         use_cache=False matters: with a KV cache transformers ignores position_ids when building the
@@ -855,14 +855,14 @@ class BatchSampler:
         if not 0 <= index < len(self):
             raise IndexError(f"batch index {index} out of range (0..{len(self) - 1})")
         ids = self.order_ids(epoch)[index * self.batch_size : (index + 1) * self.batch_size].tolist()
+        return self._collate(ids)
+
+    def _collate(self, ids: list[int]) -> Batch:
         rows = [self.dataset.rows[i] for i in ids]
         batch = collate(rows, self.dataset.pad_token_id, packed=self.dataset.packed, pad_to=self.pad_to)
         batch.row_ids = torch.tensor(ids, dtype=torch.int64)
         return batch
 
-        return self._collate(ids)
-
-    def _collate(self, ids: list[int]) -> Batch:
     def iter_from(self, epoch: int = 0, index: int = 0) -> Iterator[tuple[int, int, Batch]]:
         """Yield (epoch, index, batch) forever, starting at (epoch, index); the caller stops it."""
         while True:

@@ -131,13 +131,13 @@ LrMultiplier = Annotated[
     PlainValidator(_auto_or_positive(MAX_LR_MULTIPLIER)),
     _auto_schema("number", exclusiveMinimum=0, maximum=MAX_LR_MULTIPLIER),
 ]
-ModuleName = Annotated[str, Field(min_length=1, max_length=128)]
-
 Beta = Annotated[
     float | Auto,
     PlainValidator(_auto_or_positive(MAX_DPO_BETA)),
     _auto_schema("number", exclusiveMinimum=0, maximum=MAX_DPO_BETA),
 ]
+ModuleName = Annotated[str, Field(min_length=1, max_length=128)]
+
 
 def _targets_shape(v: object) -> object:
     # Checked before the union, so a wrong shape is one error naming the field, not one per branch.
@@ -251,15 +251,6 @@ class Placement(Strict):
     n_gpus: int = Field(1, ge=1, le=8, description="GPUs on one host; > 1 runs data-parallel under torchrun")
 
 
-class TrainingConfig(Hyperparameters, TrainingOptions):
-    """Every training field, flat, and the training method (supervised or DPO with its beta)."""
-
-    method: TrainingMethod = Field(default_factory=SupervisedTraining, description="supervised or dpo")
-
-    def hyperparameter_block(self) -> Hyperparameters:
-        """OpenAI's part, as a job shows it under `hyperparameters`."""
-        return Hyperparameters(**{name: getattr(self, name) for name in Hyperparameters.model_fields})
-
 class DpoHyperparameters(Hyperparameters):
     """OpenAI's DPO hyperparameters (`method.dpo.hyperparameters`): the supervised three and beta."""
 
@@ -297,6 +288,15 @@ TrainingMethod = Annotated[SupervisedTraining | DpoTraining, Field(discriminator
 MethodType = Literal["supervised", "dpo"]
 METHOD_TYPES: tuple[MethodType, ...] = ("supervised", "dpo")
 
+
+class TrainingConfig(Hyperparameters, TrainingOptions):
+    """Every training field, flat, and the training method (supervised or DPO with its beta)."""
+
+    method: TrainingMethod = Field(default_factory=SupervisedTraining, description="supervised or dpo")
+
+    def hyperparameter_block(self) -> Hyperparameters:
+        """OpenAI's part, as a job shows it under `hyperparameters`."""
+        return Hyperparameters(**{name: getattr(self, name) for name in Hyperparameters.model_fields})
 
 
 @dataclass(frozen=True)

@@ -79,10 +79,10 @@ class TrainConfig:
     auto: tuple[str, ...] = ()
     # a packed training row holds at most this many tokens; None: max_seq_len (auto may shorten it)
     row_tokens: int | None = None
-
-    def plan(self, data: DataShape, *, world_size: int = 1) -> AutoPlan:
     # supervised (cross-entropy on the trained tokens) or DPO (preference pairs, its beta)
     method: TrainingMethod = field(default_factory=SupervisedTraining)
+
+    def plan(self, data: DataShape, *, world_size: int = 1) -> AutoPlan:
         """The run's hyperparameters for `data`: "auto" ones planned, the others as set."""
         plan = plan_auto(
             data,
@@ -127,9 +127,9 @@ class TrainConfig:
             learning_rate=BASE_LEARNING_RATE * (AUTO_LEARNING_RATE_MULTIPLIER if lr == "auto" else float(lr)),
             pack=training.packing,
             eval_prompts=list(training.eval_prompts or []),
+            method=training.method,
             auto=tuple(
                 name
-            method=training.method,
                 for name, value in (
                     ("n_epochs", training.n_epochs),
                     ("batch_size", training.batch_size),
@@ -146,12 +146,10 @@ class TrainConfig:
             if isinstance(v, Path):
                 d[k] = str(v)
         d["lora"] = self.lora.model_dump()
+        d["method"] = self.method.model_dump()
         return d
 
-        d["method"] = self.method.model_dump()
 
-@dataclass
-class StepMetrics:
 @dataclass
 class PreferenceMetrics:
     """A DPO step's (or validation pass's) readings, means over its pairs (TRL's rewards/*):
@@ -163,6 +161,8 @@ class PreferenceMetrics:
     accuracy: float  # share of pairs whose chosen reward is above the rejected one
 
 
+@dataclass
+class StepMetrics:
     step: int  # 1-based optimizer step
     total_steps: int
     epoch: float
@@ -177,11 +177,11 @@ class PreferenceMetrics:
     valid_loss: float | None = None
     # share of the token slots the step computed on that were padding (0 = padding-free)
     padding_fraction: float = 0.0
-
-
     # DPO only: the step's readings, and the validation pass's where one ran (its loss: valid_loss)
     preference: PreferenceMetrics | None = None
     valid_preference: PreferenceMetrics | None = None
+
+
 @dataclass
 class CheckpointInfo:
     step: int
