@@ -363,3 +363,36 @@ def test_a_host_is_checked_again_where_it_resolves_when_sent(api: ApiClient) -> 
     assert [a["error"] for a in shown[0]["attempts"]] == [row.last_error]
     with session_scope() as s:
         assert s.scalar(select(WebhookDelivery.lease_token).where(WebhookDelivery.id == row.id)) is None
+
+
+def test_a_lease_lets_one_sender_send_a_delivery_and_an_expired_one_is_taken_over(api: ApiClient) -> None:
+    """Two API processes' senders: a row is leased by one claim; once its lease expires (its
+    sender died mid-request) another claims it with the next attempt number, and the first
+    sender's late result is refused by the fence."""
+    from service.db.session import session_scope
+    from service.settings import get_settings
+    from service.webhook_delivery import LEASE_MARGIN_S, Outcome, claim_due, record
+
+    register(api)
+    job_id = api.create_job(api.upload(DATASET))["id"]
+    api.post(f"/v1/fine_tuning/jobs/{job_id}/cancel")
+    (row,) = deliveries_of(job_id)
+    now = time.time()
+    with session_scope() as a:
+        first = [d for d in claim_due(a, now=now, limit=100) if d.id == row.id]
+    with session_scope() as b:
+        assert [d for d in claim_due(b, now=now + 1, limit=100) if d.id == row.id] == []
+    later = now + get_settings().webhook_timeout_seconds + LEASE_MARGIN_S + 1
+    with session_scope() as b:
+        second = [d for d in claim_due(b, now=later, limit=100) if d.id == row.id]
+    assert [d.attempt for d in first + second] == [1, 2]
+    assert first[0].url == PUBLIC_URL and first[0].body == row.body
+    ok = Outcome(started_at=now, duration_ms=1.0, status_code=200, error=None)
+    with session_scope() as a:
+        assert record(a, due=first[0], outcome=ok, now=later) is None  # fenced out
+    with session_scope() as b:
+        assert record(b, due=second[0], outcome=ok, now=later) == "delivered"
+    (row,) = deliveries_of(job_id)
+    assert (row.state, row.attempts, row.last_status) == ("delivered", 2, 200)
+    shown = api.get(f"/dashboard/api/jobs/{job_id}/webhook_deliveries").json()["data"]
+    assert [a["attempt"] for a in shown[0]["attempts"]] == [2]  # attempt 1's sender never reported
