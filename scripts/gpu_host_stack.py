@@ -235,6 +235,8 @@ def main() -> None:
     args = parser.parse_args()
     shape = Shape(args.bench_model, args.bench_rows, args.bench_seq)
     args.out.mkdir(parents=True, exist_ok=True)
+    # a timeout's SIGTERM unwinds through `finally`, which stops `loraq up` (its own session)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     import openai
 
