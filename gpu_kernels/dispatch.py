@@ -17,6 +17,7 @@ import torch
 from gpu_kernels import _lib, reference
 from gpu_kernels.ops import lora_multi
 from gpu_kernels.ops.adapter_casts import AdapterCasts
+from gpu_kernels.quant.frozen import FrozenWeight
 
 Backend = Literal["auto", "reference"]
 _backend: Backend = "auto"
@@ -75,9 +76,20 @@ def _kernel_dtype(*tensors: torch.Tensor) -> bool:
     return all(t.dtype in (torch.float32, torch.bfloat16) for t in tensors)
 
 
+def _dense(weight: torch.Tensor | FrozenWeight) -> torch.Tensor | None:
+    """The weight as a dense tensor for the compiled LoRA ops, or None for a compact frozen one
+    (NF4, int8, GGML blocks), which takes the tiled dequantize-then-GEMM op on purpose. A
+    non-float tensor is an error: it would otherwise fall to F.linear and compute nonsense."""
+    if isinstance(weight, FrozenWeight):
+        return None
+    if not weight.is_floating_point():
+        raise TypeError(f"a LoRA base weight of dtype {weight.dtype} must be wrapped as a FrozenWeight")
+    return weight
+
+
 def lora_linear(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | FrozenWeight,
     bias: torch.Tensor | None,
     lora_a: torch.Tensor,
     lora_b: torch.Tensor,
@@ -85,17 +97,24 @@ def lora_linear(
     dropout_p: float = 0.0,
     training: bool = False,
 ) -> torch.Tensor:
-    """y = x·Wᵀ + b + s·(drop(x)·Aᵀ)·Bᵀ, shape (..., out)."""
-    if _compiled(x, weight, bias, lora_a, lora_b) and _kernel_dtype(x, weight) and x.dtype == weight.dtype:
+    """y = x·Wᵀ + b + s·(drop(x)·Aᵀ)·Bᵀ, shape (..., out). A FrozenWeight base runs the tiled
+    dequantize-then-GEMM (gpu_kernels.quant) with the LoRA branch in torch, on every device."""
+    dense = _dense(weight)
+    if (
+        dense is not None
+        and _compiled(x, dense, bias, lora_a, lora_b)
+        and _kernel_dtype(x, dense)
+        and x.dtype == dense.dtype
+    ):
         from gpu_kernels.ops import lora
 
-        return lora.lora_linear(x, weight, bias, lora_a, lora_b, scale, dropout_p, training)
+        return lora.lora_linear(x, dense, bias, lora_a, lora_b, scale, dropout_p, training)
     return reference.lora_linear(x, weight, bias, lora_a, lora_b, scale, dropout_p, training)
 
 
 def lora_linear_grouped(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | FrozenWeight,
     bias: torch.Tensor | None,
     adapters: Sequence[tuple[torch.Tensor, torch.Tensor, float]],
     dropout_p: float = 0.0,
@@ -106,10 +125,16 @@ def lora_linear_grouped(
     `operands`: the adapters in x's dtype from an AdapterCasts (`adapter_casts`), used by the
     compiled path when given (the reference reads the factors)."""
     tensors = [t for a, b, _ in adapters for t in (a, b)]
-    if _compiled(x, weight, bias, *tensors) and _kernel_dtype(x, weight) and x.dtype == weight.dtype:
+    dense = _dense(weight)
+    if (
+        dense is not None
+        and _compiled(x, dense, bias, *tensors)
+        and _kernel_dtype(x, dense)
+        and x.dtype == dense.dtype
+    ):
         from gpu_kernels.ops import lora
 
-        return lora.lora_linear_grouped(x, weight, bias, adapters, dropout_p, training, operands)
+        return lora.lora_linear_grouped(x, dense, bias, adapters, dropout_p, training, operands)
     return reference.lora_linear_grouped(x, weight, bias, adapters, dropout_p, training)
 
 

@@ -44,6 +44,7 @@ from worker.engine.types import (
     CheckpointInfo,
     DatasetError,
     EngineError,
+    QuantizationName,
     StepMetrics,
     StopRequested,
     TrainConfig,
@@ -86,15 +87,17 @@ def on_worker_shutting_down() -> None:
     _worker_shutting_down.set()
 
 
-def cached_base_model(name: str, settings: Settings) -> Any:
-    """Load `name` once per process; a different model replaces the cached one."""
-    if name not in _model_cache:
+def cached_base_model(name: str, settings: Settings, quantization: QuantizationName | None = None) -> Any:
+    """Load `name` once per process (stored as `quantization` asks: a quantized base is another
+    entry); a different model replaces the cached one."""
+    key = name if quantization is None else f"{name}:{quantization}"
+    if key not in _model_cache:
         from worker.engine.models import load_base_model
 
         _model_cache.clear()  # free the previous model before loading the next
-        _model_cache[name] = load_base_model(name, store=settings.model_store)
-        log.info("loaded base model %s", name)
-    return _model_cache[name]
+        _model_cache[key] = load_base_model(name, store=settings.model_store, quantization=quantization)
+        log.info("loaded base model %s", key)
+    return _model_cache[key]
 
 
 class JobCallbacks:
@@ -319,7 +322,7 @@ def run_engine(config: TrainConfig, callbacks: JobCallbacks, settings: Settings)
 
         n = callbacks.claim.n_gpus
         return run_torchrun(config, callbacks, n_gpus=n, workdir=config.output_dir / "torchrun")
-    loaded = cached_base_model(config.model, settings)
+    loaded = cached_base_model(config.model, settings, config.quantization)
     return recipe.train(config, callbacks, loaded=loaded)
 
 

@@ -11,12 +11,14 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from gpu_kernels.quant.frozen import FrozenWeight, base_linear
+
 _M32 = 0xFFFFFFFF
 
 
 def lora_linear(
     x: torch.Tensor,  # (..., in)
-    weight: torch.Tensor,  # (out, in), frozen
+    weight: torch.Tensor | FrozenWeight,  # (out, in), frozen (dense, or quantized: tiled)
     bias: torch.Tensor | None,  # (out,)
     lora_a: torch.Tensor,  # (r, in), trainable
     lora_b: torch.Tensor,  # (out, r), trainable
@@ -25,7 +27,7 @@ def lora_linear(
     training: bool = False,
 ) -> torch.Tensor:
     """y = x·Wᵀ + b + s·(drop(x)·Aᵀ)·Bᵀ, shape (..., out)."""
-    y = F.linear(x, weight, bias)
+    y = base_linear(x, weight, bias)
     xa = F.dropout(x, p=dropout_p, training=training) if dropout_p > 0 else x
     # (..., in) @ (in, r) -> (..., r) @ (r, out): never forms a full (out, in) delta
     return y + scale * F.linear(F.linear(xa.to(lora_a.dtype), lora_a), lora_b).to(y.dtype)
@@ -33,7 +35,7 @@ def lora_linear(
 
 def lora_linear_grouped(
     x: torch.Tensor,  # (..., in)
-    weight: torch.Tensor,  # (Σ out_j, in): the projections sharing x, stacked
+    weight: torch.Tensor | FrozenWeight,  # (Σ out_j, in): the projections sharing x, stacked
     bias: torch.Tensor | None,  # (Σ out_j,)
     adapters: Sequence[tuple[torch.Tensor, torch.Tensor, float]],  # (A_j (r_j, in), B_j (out_j, r_j), s_j)
     dropout_p: float = 0.0,
@@ -44,7 +46,7 @@ def lora_linear_grouped(
     Projections that read the same input (q/k/v, gate/up) share one dropout mask, as PEFT does
     when they are separate modules only if the masks happen to agree; here one draw serves all.
     """
-    y = F.linear(x, weight, bias)
+    y = base_linear(x, weight, bias)
     xa = F.dropout(x, p=dropout_p, training=training) if dropout_p > 0 else x
     outs = []
     col = 0

@@ -34,6 +34,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 import gpu_kernels
+from gpu_kernels.quant import stack_frozen
 from worker.engine.families import family_named, fused_path_gap
 from worker.engine.lora import LoRALinear, slot_operands
 from worker.engine.types import ModelError
@@ -58,10 +59,12 @@ class LoRAGroup:
         self.members = members
         self.widths = [m.out_features for m in members]
         with torch.no_grad():
-            stacked = torch.cat([m.base.weight.detach() for m in members])  # (Σ out, in)
-            views = stacked.split(self.widths)
-            for m, view in zip(members, views, strict=True):
-                m.base.weight = nn.Parameter(view, requires_grad=False)
+            # (Σ out, in); dense: members' weights become its views; quantized: a StackedWeight
+            stacked = stack_frozen([m.base.weight for m in members])
+            if isinstance(stacked, torch.Tensor):
+                for m, view in zip(members, stacked.split(self.widths), strict=True):
+                    assert isinstance(m.base, nn.Linear)
+                    m.base.weight = nn.Parameter(view, requires_grad=False)
             self.weight = stacked
             self.bias: torch.Tensor | None = None
             if any(m.base.bias is not None for m in members):

@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 import gpu_kernels
+from gpu_kernels.quant import FrozenWeight
+from worker.engine.quantize import QuantizedLinear, decoder_linear_paths, is_frozen_linear
 from worker.engine.types import ConfigError, LoraConfig
 
 PEFT_PREFIX = "base_model.model."
@@ -39,13 +41,15 @@ def slot_operands(
 
 
 class LoRALinear(nn.Module):
-    """A frozen `nn.Linear` (`.base`) plus trainable fp32 factors `lora_A` (r, in), `lora_B` (out, r)."""
+    """A frozen `nn.Linear` (`.base`) plus trainable fp32 factors `lora_A` (r, in), `lora_B` (out, r).
+    The base may be a QuantizedLinear (a quantized base, worker/engine/quantize.py): its weight
+    is then a gpu_kernels.quant.FrozenWeight, which the LoRA op multiplies by tiles."""
 
     # (casts, i): op i of a model-wide AdapterCasts holds this layer's factors in the activation
     # dtype during a training step (worker.engine.fused_llama.attach_adapter_casts)
     cast_slot: tuple[gpu_kernels.AdapterCasts, int] | None = None
 
-    def __init__(self, base: nn.Linear, r: int, scale: float, dropout: float = 0.0) -> None:
+    def __init__(self, base: nn.Linear | QuantizedLinear, r: int, scale: float, dropout: float = 0.0) -> None:
         super().__init__()
         if r < 1:
             raise ConfigError("lora.r", f"lora.r must be >= 1, got {r}")
@@ -57,7 +61,8 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.Parameter(torch.empty(r, base.in_features, device=device, dtype=torch.float32))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, device=device, dtype=torch.float32))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
-        base.weight.requires_grad_(False)
+        if isinstance(base.weight, torch.Tensor):
+            base.weight.requires_grad_(False)
         if base.bias is not None:
             base.bias.requires_grad_(False)
 
@@ -70,7 +75,7 @@ class LoRALinear(nn.Module):
         return self.base.out_features
 
     @property
-    def weight(self) -> torch.Tensor:
+    def weight(self) -> torch.Tensor | FrozenWeight:
         """The frozen base weight: code that inspects `module.weight` (dtype, device) keeps working."""
         return self.base.weight
 
@@ -107,21 +112,10 @@ class LoRALinear(nn.Module):
         )
 
 
-def _decoder_linear_names(model: nn.Module) -> list[str]:
-    """Every nn.Linear except the output head (lm_head): what "all-linear" means."""
-    get_output = getattr(model, "get_output_embeddings", None)
-    output = get_output() if callable(get_output) else None
-    names = []
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and module is not output and name.split(".")[-1] != "lm_head":
-            names.append(name)
-    return names
-
-
 def select_targets(model: nn.Module, target_modules: list[str] | str) -> list[str]:
     """Module paths to wrap. Names match a module's leaf name ("q_proj") or a path suffix
-    ("self_attn.q_proj"); a name matching no nn.Linear is an error naming it."""
-    candidates = _decoder_linear_names(model)
+    ("self_attn.q_proj"); a name matching no linear layer is an error naming it."""
+    candidates = decoder_linear_paths(model)
     if isinstance(target_modules, str):
         if target_modules != ALL_LINEAR:
             raise ConfigError(
@@ -173,7 +167,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> dict[str, LoRALinear]:
         parent_path, _, leaf = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         base = getattr(parent, leaf)
-        assert isinstance(base, nn.Linear)
+        assert is_frozen_linear(base)
         layer = LoRALinear(base, cfg.r, scale, cfg.dropout)
         setattr(parent, leaf, layer)
         wrapped[path] = layer
@@ -197,10 +191,15 @@ def remove_lora(model: nn.Module) -> int:
 
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> int:
-    """Fold W ← W + s·B·A into each base layer (computed in fp32, stored in W's dtype), then unwrap."""
+    """Fold W ← W + s·B·A into each base layer (computed in fp32, stored in W's dtype), then unwrap.
+    A quantized base cannot take the fold (its codes would be re-rounded): load it dense to merge."""
     layers = lora_modules(model)
+    quantized = [path for path, layer in layers.items() if isinstance(layer.base, QuantizedLinear)]
+    if quantized:
+        raise ValueError(f"cannot merge LoRA into a quantized base ({quantized[0]}); load the base dense")
     for layer in layers.values():
         w = layer.base.weight
+        assert isinstance(w, torch.Tensor)
         w.copy_((w.float() + layer.delta_weight().to(w.device)).to(w.dtype))
     return remove_lora(model)
 

@@ -26,8 +26,9 @@ from transformers import (
 
 from worker.engine.catalog import PRESET_SHAPES, PRETRAINED, get_model_info, validate_model_dir
 from worker.engine.gguf_tokenizer import write_tokenizer_files
+from worker.engine.quantize import quantize_model, use_gguf_blocks
 from worker.engine.tiny import build_tiny_llama, build_tiny_tokenizer
-from worker.engine.types import ModelError
+from worker.engine.types import ConfigError, ModelError, QuantizationName
 
 PRESET_SEED = 0
 
@@ -38,6 +39,7 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     name: str
     is_random: bool
+    quantization: QuantizationName | None = None  # how its frozen linear layers are stored
 
 
 def load_base_model(
@@ -46,20 +48,31 @@ def load_base_model(
     store: Path,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    quantization: QuantizationName | None = None,
 ) -> LoadedModel:
-    """Load `name` in eval mode on `device` with floating-point weights in `dtype`."""
+    """Load `name` in eval mode on `device` with floating-point weights in `dtype`; with
+    `quantization`, its decoder linear layers quantized (worker/engine/quantize.py)."""
     info = get_model_info(name, store)
     device = torch.device(device)
+    if quantization == "gguf" and info.kind != "pretrained":
+        raise ConfigError(
+            "quantization",
+            f'quantization "gguf" keeps a GGUF file\'s blocks; model {name!r} is not a GGUF base '
+            "(use nf4 or int8)",
+        )
     if name == "tiny-llama":
         model, tokenizer = build_tiny_llama()
         loaded = LoadedModel(_move(model, device, dtype), tokenizer, name, is_random=True)
     elif info.kind == "random":
         loaded = _load_preset(name, device, dtype)
     elif info.kind == "pretrained":
-        loaded = _load_pretrained(name, store, device, dtype)
+        loaded = _load_pretrained(name, store, device, dtype, keep_blocks=quantization == "gguf")
     else:
         assert info.path is not None
-        loaded = _load_local(name, Path(info.path), device, dtype)
+        loaded = _load_local(name, Path(info.path), device, dtype, quantization)
+    if quantization in ("nf4", "int8") and loaded.quantization is None:
+        quantize_model(loaded.model, quantization, device=device, dtype=dtype)
+    loaded.quantization = quantization
     loaded.model.eval()
     _ensure_pad_token(loaded.tokenizer)
     return loaded
@@ -79,7 +92,8 @@ def load_tokenizer(name: str, *, store: Path) -> PreTrainedTokenizerBase:
         write_tokenizer_files(tokenizer, store / name)  # a store pulled before the API counted tokens
     else:
         assert info.path is not None
-        validate_model_dir(Path(info.path))
+        if info.kind == "local":  # a Hub model's tokenizer is there before its weights (a submit)
+            validate_model_dir(Path(info.path))
         tokenizer = AutoTokenizer.from_pretrained(info.path)
     _ensure_pad_token(tokenizer)
     return tokenizer
@@ -111,7 +125,9 @@ def _load_preset(name: str, device: torch.device, dtype: torch.dtype) -> LoadedM
     return LoadedModel(model, tokenizer, name, is_random=True)
 
 
-def _load_pretrained(name: str, store: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def _load_pretrained(
+    name: str, store: Path, device: torch.device, dtype: torch.dtype, *, keep_blocks: bool = False
+) -> LoadedModel:
     source = PRETRAINED[name]
     directory = store / name
     if not (directory / source.filename).is_file():
@@ -120,6 +136,8 @@ def _load_pretrained(name: str, store: Path, device: torch.device, dtype: torch.
     write_tokenizer_files(tokenizer, directory)  # a store pulled before the API counted tokens
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=source.filename, dtype=dtype)
     _drop_gguf_marks(model)
+    if keep_blocks:  # the linear layers take the file's blocks (before the move: dense ones go)
+        use_gguf_blocks(model, directory / source.filename, device=device, dtype=dtype)
     return LoadedModel(_move(model, device), tokenizer, name, is_random=False)
 
 
@@ -137,7 +155,13 @@ def _drop_gguf_marks(model: PreTrainedModel) -> None:
             module.config._is_quantized = False
 
 
-def _load_local(name: str, directory: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def _load_local(
+    name: str,
+    directory: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    quantization: QuantizationName | None = None,
+) -> LoadedModel:
     # Validate again: the directory may have changed since `loraq models add`.
     family = validate_model_dir(directory)
     tokenizer = AutoTokenizer.from_pretrained(directory)
@@ -149,6 +173,11 @@ def _load_local(name: str, directory: Path, device: torch.device, dtype: torch.d
             f"{directory / 'config.json'} names {family.architecture} but its model_type "
             f"{model.config.model_type!r} loads {type(model).__name__}"
         )
+    if quantization in ("nf4", "int8"):
+        # on the device, one layer at a time, before the rest moves: a GPU never holds the
+        # dense model
+        quantize_model(model, quantization, device=device, dtype=dtype)
+        return LoadedModel(_move(model, device), tokenizer, name, is_random=False, quantization=quantization)
     return LoadedModel(_move(model, device), tokenizer, name, is_random=False)
 
 

@@ -368,11 +368,23 @@ class LoRAFinetuneRecipe:
     def _base_model(self, dtype: torch.dtype) -> LoadedModel:
         cfg = self.config
         if self._given is None:
-            return load_base_model(cfg.model, store=cfg.model_store, device=self.device, dtype=dtype)
+            return load_base_model(
+                cfg.model,
+                store=cfg.model_store,
+                device=self.device,
+                dtype=dtype,
+                quantization=cfg.quantization,
+            )
         loaded = self._given
         if loaded.name != cfg.model:
             raise ConfigError(
                 "model", f"the preloaded model is {loaded.name!r}, the config asks {cfg.model!r}"
+            )
+        if loaded.quantization != cfg.quantization:
+            raise ConfigError(
+                "quantization",
+                f"the preloaded model's quantization is {loaded.quantization}, the config asks "
+                f"{cfg.quantization}",
             )
         # A crashed earlier job may have left adapters on the cached model: start from the plain base.
         remove_lora(loaded.model)

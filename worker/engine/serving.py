@@ -43,7 +43,8 @@ from transformers.cache_utils import DynamicLayer
 
 import gpu_kernels
 from worker.engine.kv_decode import KVCache, LlamaDecoder
-from worker.engine.lora import PEFT_PREFIX, _decoder_linear_names
+from worker.engine.lora import PEFT_PREFIX
+from worker.engine.quantize import decoder_linear_paths
 from worker.engine.models import LoadedModel
 from worker.engine.types import RequestError
 
@@ -244,7 +245,7 @@ class ServingModel:
         self.device = next(self.model.parameters()).device
         self.rows = AdapterRows()
         self.layers: dict[str, MultiLoRALinear] = {}
-        for path in _decoder_linear_names(self.model):
+        for path in decoder_linear_paths(self.model):
             parent_path, _, leaf = path.rpartition(".")
             parent = self.model.get_submodule(parent_path) if parent_path else self.model
             base = getattr(parent, leaf)

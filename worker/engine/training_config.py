@@ -73,6 +73,8 @@ MAX_EVAL_PROMPT_CHARS = 2000
 
 Auto = Literal["auto"]
 SchedulerName = Literal["cosine", "linear", "constant"]
+# How the frozen base is stored (worker/engine/quantize.py); None: dense in the activation dtype
+QuantizationName = Literal["nf4", "int8", "gguf"]
 
 
 def _auto_or_int(lo: int, hi: int) -> Callable[[object], int | Auto]:
@@ -208,6 +210,11 @@ class TrainingOptions(Strict):
         le=0.5,
         description="without a validation file, the share of examples held out for the validation loss "
         "(at most 200, only from 100 examples on); unset: LORAQ_VALIDATION_SPLIT for a job, 0 locally",
+    )
+    quantization: QuantizationName | None = Field(
+        None,
+        description="the frozen base's storage (QLoRA): nf4 or int8 (quantized as it loads), gguf (a "
+        "GGUF base keeps its file's blocks); unset: dense bf16. The adapter loads on the dense base",
     )
     lr_scheduler: SchedulerName = Field("cosine", description="decay after warmup (to 0 for cosine/linear)")
     warmup_ratio: float = Field(0.0, ge=0, lt=1, description="fraction of the steps of linear warmup")

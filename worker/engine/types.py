@@ -25,6 +25,7 @@ from worker.engine.training_config import (
     plan_auto,
 )
 from worker.engine.training_config import LoraConfig as LoraConfig  # re-exported for the engine
+from worker.engine.training_config import QuantizationName as QuantizationName
 from worker.engine.training_config import SchedulerName as SchedulerName
 
 DeviceName = Literal["auto", "cpu", "cuda"]
@@ -59,6 +60,7 @@ class TrainConfig:
     max_grad_norm: float = _DEFAULT.max_grad_norm
     seed: int = 0
     pack: bool = _DEFAULT.packing  # padding-free: examples packed into rows of max_seq_len tokens
+    quantization: QuantizationName | None = None  # the frozen base's storage (worker/engine/quantize.py)
     # Without a validation_file, hold out this share of the examples for the validation loss (at
     # most HOLDOUT_MAX_EXAMPLES, only from HOLDOUT_MIN_EXAMPLES examples on: worker/engine/data.py);
     # 0 = train on everything. The service passes LORAQ_VALIDATION_SPLIT (0.05) or the job's value.

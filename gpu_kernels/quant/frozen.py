@@ -1,0 +1,216 @@
+"""A frozen (out, in) linear weight stored in a compact format, and the tiled matmul over it.
+
+`FrozenWeight` is the strategy object a quantized base passes to every LoRA linear (as vLLM
+passes its quant config): the format (NF4, int8, a GGUF block type) says how to dequantize a
+range of rows; everything else (the tiled forward, the input gradient, moving between devices,
+stacking q/k/v) is shared here. Rows are independent in every format (each row holds whole
+blocks), so a tile of rows dequantizes on its own and the whole (out, in) weight never exists in
+the activation dtype at once:
+
+    y[..., r0:r1] = x · W[r0:r1]ᵀ                (forward, one tile at a time)
+    ∂L/∂x        = Σ_tiles ∂L/∂y[..., r0:r1] · W[r0:r1]
+
+The weight is frozen, so no weight gradient exists and the op saves nothing for its backward
+(the LoRA branch keeps the input it needs). Dequantization runs in fp32 (as llama.cpp and
+gguf-py do) and is cast to the activation dtype once per tile.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+# One tile dequantizes at most this many weight elements (8 MiB in bf16): large enough that the
+# GEMMs stay efficient, small enough that a layer's dense copy never exists at once.
+TILE_ELEMENTS = 1 << 22
+
+
+class FrozenWeight(ABC):
+    """A frozen weight of `shape` (out, in) that computes in `dtype` (the activation dtype).
+
+    Subclasses hold their packed tensors in `tensors()` (same keys after `to`), and implement
+    `dequant_rows`. `dtype` and `device` mirror a dense weight's, so code that asks a layer's
+    weight for them keeps working."""
+
+    format: str = "dense"
+
+    def __init__(self, shape: tuple[int, int], dtype: torch.dtype) -> None:
+        self.shape = (int(shape[0]), int(shape[1]))
+        self.dtype = dtype
+
+    # -- the format
+    @abstractmethod
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The stored tensors (packed codes, scales), by name."""
+
+    @abstractmethod
+    def with_tensors(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> FrozenWeight:
+        """The same weight over `tensors` (moved copies of `tensors()`), computing in `dtype`."""
+
+    @abstractmethod
+    def dequant_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows start:stop of W, (stop - start, in) fp32, on this weight's device."""
+
+    # -- shared
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.tensors().values())).device
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this weight holds (its packed tensors; views of one buffer count once each)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def tiles(self) -> Iterator[tuple[int, int]]:
+        """(start, stop) row ranges of at most TILE_ELEMENTS elements each, covering all rows."""
+        out, n_in = self.shape
+        step = max(1, TILE_ELEMENTS // max(n_in, 1))
+        for start in range(0, out, step):
+            yield start, min(start + step, out)
+
+    def dequant_into(self, out: torch.Tensor) -> torch.Tensor:
+        """Write all of W into `out` (out, in) (any float dtype and device), a tile at a time."""
+        if tuple(out.shape) != self.shape:
+            raise ValueError(f"dequant_into: out has shape {tuple(out.shape)}, the weight {self.shape}")
+        for start, stop in self.tiles():
+            out[start:stop].copy_(self.dequant_rows(start, stop))
+        return out
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """All of W as one dense (out, in) tensor: for tests, merges and exports, never a step."""
+        out = torch.empty(self.shape, dtype=dtype or self.dtype, device=self.device)
+        return self.dequant_into(out)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x · Wᵀ, (..., in) -> (..., out), differentiable in x, tiled over W's rows."""
+        return _FrozenMatmul.apply(x, self)
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> FrozenWeight:
+        """On `device`, computing in `dtype`: the packed tensors keep their own dtypes (a cast
+        would re-round the scales)."""
+        moved = {k: t.to(device) if device is not None else t for k, t in self.tensors().items()}
+        return self.with_tensors(moved, dtype or self.dtype)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(format={self.format}, shape={self.shape}, "
+            f"dtype={self.dtype}, nbytes={self.nbytes})"
+        )
+
+
+class _FrozenMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: FrozenWeight) -> torch.Tensor:
+        ctx.weight = weight
+        dtype = _compute_dtype(x)
+        out = x.new_empty((*x.shape[:-1], weight.out_features), dtype=dtype)
+        xc = x.to(dtype)
+        for start, stop in weight.tiles():
+            out[..., start:stop] = xc @ weight.dequant_rows(start, stop).to(dtype).t()
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None
+        weight: FrozenWeight = ctx.weight
+        dtype = grad_out.dtype
+        grad_x = grad_out.new_zeros((*grad_out.shape[:-1], weight.in_features))
+        for start, stop in weight.tiles():
+            # (..., tile) @ (tile, in): this tile's share of ∂L/∂x
+            grad_x += grad_out[..., start:stop] @ weight.dequant_rows(start, stop).to(dtype)
+        return grad_x, None
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the base GEMM runs in: autocast's where it is on (bf16 on CUDA), else x's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+class DenseWeight(FrozenWeight):
+    """A dense weight as a FrozenWeight: for stacking beside quantized ones (a GGUF file may keep
+    some of a group's projections in F16)."""
+
+    format = "dense"
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__(tuple(weight.shape), weight.dtype)  # type: ignore[arg-type]
+        self.weight = weight.detach()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight}
+
+    def with_tensors(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> FrozenWeight:
+        return DenseWeight(tensors["weight"].to(dtype))
+
+    def dequant_rows(self, start: int, stop: int) -> torch.Tensor:
+        return self.weight[start:stop].float()
+
+
+class StackedWeight(FrozenWeight):
+    """Several frozen weights of one input stacked on the output dimension (q/k/v, gate/up), of
+    any formats: nothing is copied; a tile never spans two parts."""
+
+    def __init__(self, parts: list[FrozenWeight]) -> None:
+        if not parts or len({p.in_features for p in parts}) != 1:
+            raise ValueError("StackedWeight needs one or more weights of the same in_features")
+        super().__init__((sum(p.out_features for p in parts), parts[0].in_features), parts[0].dtype)
+        self.parts = parts
+        self.format = "+".join(sorted({p.format for p in parts}))
+        self.offsets = [0]
+        for p in parts:
+            self.offsets.append(self.offsets[-1] + p.out_features)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f"{i}.{k}": t for i, p in enumerate(self.parts) for k, t in p.tensors().items()}
+
+    def with_tensors(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> FrozenWeight:
+        parts = []
+        for i, p in enumerate(self.parts):
+            mine = {k.split(".", 1)[1]: t for k, t in tensors.items() if k.split(".", 1)[0] == str(i)}
+            parts.append(p.with_tensors(mine, dtype))
+        return StackedWeight(parts)
+
+    def tiles(self) -> Iterator[tuple[int, int]]:
+        for offset, part in zip(self.offsets, self.parts, strict=False):
+            for start, stop in part.tiles():
+                yield offset + start, offset + stop
+
+    def dequant_rows(self, start: int, stop: int) -> torch.Tensor:
+        chunks = []
+        for offset, part in zip(self.offsets, self.parts, strict=False):
+            lo, hi = max(start, offset), min(stop, offset + part.out_features)
+            if lo < hi:
+                chunks.append(part.dequant_rows(lo - offset, hi - offset))
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+
+def stack_frozen(weights: list[torch.Tensor | FrozenWeight]) -> torch.Tensor | FrozenWeight:
+    """Weights that read one input, stacked on the output dimension (Σ out, in): one dense tensor
+    (a copy) when all are dense, else a StackedWeight over them (nothing copied)."""
+    if all(isinstance(w, torch.Tensor) for w in weights):
+        return torch.cat([w.detach() for w in weights if isinstance(w, torch.Tensor)])
+    return StackedWeight([w if isinstance(w, FrozenWeight) else DenseWeight(w) for w in weights])
+
+
+def base_linear(
+    x: torch.Tensor, weight: torch.Tensor | FrozenWeight, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x·Wᵀ + b for a dense weight (F.linear) or a frozen compact one (tiled), (..., out)."""
+    if isinstance(weight, FrozenWeight):
+        y = weight.matmul(x)
+        return y + bias.to(y.dtype) if bias is not None else y
+    return torch.nn.functional.linear(x, weight, bias)
