@@ -131,11 +131,17 @@ class DpoPublic(BaseModel):
 
 
 class MethodPublic(BaseModel):
-    """The job's method as OpenAI echoes it: its type and that type's hyperparameters."""
+    """A supervised job's method as OpenAI echoes it: its type and its hyperparameters."""
 
-    type: Literal["supervised", "dpo"] = "supervised"
-    supervised: SupervisedPublic | None = None
-    dpo: DpoPublic | None = None
+    type: Literal["supervised"] = "supervised"
+    supervised: SupervisedPublic
+
+
+class DpoMethodPublic(BaseModel):
+    """A DPO job's method as OpenAI echoes it: its type and its hyperparameters (beta among them)."""
+
+    type: Literal["dpo"] = "dpo"
+    dpo: DpoPublic
 
 
 class ProgressPublic(BaseModel):
@@ -171,7 +177,7 @@ class JobPublic(TrainingOptions, Placement):
     estimated_finish: int | None
     integrations: list[dict[str, Any]]
     metadata: dict[str, str] | None
-    method: MethodPublic
+    method: MethodPublic | DpoMethodPublic
     user_provided_suffix: str | None
     progress: ProgressPublic
     queue: str = "default"

@@ -32,6 +32,7 @@ from service.schemas import (
     CheckpointPublic,
     CheckpointsPublic,
     DpoHyperparametersPublic,
+    DpoMethodPublic,
     DpoPublic,
     DryRunPublic,
     EventPublic,
@@ -73,8 +74,7 @@ def job_public(job: Job) -> JobPublic:
     hp = HyperparametersPublic(**planned)
     method = training.method
     echoed = (
-        MethodPublic(
-            type="dpo",
+        DpoMethodPublic(
             dpo=DpoPublic(
                 # beta needs no data: once the run is planned it shows what "auto" resolved to
                 hyperparameters=DpoHyperparametersPublic(

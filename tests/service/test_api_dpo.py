@@ -52,7 +52,7 @@ def test_dpo_job_echoes_method_and_reaches_the_engine_typed(api: ApiClient, tmp_
     )
     assert r.status_code == 200, r.text
     job = r.json()
-    assert job["method"] == {"type": "dpo", "supervised": None, "dpo": {"hyperparameters": hp}}
+    assert job["method"] == {"type": "dpo", "dpo": {"hyperparameters": hp}}
     assert job["hyperparameters"] == {"n_epochs": 2, "batch_size": 1, "learning_rate_multiplier": "auto"}
     assert api.get(f"/v1/fine_tuning/jobs/{job['id']}").json() == job
     with session_scope() as session:
@@ -71,7 +71,7 @@ def test_dpo_job_echoes_method_and_reaches_the_engine_typed(api: ApiClient, tmp_
 def test_supervised_method_and_top_level_hyperparameters_still_work(api: ApiClient) -> None:
     file_id = api.upload(DATASET)
     job = api.create_job(file_id)  # top-level hyperparameters
-    assert job["method"]["type"] == "supervised" and job["method"]["dpo"] is None
+    assert job["method"] == {"type": "supervised", "supervised": {"hyperparameters": job["hyperparameters"]}}
     with session_scope() as session:
         claim = jobs.claim(session, job_id=job["id"], worker_id="test-worker")
     assert claim is not None and claim.training.method == SupervisedTraining()
