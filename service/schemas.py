@@ -349,7 +349,7 @@ class StreamOptions(Forbid):
 
 
 class ChatCompletionCreate(Forbid):
-    """OpenAI's request body; fields Loraq cannot honour (tools, logprobs, n > 1) are refused."""
+    """OpenAI's request body; fields Loraq cannot honour (tools, n > 1) are refused."""
 
     model: str = Field(min_length=1, max_length=255)
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
@@ -363,11 +363,30 @@ class ChatCompletionCreate(Forbid):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
+    # OpenAI's: each generated token's log-probability, with the top_logprobs most likely tokens
+    # at its position (log softmax of the model's logits, before temperature and top_p)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # OpenAI's bound; needs logprobs (chat.py)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobPublic(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprobPublic] | None
+    refusal: list[TokenLogprobPublic] | None = None
 
 
 class AssistantMessage(BaseModel):
@@ -380,7 +399,7 @@ class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: Literal["stop", "length"]
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class Usage(BaseModel):
@@ -412,7 +431,7 @@ class ChunkChoice(BaseModel):
     index: int = 0
     delta: ChunkDelta
     finish_reason: Literal["stop", "length"] | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):

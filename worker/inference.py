@@ -53,7 +53,7 @@ from worker.engine.types import EngineError
 
 if TYPE_CHECKING:
     from worker.engine.data import Examples
-    from worker.engine.serving import Adapter, DecodeBatch, GenRequest, ServingModel
+    from worker.engine.serving import Adapter, DecodeBatch, GenRequest, ServingModel, TokenLogprob
 
 log = logging.getLogger("loraq.inference")
 
@@ -106,6 +106,7 @@ class Pending:
     pieces: list[str] = field(default_factory=list)
     loading_since: float | None = None  # told "loading": when its base model began to load
     load_seconds: float | None = None  # how long that took
+    logprobs_sent: int = 0  # a stream with logprobs: how many tokens' logprobs its deltas carried
 
 
 class InferenceWorker:
@@ -389,19 +390,28 @@ class InferenceWorker:
             top_p=float(p.raw.get("top_p", 1.0)),
             seed=None if p.raw.get("seed") is None else int(p.raw["seed"]) % 2**63,
             stop=list(p.raw.get("stop") or []),
+            top_logprobs=p.raw.get("top_logprobs"),
         )
         return p.gen
 
     def _step(self, base: str, batch: Any) -> None:
+        model = self.models[base]
+        rows = {row.key: row for row in batch.rows}
+
         def on_text(p: Pending, delta: str) -> None:
             if p.first_token_at is None:
                 p.first_token_at = time.time()
                 self.metrics.ttft.labels(base).observe(p.first_token_at - p.pushed_at)
             if delta and p.raw.get("stream"):
-                self._push(p, {"type": "delta", "text": delta})
+                event: dict[str, Any] = {"type": "delta", "text": delta}
+                if p.raw.get("top_logprobs") is not None:  # the tokens whose text this delta ends
+                    logprobs = rows[p].logprobs
+                    event["logprobs"] = [_logprob_json(model, t) for t in logprobs[p.logprobs_sent :]]
+                    p.logprobs_sent = len(logprobs)
+                self._push(p, event)
 
         try:
-            done = self.models[base].step(batch, on_text)
+            done = model.step(batch, on_text)
         except REDIS_OUTAGE:
             raise  # a streamed delta could not be pushed: the serving loop rides the outage out
         except Exception as exc:
@@ -421,6 +431,12 @@ class InferenceWorker:
                     "finish_reason": result.finish_reason,
                     "prompt_tokens": len(p.gen.prompt_ids),
                     "completion_tokens": result.completion_tokens,
+                    # logprobs of every token (a stream's deltas carried those up to logprobs_sent)
+                    "logprobs": (
+                        [_logprob_json(model, t) for t in result.logprobs]
+                        if p.gen.top_logprobs is not None
+                        else None
+                    ),
                 },
             )
             self.metrics.requests.labels("ok").inc()
@@ -558,3 +574,13 @@ def _trained_part(
             "message": plan_sentence(planned.shape, rows=len(train.rows), steps=steps, plan=plan),
         },
     }
+
+
+def _logprob_json(model: ServingModel, t: TokenLogprob) -> dict[str, Any]:
+    """One token's logprobs as OpenAI's `choices[].logprobs.content[]` entry."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = str(model.tokenizer.decode([token_id]))
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}

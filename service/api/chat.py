@@ -26,15 +26,17 @@ from fastapi.responses import StreamingResponse
 
 from service import inference
 from service.auth import CurrentTenant
-from service.errors import LoraqError, error_body
+from service.errors import InvalidRequestError, LoraqError, error_body
 from service.schemas import (
     AssistantMessage,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionCreate,
     Choice,
+    ChoiceLogprobs,
     ChunkChoice,
     ChunkDelta,
+    TokenLogprobPublic,
     Usage,
     error_responses,
 )
@@ -69,6 +71,8 @@ def worker_request(body: ChatCompletionCreate, target: inference.Target, request
         "seed": body.seed,
         "stop": body.stop_list(),
         "stream": body.stream,
+        # None: no logprobs; k: each token's and the k most likely (worker.engine.serving)
+        "top_logprobs": (body.top_logprobs or 0) if body.logprobs else None,
     }
 
 
@@ -94,6 +98,14 @@ def loaded_notice(model: str, seconds: float) -> str:
     )
 
 
+def _logprobs(event: dict[str, Any]) -> ChoiceLogprobs | None:
+    """A worker event's `logprobs` (OpenAI's content entries), where the request asked for them."""
+    entries = event.get("logprobs")
+    if entries is None:
+        return None
+    return ChoiceLogprobs(content=[TokenLogprobPublic(**e) for e in entries])
+
+
 def usage_of(event: dict[str, Any]) -> Usage:
     prompt, completion = int(event["prompt_tokens"]), int(event["completion_tokens"])
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
@@ -101,6 +113,10 @@ def usage_of(event: dict[str, Any]) -> Usage:
 
 @router.post("/completions", response_model=ChatCompletion, responses=SSE_RESPONSE)
 async def create_chat_completion(body: ChatCompletionCreate, tenant: CurrentTenant) -> Any:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidRequestError(
+            "top_logprobs requires logprobs to be true", param="top_logprobs", code="invalid_value"
+        )
     settings = get_settings()
     target = await inference.resolve_model(tenant_id=tenant.id, model=body.model, settings=settings)
     request_id = inference.new_request_id()
@@ -133,7 +149,13 @@ async def create_chat_completion(body: ChatCompletionCreate, tenant: CurrentTena
         id=request_id,
         created=created,
         model=body.model,
-        choices=[Choice(message=AssistantMessage(content=done["text"]), finish_reason=done["finish_reason"])],
+        choices=[
+            Choice(
+                message=AssistantMessage(content=done["text"]),
+                finish_reason=done["finish_reason"],
+                logprobs=_logprobs(done),
+            )
+        ],
         usage=usage_of(done),
         warning=warning,
         notice=loaded_notice(target.base, load_seconds) if load_seconds is not None else None,
@@ -170,7 +192,8 @@ async def sse_chunks(
         yield chunk([ChunkChoice(delta=ChunkDelta(role="assistant", content=""))], first=True)
         async for event in events:
             if event["type"] == "delta" and event["text"]:
-                yield chunk([ChunkChoice(delta=ChunkDelta(content=event["text"]))])
+                logprobs = _logprobs(event)
+                yield chunk([ChunkChoice(delta=ChunkDelta(content=event["text"]), logprobs=logprobs)])
             elif event["type"] == "done":
                 yield chunk([ChunkChoice(delta=ChunkDelta(), finish_reason=event["finish_reason"])])
                 if include_usage:

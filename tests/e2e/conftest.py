@@ -12,16 +12,13 @@ when a test fails so a failure says what the worker did.
 
 from __future__ import annotations
 
-import secrets
-import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.e2e.procs import ROOT, Service, clean_env, free_port, stop_process, wait_for
-from tests.servers import api_ready, create_pg_database, drop_pg_database, start_redis
+from tests.e2e.procs import Service, running_service
+from tests.servers import create_pg_database, drop_pg_database, start_redis
 
 
 @pytest.fixture(scope="session")
@@ -46,42 +43,8 @@ def service(tmp_path_factory: pytest.TempPathFactory, e2e_db_url: str, redis_url
     """One API + worker pair per database for the whole session (starting a worker imports torch,
     which takes tens of seconds on a busy 2-core machine). Tests share it: each works on its own
     jobs, and a test that needs its own job list uses its own tenant (`Service.new_key`)."""
-    tmp = tmp_path_factory.mktemp("service")
-    data_dir = tmp / "var"
-    data_dir.mkdir()
-    port = free_port()
-    env = clean_env(
-        LORAQ_DATA_DIR=str(data_dir),
-        LORAQ_DATABASE_URL=e2e_db_url,
-        LORAQ_REDIS_URL=redis_url,
-        LORAQ_PORT=str(port),
-        # A queue per service: the SQLite service's worker never takes the PostgreSQL one's jobs.
-        LORAQ_WORKER_QUEUE=f"e2e-{secrets.token_hex(4)}",
-        LORAQ_INFERENCE_QUEUE=f"chat-{secrets.token_hex(4)}",
-        LORAQ_INFERENCE_METRICS_PORT=str(free_port()),
-        LORAQ_CHECKPOINT_EVERY="4",
-        LORAQ_HEARTBEAT_SECONDS="1",
-    )
-    migrate = "import sys; from service.db.migrate import upgrade_head; upgrade_head(sys.argv[1])"
-    subprocess.run([sys.executable, "-c", migrate, e2e_db_url], env=env, cwd=ROOT, check=True)
-    logs = {"api": tmp / "api.log", "worker": tmp / "worker.log"}
-    svc = Service(url=f"http://127.0.0.1:{port}", key="", env=env, data_dir=data_dir, logs=logs)
-    svc.key = svc.new_key("e2e")
-    try:
-        api = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "service.app:create_app", "--factory",
-             "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
-            env=env, cwd=ROOT, stdout=logs["api"].open("wb"), stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-        svc.procs["api"] = api
-
-        wait_for(lambda: api_ready(svc.url), "API", 60, api)
-        svc.start_worker()
+    with running_service(tmp_path_factory.mktemp("service"), e2e_db_url, redis_url) as svc:
         yield svc
-    finally:
-        for proc in list(svc.procs.values()):
-            stop_process(proc)
 
 
 @pytest.fixture

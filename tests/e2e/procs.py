@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ from typing import Any
 import httpx
 
 from service.job_status import TERMINAL
+from tests.servers import api_ready
 from tests.servers import stop as stop_process
 
 __all__ = ["stop_process"]
@@ -146,3 +149,46 @@ def _start_logged(
 
     wait_for(ready, what, 120, proc)
     return proc
+
+
+@contextmanager
+def running_service(tmp: Path, db_url: str, redis_url: str, **env_extra: str) -> Iterator[Service]:
+    """Migrations applied, an API key made with `loraq keys create`, a uvicorn API process and a
+    `loraq worker` process (Celery, solo pool) on queues private to this service, with a clean
+    `LORAQ_*` environment plus `env_extra`; everything stopped when the block ends."""
+    data_dir = tmp / "var"
+    data_dir.mkdir(parents=True)
+    port = free_port()
+    env = clean_env(
+        LORAQ_DATA_DIR=str(data_dir),
+        LORAQ_DATABASE_URL=db_url,
+        LORAQ_REDIS_URL=redis_url,
+        LORAQ_PORT=str(port),
+        # A queue per service: the SQLite service's worker never takes the PostgreSQL one's jobs.
+        LORAQ_WORKER_QUEUE=f"e2e-{secrets.token_hex(4)}",
+        LORAQ_INFERENCE_QUEUE=f"chat-{secrets.token_hex(4)}",
+        LORAQ_INFERENCE_METRICS_PORT=str(free_port()),
+        LORAQ_CHECKPOINT_EVERY="4",
+        LORAQ_HEARTBEAT_SECONDS="1",
+        **env_extra,
+    )
+    migrate = "import sys; from service.db.migrate import upgrade_head; upgrade_head(sys.argv[1])"
+    subprocess.run([sys.executable, "-c", migrate, db_url], env=env, cwd=ROOT, check=True)
+    logs = {"api": tmp / "api.log", "worker": tmp / "worker.log"}
+    svc = Service(url=f"http://127.0.0.1:{port}", key="", env=env, data_dir=data_dir, logs=logs)
+    svc.key = svc.new_key("e2e")
+    try:
+        api = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "service.app:create_app", "--factory",
+             "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
+            env=env, cwd=ROOT, stdout=logs["api"].open("wb"), stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        svc.procs["api"] = api
+
+        wait_for(lambda: api_ready(svc.url), "API", 60, api)
+        svc.start_worker()
+        yield svc
+    finally:
+        for proc in list(svc.procs.values()):
+            stop_process(proc)

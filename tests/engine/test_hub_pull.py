@@ -49,7 +49,7 @@ def test_a_pull_lands_every_file_verified_and_the_model_loads_as_published(
 ) -> None:
     store = tmp_path / "models"
     before = get_model_info(REPO, store)
-    assert (before.kind, before.pulled, before.path) == ("hub", False, None)
+    assert (before.kind, before.pulled, before.path) == ("hub", False, str(hub_dir(REPO, store)))
     reports: list[tuple[str, int, int]] = []
     directory = pull_model(REPO, store, progress=lambda *r: reports.append(r))
     assert directory == hub_dir(REPO, store)

@@ -6,6 +6,7 @@ context before any worker pulled it."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,6 +46,15 @@ def test_hub_bases_are_checked_at_submit_and_listed(
         "kind": "hub", "family": "Mistral", "context_length": 256, "local": False, "upstream": REPO,
     }  # fmt: skip
     assert listed["parameters"] == 60640  # tests/engine/test_model_shape.py: transformers' count
+    # its tokenizer came with its config: examples too long for max_seq_len are refused now,
+    # not by the worker after the download
+    long_line = {
+        "messages": [{"role": "user", "content": "the cat " * 20}, {"role": "assistant", "content": "yes"}]
+    }
+    short = job_body(api.upload((json.dumps(long_line) + "\n").encode() * 2), model=REPO, max_seq_len=16)
+    assert "longer than max_seq_len 16" in refused(
+        api.post("/v1/fine_tuning/jobs", json=short), "max_seq_len", "max_seq_len_too_short"
+    )
     smol = api.get("/v1/models/smollm2-135m-instruct").json()
     assert (smol["kind"], smol["family"], smol["parameters"], smol["context_length"]) == (
         "pretrained", "Llama", 134515008, 8192,

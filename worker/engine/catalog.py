@@ -176,7 +176,7 @@ class BaseModelInfo:
     kind: ModelKind
     description: str
     random: bool
-    path: str | None  # pretrained: the .gguf once pulled; local: the directory; random: None
+    path: str | None  # pretrained: the .gguf once pulled; local, hub: the directory; random: None
     pulled: bool  # ready to load without a download (always True for random presets)
     # adapter_config.json's base_model_name_or_path: the upstream hub id where there is one (what
     # PEFT, vLLM and llama.cpp load), else the catalog name; never a path of this machine
@@ -277,7 +277,8 @@ def list_models(store: Path) -> list[BaseModelInfo]:
 
 def is_hub_id(name: str) -> bool:
     """Whether `name` is a Hugging Face Hub repository id (`owner/name`)."""
-    return _HUB_ID_RE.match(name) is not None and ".." not in name and "--" not in name
+    # 128: a job's model column; "--" is the store directory's separator
+    return len(name) <= 128 and _HUB_ID_RE.match(name) is not None and ".." not in name and "--" not in name
 
 
 def hub_dir(repo_id: str, store: Path) -> Path:
@@ -332,8 +333,8 @@ def model_family(name: str, store: Path) -> Family:
     info = get_model_info(name, store)
     if info.kind not in ("local", "hub"):
         return LLAMA  # the GGUF SmolLM2 and the presets are Llama-architecture models
-    directory = Path(info.path) if info.path is not None else hub_dir(name, store)
-    return _directory_shape(directory, label=f"the config.json of model {name!r}").family
+    assert info.path is not None
+    return _directory_shape(Path(info.path), label=f"the config.json of model {name!r}").family
 
 
 def _directory_shape(directory: Path, label: str | None = None) -> ModelShape:
@@ -454,7 +455,9 @@ def _hub_info(repo_id: str, store: Path) -> BaseModelInfo:
         kind="hub",
         description=f"Hugging Face Hub model {repo_id}, {where}",
         random=False,
-        path=str(directory) if marker is not None else None,
+        # where it lives, pulled or not: a submit fetches its config and tokenizer there first
+        # (the token counts of worker/engine/token_count.py read them); `pulled` says it is whole
+        path=str(directory),
         pulled=marker is not None,
         upstream=repo_id,
         **_shape_fields(directory),

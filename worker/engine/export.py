@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save
 from torch import nn
 
-from worker.engine.catalog import catalog_name, upstream_id
+from worker.engine.catalog import catalog_name, is_hub_id, upstream_id
 from worker.engine.lora import (
     apply_lora,
     load_lora_state_dict,
@@ -74,7 +74,8 @@ def write_adapter(directory: Path, model: nn.Module, cfg: LoraConfig, model_name
     """Write the adapter files into an existing directory (callers make it atomic)."""
     if not lora_modules(model):
         raise RuntimeError("model has no LoRA layers to export")
-    if "/" in model_name or os.sep in model_name:
+    if ("/" in model_name or os.sep in model_name) and not is_hub_id(model_name):
+        # a Hub id (owner/name) is what PEFT and vLLM load the base by; never a path of this machine
         raise ModelError(f"the base must be given by its catalog name, not a path: {model_name!r}")
     # Written by Python, not by safetensors' save_file: a full disk is then an OSError (ENOSPC)
     # the worker recognises, not a SafetensorError with the errno in its text. An adapter is small.

@@ -136,13 +136,16 @@ def resolve(repo_id: str, revision: str | None, access: HubAccess) -> HubRepo:
     return HubRepo(repo_id, rev, info.sha, files)
 
 
-def fetch_config(repo: HubRepo, store: Path, access: HubAccess) -> ModelShape:
-    """Download the repository's config.json into its store directory (a small file: the API
-    does this at submit) and read its family, size and context; ModelError for a family Loraq
-    does not train."""
+def fetch_metadata(repo: HubRepo, store: Path, access: HubAccess) -> ModelShape:
+    """Download the repository's small files (config.json, tokenizer and chat template: all but
+    the weights) into its store directory, as the API does at submit so that it can name the
+    family and count the examples' tokens, and read its family, size and context; ModelError
+    for a family Loraq does not train."""
     directory = hub_dir(repo.repo_id, store)
-    (config,) = [f for f in repo.files if f.name == "config.json"]
-    _fetch_file(repo, config, directory, access, lambda n: None)
+    directory.mkdir(parents=True, exist_ok=True)
+    for file in repo.files:
+        if not fnmatch.fnmatch(file.name, "*.safetensors"):
+            _fetch_file(repo, file, directory, access, lambda n: None)
     try:
         content = json.loads((directory / "config.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -155,7 +158,7 @@ def fetch_config(repo: HubRepo, store: Path, access: HubAccess) -> ModelShape:
 def check_hub_model(repo_id: str, store: Path, access: HubAccess) -> ModelShape:
     """What a submit asks of a Hub model that is not local yet: that the Hub serves it to this
     token, with safetensors weights, of a family Loraq trains (HubError/ModelError otherwise)."""
-    return fetch_config(resolve(repo_id, None, access), store, access)
+    return fetch_metadata(resolve(repo_id, None, access), store, access)
 
 
 def download(repo: HubRepo, store: Path, access: HubAccess, progress: HubProgress | None = None) -> Path:

@@ -160,6 +160,19 @@ class GenRequest:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False  # keep generating past EOS up to max_tokens (benchmarks)
+    # OpenAI's logprobs: None = none; k >= 0 = each generated token's log-probability and the
+    # k most likely tokens at its position (top_logprobs)
+    top_logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """log softmax of the logits the token was drawn from (before temperature and top_p, as
+    OpenAI reports them): the token's and the `top_logprobs` largest, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -168,6 +181,7 @@ class GenResult:
     completion_tokens: int
     finish_reason: str  # "stop" (EOS or a stop string) | "length"
     token_ids: list[int]  # the generated tokens, EOS excluded (what the tests compare with PEFT)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token of token_ids
 
 
 class TextStream:
@@ -403,6 +417,9 @@ class ServingModel:
         eos = self.tokenizer.eos_token_id
         assert batch.logits is not None
         tokens = sample(batch.logits, [r.req for r in batch.rows], [r.gen for r in batch.rows])
+        wanted = [r.req.top_logprobs is not None for r in batch.rows]
+        # (B, V) in fp32, only when some row asked for logprobs
+        logprobs = torch.log_softmax(batch.logits.float(), dim=-1) if any(wanted) else None
         done: dict[Any, GenResult] = {}
         keep: list[int] = []
         for i, (row, tok) in enumerate(zip(batch.rows, tokens, strict=True)):
@@ -411,12 +428,16 @@ class ServingModel:
                 emit(row.key, row.stream.finish())
             else:
                 row.count += 1
+                if logprobs is not None and row.req.top_logprobs is not None:
+                    row.logprobs.append(_token_logprob(logprobs[i], tok, row.req.top_logprobs))
                 emit(row.key, row.stream.push(tok))
                 reason = "stop" if row.stream.stopped else "length" if row.count >= row.req.max_tokens else ""
                 if reason == "length":
                     emit(row.key, row.stream.finish())
             if reason:
-                done[row.key] = GenResult(row.stream.sent, row.count, reason, list(row.stream.ids))
+                done[row.key] = GenResult(
+                    row.stream.sent, row.count, reason, list(row.stream.ids), list(row.logprobs)
+                )
             else:
                 keep.append(i)
         batch.keep(keep)
@@ -456,6 +477,13 @@ class ServingModel:
             self.rows.index = None
 
 
+def _token_logprob(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """`logprobs` (V,): the row's log softmax."""
+    values, ids = logprobs.topk(top) if top else (logprobs[:0], logprobs[:0].long())
+    alternatives = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprob(token, float(logprobs[token]), alternatives)
+
+
 @dataclass
 class _Row:
     key: Any  # the caller's handle for the request
@@ -463,6 +491,7 @@ class _Row:
     stream: TextStream
     gen: torch.Generator
     count: int = 0  # tokens generated
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # with req.top_logprobs set
 
 
 @dataclass
