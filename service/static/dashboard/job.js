@@ -1,6 +1,7 @@
 // Job page: loss / learning-rate / grad-norm charts (uPlot) over step, tokens seen or wall time,
 // health warnings as badges (header, above and on the loss chart), events with the per-step lines
-// folded, checkpoints, downloads (adapter, metrics CSV), cancel.
+// folded, checkpoints, downloads (adapter, metrics CSV), cancel, pause and resume, webhook deliveries
+// and their attempts.
 // Polls every second while the job is not finished; metric rows are fetched incrementally.
 "use strict";
 
@@ -276,6 +277,13 @@ function renderJob(j, progress) {
   document.getElementById("status").innerHTML = loraq.statusBadge(j.status);
   document.getElementById("status").dataset.status = j.status;
   document.getElementById("cancel").hidden = TERMINAL.has(j.status);
+  // Pause: a queued or running job (a running one shows "Pausing…" until its worker stops it
+  // with a checkpoint); Resume: a paused job, or one whose pause its worker has not reached yet.
+  const pause = document.getElementById("pause");
+  pause.hidden = !["queued", "running"].includes(j.status) || j.cancel_requested;
+  pause.disabled = Boolean(j.pause_requested);
+  pause.textContent = j.pause_requested ? "Pausing…" : "Pause";
+  document.getElementById("resume").hidden = !(j.status === "paused" || j.pause_requested);
   document.getElementById("download-adapter").hidden = j.status !== "succeeded";
   document.getElementById("download-csv").hidden = rows.step.length === 0;
   // The error, once, at the top (the event log leaves out its copy of it).
@@ -366,6 +374,43 @@ async function fetchCheckpoints() {
     </tr>`).join("");
 }
 
+// The job's events sent to the organization's webhook endpoints (hidden while there are none),
+// each with its attempts: status code or error, duration. True while one is still pending.
+async function fetchWebhooks() {
+  const body = await loraq.json(`${dashPath}/webhook_deliveries`);
+  document.getElementById("webhooks-card").hidden = body.data.length === 0;
+  document.querySelector("#webhooks tbody").innerHTML = body.data.map(webhookRow).join("");
+  return body.data.some((d) => d.state === "pending");
+}
+
+const WEBHOOK_ATTEMPTS_SHOWN = 5; // the latest; the count of the earlier ones says the rest
+
+function webhookRow(d) {
+  const hidden = Math.max(0, d.attempts.length - WEBHOOK_ATTEMPTS_SHOWN);
+  const attempts = d.attempts.slice(hidden).map((a) => {
+    const ok = a.status_code !== null && a.status_code >= 200 && a.status_code < 300;
+    const what = a.status_code !== null ? `HTTP ${a.status_code}` : a.error;
+    const text = `#${a.attempt} ${loraq.clock(a.started_at)} ${what} (${Math.round(a.duration_ms)} ms)`;
+    return `<li class="${ok ? "" : "failed"}" title="${loraq.esc(a.error || "")}">${loraq.esc(text)}</li>`;
+  });
+  if (hidden) attempts.unshift(`<li class="muted">${hidden} earlier attempt${hidden > 1 ? "s" : ""}</li>`);
+  if (d.state === "pending" && d.next_attempt_at) {
+    attempts.push(`<li class="muted">next attempt ${loraq.esc(loraq.clock(d.next_attempt_at))}</li>`);
+  }
+  return `<tr data-delivery-id="${loraq.esc(d.id)}" data-state="${loraq.esc(d.state)}">
+      <td>${loraq.esc(d.event_type.replace("fine_tuning.job.", ""))}</td>
+      <td class="wrap mono">${loraq.esc(d.url)}</td>
+      <td>${loraq.statusBadge(d.state)}</td>
+      <td class="wrap"><ul class="attempts">${attempts.join("")}</ul></td>
+    </tr>`;
+}
+
+// Deliveries are sent after the job ends: keep reading them while one is pending.
+async function followWebhooks() {
+  const pending = await fetchWebhooks().catch(() => true);
+  if (pending) setTimeout(followWebhooks, POLL_MS);
+}
+
 async function refresh() {
   const [j, progress] = await Promise.all([loraq.json(jobPath), loraq.json(`${dashPath}/progress`)]);
   job = j;
@@ -373,7 +418,7 @@ async function refresh() {
   if (await fetchMetrics()) redraw();
   showCharts(j.status);
   renderJob(j, progress);
-  await Promise.all([fetchEvents(), fetchCheckpoints()]);
+  await Promise.all([fetchEvents(), fetchCheckpoints(), fetchWebhooks()]);
   await fetchSamples();
   document.getElementById("loaderror").hidden = true;
   if (TERMINAL.has(j.status)) {
@@ -382,6 +427,7 @@ async function refresh() {
     showCharts(j.status);
     renderJob(j, progress);
     if (j.status === "succeeded") showPlayground(j);
+    followWebhooks();
     document.body.dataset.final = "true";
     return false;
   }
@@ -453,17 +499,20 @@ document.addEventListener("DOMContentLoaded", () => {
   document.getElementById("xaxis").onchange = () => { makeCharts(); redraw(); };
   document.getElementById("showsteps").onchange = renderEvents;
   window.addEventListener("resize", resizeCharts);
-  document.getElementById("cancel").onclick = async () => {
-    const btn = document.getElementById("cancel");
-    btn.disabled = true;
-    try {
-      await loraq.json(`${jobPath}/cancel`, { method: "POST" });
-    } catch (e) {
-      alert(`Cancel failed: ${e.message}`);
-    } finally {
-      btn.disabled = false;
-    }
-  };
+  for (const [id, label] of [["cancel", "Cancel"], ["pause", "Pause"], ["resume", "Resume"]]) {
+    document.getElementById(id).onclick = async () => {
+      const btn = document.getElementById(id);
+      btn.disabled = true;
+      try {
+        await loraq.json(`${jobPath}/${id}`, { method: "POST" });
+        await refresh();
+      } catch (e) {
+        alert(`${label} failed: ${e.message}`);
+      } finally {
+        btn.disabled = id === "pause" && Boolean(job.pause_requested);
+      }
+    };
+  }
   document.getElementById("download-adapter").onclick = () =>
     loraq.download(`${jobPath}/adapter`, `${jobId}-adapter.zip`);
   document.getElementById("download-csv").onclick = () =>
