@@ -155,8 +155,8 @@ class Store(ABC):
     @abstractmethod
     def iter_verified(self, key: str, sha256: str) -> Iterator[bytes]:
         """The object's bytes, raising `StorageError` if they do not match `sha256`: before the
-        first chunk where the whole object is cheap to read first (a local file), else after the
-        last one (so a response that streams them is cut short and never completes)."""
+        first chunk where the whole object is cheap to read first (a local file), else before the
+        last one (so a response that streams them ends short and never completes)."""
 
     @abstractmethod
     def materialize(self, key: str, sha256: str | None = None) -> Path:

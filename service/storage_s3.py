@@ -1,12 +1,13 @@
 """The store in an S3-compatible bucket (`LORAQ_STORAGE_URL=s3://bucket/prefix`), through boto3.
 
-- Writes are multipart uploads: bytes collect in one buffer of `storage_part_bytes`, each full
-  buffer goes up as a part, and `commit()` completes the upload, which publishes the object whole
-  (an object smaller than one part is a single PUT). Memory per writer is one part, whatever the
-  object's size; an aborted or killed writer leaves no object, only an unfinished upload that
-  `sweep_partials` aborts once it is old.
-- Reads stream the object's body; `iter_verified` hashes as it streams and raises after the last
-  chunk on a mismatch, so a corrupt object never makes a complete response.
+- Writes are multipart uploads: chunks collect until they make `storage_part_bytes`, each such
+  part goes up, and `commit()` completes the upload, which publishes the object whole (an object
+  smaller than one part is a single PUT). A writer holds about two parts at its peak (the chunks
+  and the part joined from them, then botocore's request), whatever the object's size. An aborted
+  or killed writer leaves no object, only an unfinished upload that `sweep_partials` aborts once
+  it is old.
+- Reads stream the object's body; `iter_verified` hashes as it streams and holds the last chunk
+  back until the hash matched, so a corrupt object never makes a complete response.
 - `materialize` downloads into this host's cache (`<data_dir>/cache/store/<key>`): temp file,
   sha256 checked, renamed into place; a hit is re-hashed when a sha256 is given (as a FileStore
   read is). Past `storage_cache_bytes`, the least recently used files are evicted.
@@ -128,16 +129,23 @@ class S3Writer(ObjectWriter):
         super().__init__(key, max_bytes)
         self.store = store
         self.name = store.name(key)
-        self._buffer = bytearray()  # at most one part (+ the chunk that filled it)
+        # the chunks of the part being filled: joined once they reach `part_bytes` (a part is that
+        # plus at most one chunk), then dropped, so a writer holds about two parts at its peak
+        self._chunks: list[bytes] = []
+        self.buffered = 0
         self._upload_id: str | None = None
         self._parts: list[dict[str, Any]] = []
 
     def _write(self, chunk: bytes) -> None:
-        self._buffer += chunk
-        part = self.store.config.part_bytes
-        while len(self._buffer) >= part:
-            self._send_part(bytes(self._buffer[:part]))
-            del self._buffer[:part]
+        self._chunks.append(bytes(chunk))
+        self.buffered += len(chunk)
+        if self.buffered >= self.store.config.part_bytes:
+            self._send_part(self._take())
+
+    def _take(self) -> bytes:
+        body = b"".join(self._chunks)
+        self._chunks, self.buffered = [], 0
+        return body
 
     def _send_part(self, body: bytes) -> None:
         client, bucket = self.store.client, self.store.config.bucket
@@ -154,11 +162,10 @@ class S3Writer(ObjectWriter):
         client, bucket = self.store.client, self.store.config.bucket
         if self._upload_id is None:  # smaller than one part: one PUT
             with self._aborted_on_error(f"store {self.key}"):
-                client.put_object(Bucket=bucket, Key=self.name, Body=bytes(self._buffer))
+                client.put_object(Bucket=bucket, Key=self.name, Body=self._take())
             return
-        if self._buffer or not self._parts:
-            self._send_part(bytes(self._buffer))  # the last part may be short
-        self._buffer.clear()
+        if self.buffered:
+            self._send_part(self._take())  # the last part may be short
         with self._aborted_on_error(f"complete {self.key}"):
             client.complete_multipart_upload(
                 Bucket=bucket, Key=self.name, UploadId=self._upload_id, MultipartUpload={"Parts": self._parts}
@@ -174,7 +181,7 @@ class S3Writer(ObjectWriter):
             raise
 
     def _discard(self) -> None:
-        self._buffer = bytearray()
+        self._chunks, self.buffered = [], 0
         if self._upload_id is not None:
             with contextlib.suppress(Exception):  # an unreachable store: sweep_partials aborts it later
                 self.store.client.abort_multipart_upload(
@@ -205,12 +212,19 @@ class S3Store(Store):
             body.close()
 
     def iter_verified(self, key: str, sha256: str) -> Iterator[bytes]:
+        """Each chunk is passed on once the next one has been read, and the last one only after
+        the hash matched: a response streaming a corrupt object ends short of its length."""
         digest = hashlib.sha256()
+        held = b""
         for chunk in self.chunks(key):
             digest.update(chunk)
-            yield chunk
+            if held:
+                yield held
+            held = chunk
         if digest.hexdigest() != sha256:
             raise sha256_mismatch(key)
+        if held:
+            yield held
 
     def size(self, key: str) -> int:
         with s3_errors(f"read the size of {key}", key):

@@ -64,11 +64,11 @@ def visible(store: Store) -> list[str]:
 def test_a_streamed_write_is_published_whole_at_commit(store: Store) -> None:
     data = os.urandom(3 * PART + 123)  # S3: three full parts and a short last one
     with store.writer("files/t/a", max_bytes=len(data)) as w:
-        for i in range(0, len(data), 10_000):
-            w.write(data[i : i + 10_000])
+        for i in range(0, len(data), 8192):  # (a part is full at exactly PART bytes)
+            w.write(data[i : i + 8192])
         assert not store.exists("files/t/a")  # nothing visible before commit
         if isinstance(w, S3Writer):
-            assert len(w._buffer) < PART  # one part held at most: the rest went up already
+            assert w.buffered < PART  # less than one part held: the rest went up already
             assert unfinished_uploads(w.store) == ["pre/fix/files/t/a"]
         obj = w.commit()
     assert (obj.key, obj.size, obj.sha256) == ("files/t/a", len(data), hashlib.sha256(data).hexdigest())
