@@ -32,6 +32,7 @@ from service.schemas import (
     TrainingData,
 )
 from service.settings import Settings
+from worker.engine.catalog import model_shape
 from worker.engine.holdout import holdout_sentence
 from worker.engine.training_config import plan_steps
 
@@ -102,6 +103,7 @@ def plan(spec: JobCreate, request: dict[str, Any], done: dict[str, Any], setting
         batch_size=batch_size,
         longest_row=int(done["training"]["longest_row"]),
         queue=spec.queue or settings.worker_queue,
+        shape=model_shape(spec.model, settings.model_store),  # a model of no row: scaled from one
     )
     return DryRunPublic(
         model=spec.model,

@@ -15,16 +15,29 @@ are a fraction of a percent of the weights). A class without a row for the model
 h100, any model on a class never benchmarked, such as the job's own `cpu` or `default` queue) gets
 an entry without figures that says so.
 
+A model with no row of its own (any family: a Hub model, a local directory) is scaled from the
+row nearest in parameters, within SCALE_LIMIT× of it (N parameters, W = hidden_size × layers):
+
+    tokens per second  = the row's · N_row / N          (a token's training FLOPs ≈ 6 N)
+    weights            = N × 2 bytes
+    activations/token  = the row's · W / W_row
+
+and says so in `basis`. Every row is a Llama model: another family's `basis` says that what it
+adds to the step (q/k norms, sandwich norms, windows, a larger vocabulary's logits) is not measured.
+
 Pure Python: the API computes these.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from worker.engine.catalog import PRESET_SHAPES
+# the catalog's names (pure Python; the control plane imports from worker/ only the catalog)
+from worker.engine.catalog import LLAMA, PRESET_SHAPES, SHAPE_OF_PRETRAINED, ModelShape
 
 GIB = 2**30
+SCALE_LIMIT = 4.0  # a row scales to models within this factor of its parameters, no further
 
 
 @dataclass(frozen=True)
@@ -47,7 +60,7 @@ TABLES: dict[str, dict[str, BenchRow]] = {
         "llama-8b": BenchRow("train-h100-2026-11-23-llama-8b-epilogue.json", 2, 2048, 16215, 33.24),
     },
 }  # fmt: skip
-SHAPE_OF = {"smollm2-135m-instruct": "smollm2-135m"}
+SHAPE_OF = SHAPE_OF_PRETRAINED
 
 
 @dataclass(frozen=True)
@@ -57,6 +70,7 @@ class Estimate:
     wall_seconds: float | None
     source: str | None
     unavailable: str | None = None
+    basis: str | None = None  # how a figure was had from a row of another model (None: its own row)
 
 
 def worker_classes(queue: str) -> list[str]:
@@ -65,12 +79,18 @@ def worker_classes(queue: str) -> list[str]:
 
 
 def estimates(
-    model: str, *, trained_tokens: int, batch_size: int, longest_row: int, queue: str
+    model: str,
+    *,
+    trained_tokens: int,
+    batch_size: int,
+    longest_row: int,
+    queue: str,
+    shape: ModelShape | None = None,
 ) -> list[Estimate]:
     """One entry per class of `worker_classes(queue)`: an estimate where the class has a benchmark
-    row for `model`'s shape, else no figures and the reason (a user should not read a missing
-    class as "fits anywhere")."""
-    shape = SHAPE_OF.get(model, model)
+    row for `model`'s shape, or one to scale from to `shape` (the model's, from the catalog), else
+    no figures and the reason (a user should not read a missing class as "fits anywhere")."""
+    preset = SHAPE_OF.get(model, model)
     out = []
     for worker_class in worker_classes(queue):
         rows = TABLES.get(worker_class)
@@ -83,17 +103,74 @@ def estimates(
                     f"(bench/results has them for: {benchmarked})",
                 )
             )
-        elif shape not in rows:
-            there = ", ".join(rows)
+        elif preset in rows:
             out.append(
-                _unavailable(
-                    worker_class,
-                    f"no training benchmark of {model} on {worker_class} (benchmarked there: {there})",
-                )
+                _from_row(worker_class, rows[preset], preset, trained_tokens, batch_size * longest_row)
             )
         else:
-            out.append(_from_row(worker_class, rows[shape], shape, trained_tokens, batch_size * longest_row))
+            nearest = _nearest_row(rows, shape)
+            if nearest is None:
+                there = ", ".join(rows)
+                near = (
+                    f"; none within {SCALE_LIMIT:g}× of its {shape.parameters} parameters to scale from"
+                    if shape is not None and shape.parameters
+                    else ""
+                )
+                out.append(
+                    _unavailable(
+                        worker_class,
+                        f"no training benchmark of {model} on {worker_class} "
+                        f"(benchmarked there: {there}){near}",
+                    )
+                )
+            else:
+                assert shape is not None
+                out.append(
+                    _scaled(
+                        worker_class, nearest, rows[nearest], shape, trained_tokens, batch_size * longest_row
+                    )
+                )
     return out
+
+
+def _nearest_row(rows: dict[str, BenchRow], shape: ModelShape | None) -> str | None:
+    """The row's preset nearest `shape` in parameters (log scale), if within SCALE_LIMIT×."""
+    if shape is None or not shape.parameters or not shape.width_depth:
+        return None
+    distance = {p: abs(math.log(PRESET_SHAPES[p].parameter_count() / shape.parameters)) for p in rows}
+    best = min(distance, key=lambda p: distance[p])
+    return best if distance[best] <= math.log(SCALE_LIMIT) else None
+
+
+def _scaled(
+    worker_class: str,
+    preset: str,
+    row: BenchRow,
+    shape: ModelShape,
+    trained_tokens: int,
+    step_tokens: int,
+) -> Estimate:
+    """`row` (measured on `preset`) scaled to a model of `shape`, as the module docstring says."""
+    assert shape.parameters is not None and shape.width_depth is not None
+    measured = PRESET_SHAPES[preset]
+    row_params = measured.parameter_count()
+    row_weights = row_params * 2 / GIB
+    per_token = max(row.mem_gib - row_weights, 0.0) / (row.batch * row.seq)
+    per_token *= shape.width_depth / (measured.hidden_size * measured.num_hidden_layers)
+    tokens_per_s = row.tokens_per_s * row_params / shape.parameters
+    basis = (
+        f"scaled from the {preset} row ({row_params / 1e9:.3g}B parameters, Llama) to "
+        f"{shape.parameters / 1e9:.3g}B parameters by parameters and hidden size × layers"
+    )
+    if shape.family.architecture != LLAMA.architecture:
+        basis += f"; no {shape.family.name} row yet: what the family adds to Llama's step is not measured"
+    return Estimate(
+        worker_class=worker_class,
+        peak_gpu_memory_gib=round(shape.parameters * 2 / GIB + per_token * step_tokens, 2),
+        wall_seconds=round(trained_tokens / tokens_per_s, 1),
+        source=f"bench/results/{row.source}",
+        basis=basis,
+    )
 
 
 def _unavailable(worker_class: str, why: str) -> Estimate:

@@ -482,6 +482,9 @@ class EstimatePublic(BaseModel):
     # null, with `unavailable` saying why, where the class has no benchmark row for the model
     peak_gpu_memory_gib: float | None
     wall_seconds: float | None
+    # how the figures were scaled from a row of another model (a model, of any family, with no
+    # row of its own; every row is a Llama's, which other families' basis says); null: its own row
+    basis: str | None = None
     source: str | None  # the benchmark result the estimate comes from
     unavailable: str | None = None
 

@@ -21,9 +21,11 @@ import pytest
 import redis
 
 from service import worker_registry
+from service.cli_models import human_parameters
 from tests.e2e.datasets import broken_lines, chat_lines
 from tests.e2e.procs import Service
 from tests.servers import require_binary
+from worker.engine.catalog import TINY_LLAMA_SHAPE
 
 pytestmark = pytest.mark.browser
 
@@ -142,8 +144,14 @@ def test_dashboard_end_to_end(stack: Service, page: Any, artifacts_dir: Path, tm
     page.goto(svc.url + "/new")
     expect(page.locator("#keydialog")).to_be_hidden()
     expect(page.locator("#model option", has_text="tiny-llama")).to_have_count(1)
+    # each base with its family, size and context length, and whether it is local
+    tiny = TINY_LLAMA_SHAPE
     expect(page.locator("#model option[value='tiny-llama']")).to_have_text(
-        "tiny-llama (random weights, tests only)"
+        f"tiny-llama (Llama, {human_parameters(tiny.parameter_count())} parameters, "
+        f"context {tiny.max_position_embeddings}; random weights, tests only; local)"
+    )
+    expect(page.locator("#model option[value='smollm2-135m-instruct']")).to_contain_text(
+        "smollm2-135m-instruct (Llama, 135M parameters, context 8192; "
     )
     expect(page.locator("#model")).to_have_value("smollm2-135m-instruct")  # the real model by default
     # the random-weight presets apart from the real bases, in a group that says what they are for

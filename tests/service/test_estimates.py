@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from service.estimates import GIB, SHAPE_OF, TABLES, Estimate, estimates
-from worker.engine.catalog import PRESET_SHAPES
+from worker.engine.catalog import PRESET_SHAPES, TINY_LLAMA_SHAPE
+from worker.engine.model_shape import ModelShape, shape_of_config
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
@@ -26,8 +29,8 @@ def test_table_rows_are_the_committed_loraq_rows(worker_class: str, shape: str) 
     ]
 
 
-def _one(model: str, **job: int) -> list[Estimate]:
-    return estimates(model, queue="h100", **job)
+def _one(model: str, shape: ModelShape | None = None, **job: int) -> list[Estimate]:
+    return estimates(model, queue="h100", shape=shape, **job)
 
 
 def test_estimates_reproduce_the_measured_row_and_scale_with_the_step() -> None:
@@ -50,7 +53,7 @@ def test_every_table_row_is_a_preset_shape() -> None:
 
 
 def test_a_class_without_a_row_says_why_rather_than_vanishing() -> None:
-    job = {"trained_tokens": 1000, "batch_size": 4, "longest_row": 128}
+    job: dict[str, Any] = {"trained_tokens": 1000, "batch_size": 4, "longest_row": 128}
     (h100,) = _one("tiny-llama", **job)  # h100 has a table, but no row for tiny-llama
     assert (h100.worker_class, h100.peak_gpu_memory_gib, h100.wall_seconds, h100.source) == (
         "h100", None, None, None,
@@ -63,3 +66,73 @@ def test_a_class_without_a_row_says_why_rather_than_vanishing() -> None:
     cpu = found["cpu"]
     assert cpu.wall_seconds is None and cpu.unavailable is not None
     assert "no training benchmark for worker class 'cpu'" in cpu.unavailable
+
+
+# Published shapes of one model of each family (config.json values as on the Hub)
+FAMILY_MODELS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {  # Llama-3.2-3B
+        "hidden_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8,
+        "intermediate_size": 8192, "vocab_size": 128256, "tie_word_embeddings": True,
+    },
+    "MistralForCausalLM": {  # Mistral-7B-v0.3
+        "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "intermediate_size": 14336, "vocab_size": 32768, "tie_word_embeddings": False,
+    },
+    "Qwen2ForCausalLM": {  # Qwen2.5-1.5B
+        "hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
+        "intermediate_size": 8960, "vocab_size": 151936, "tie_word_embeddings": True,
+    },
+    "Qwen3ForCausalLM": {  # Qwen3-0.6B
+        "hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936, "tie_word_embeddings": True,
+    },
+    "Gemma3ForCausalLM": {  # gemma-3-1b
+        "hidden_size": 1152, "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1,
+        "head_dim": 256, "intermediate_size": 6912, "vocab_size": 262144,
+    },
+    "Phi3ForCausalLM": {  # Phi-4-mini
+        "hidden_size": 3072, "num_hidden_layers": 32, "num_attention_heads": 24, "num_key_value_heads": 8,
+        "intermediate_size": 8192, "vocab_size": 200064, "tie_word_embeddings": True,
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("architecture", list(FAMILY_MODELS))
+def test_every_family_is_estimated_from_the_nearest_row(architecture: str) -> None:
+    config = {"architectures": [architecture], "max_position_embeddings": 8192, **FAMILY_MODELS[architecture]}
+    shape = shape_of_config(config, architecture)
+    assert shape.parameters is not None
+    (h100,) = estimates(
+        "some/model", queue="h100", trained_tokens=10**6, batch_size=2, longest_row=1024, shape=shape
+    )
+    assert h100.unavailable is None and h100.peak_gpu_memory_gib and h100.wall_seconds, h100
+    assert h100.peak_gpu_memory_gib > shape.parameters * 2 / GIB  # the weights, and activations
+    n = shape.parameters
+    nearest = min(TABLES["h100"], key=lambda p: abs(math.log(PRESET_SHAPES[p].parameter_count() / n)))
+    assert h100.basis is not None and h100.basis.startswith(f"scaled from the {nearest} row")
+    assert h100.source == f"bench/results/{TABLES['h100'][nearest].source}"
+    unmeasured = "row yet: what the family adds to Llama's step is not measured" in h100.basis
+    assert unmeasured == (architecture != "LlamaForCausalLM")
+
+
+def test_a_model_of_a_rows_shape_under_another_name_gets_that_row() -> None:
+    row, preset = TABLES["h100"]["llama-1b"], PRESET_SHAPES["llama-1b"]
+    config = {"architectures": ["LlamaForCausalLM"], **preset.config_kwargs()}
+    shape = shape_of_config(config, "llama-1b copy")
+    tokens = int(row.tokens_per_s * 100)
+    (scaled,) = _one(
+        "my-llama-1b", trained_tokens=tokens, batch_size=row.batch, longest_row=row.seq, shape=shape
+    )
+    (own,) = _one("llama-1b", trained_tokens=tokens, batch_size=row.batch, longest_row=row.seq)
+    assert (scaled.peak_gpu_memory_gib, scaled.wall_seconds) == (own.peak_gpu_memory_gib, own.wall_seconds)
+    assert own.basis is None and scaled.basis is not None
+
+
+def test_a_model_far_from_every_row_is_not_extrapolated() -> None:
+    tiny = shape_of_config(
+        {"architectures": ["LlamaForCausalLM"], **TINY_LLAMA_SHAPE.config_kwargs()}, "tiny"
+    )
+    (h100,) = _one("tiny-llama", trained_tokens=1, batch_size=1, longest_row=1, shape=tiny)
+    assert h100.unavailable is not None and h100.unavailable.endswith(
+        f"none within 4× of its {tiny.parameters} parameters to scale from"
+    )

@@ -337,6 +337,23 @@ def model_family(name: str, store: Path) -> Family:
     return _directory_shape(Path(info.path), label=f"the config.json of model {name!r}").family
 
 
+def model_shape(name: str, store: Path) -> ModelShape | None:
+    """Family, size, context and width × depth of catalog model `name`; None where not known (a
+    Hub model whose config.json is not in the store, a directory gone, an unknown name)."""
+    try:
+        info = get_model_info(name, store)
+    except ModelError:
+        return None
+    if info.kind in ("pretrained", "random"):
+        preset = PRESET_SHAPES[SHAPE_OF_PRETRAINED.get(name, name)]
+        width_depth = preset.hidden_size * preset.num_hidden_layers
+        return ModelShape(LLAMA, preset.parameter_count(), preset.max_position_embeddings, width_depth)
+    try:
+        return _directory_shape(Path(info.path or ""))
+    except ModelError:
+        return None
+
+
 def _directory_shape(directory: Path, label: str | None = None) -> ModelShape:
     """Family, size and context of what config.json says (`label` names the file in errors;
     default: its path)."""

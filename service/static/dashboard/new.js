@@ -278,9 +278,11 @@ async function dryRun() {
       body: JSON.stringify({ ...jobBody(), dry_run: true }),
     });
     const t = plan.training;
-    // a class without a benchmark row for the model says why instead of a figure
+    // a class without a benchmark row for the model says why instead of a figure; one scaled from
+    // another model's row says how (`basis`)
     const est = plan.estimates.map((e) => e.unavailable === null
       ? `${loraq.esc(e.worker_class)}: ${loraq.num(e.peak_gpu_memory_gib, 3)} GiB peak, ${loraq.duration(e.wall_seconds)}`
+        + (e.basis ? ` <span class="muted">(${loraq.esc(e.basis)})</span>` : "")
       : `${loraq.esc(e.worker_class)}: <span class="muted">${loraq.esc(e.unavailable)}</span>`).join("<br>");
     document.getElementById("plankv").innerHTML = [
       ["Valid", plan.valid ? "yes" : "no"],
@@ -334,9 +336,27 @@ async function submit(ev) {
 function modelLabel(m) {
   const pull = m.auto_pull === false ? "not local: run `loraq models pull` first" : "not local: downloaded on first use";
   return [
+    modelShape(m),
     m.use === "tests" ? "random weights, tests only" : m.random ? "random weights" : "",
-    m.local ? "" : pull,
+    m.local ? "local" : pull,
   ].filter(Boolean).join("; ");
+}
+
+// What a user picks a base by: "Qwen3, 0.6B parameters, context 40960" (the parts /v1/models knows).
+function modelShape(m) {
+  return [
+    m.family,
+    m.parameters ? `${humanCount(m.parameters)} parameters` : "",
+    m.context_length ? `context ${m.context_length}` : "",
+  ].filter(Boolean).join(", ");
+}
+
+// 134515008 -> "135M", as `loraq models list` writes it (three significant digits)
+function humanCount(n) {
+  for (const [scale, suffix] of [[1e9, "B"], [1e6, "M"], [1e3, "K"]]) {
+    if (n >= scale) return `${Number((n / scale).toPrecision(3))}${suffix}`;
+  }
+  return String(n);
 }
 
 async function loadModels() {
