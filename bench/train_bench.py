@@ -108,7 +108,7 @@ def _loraq_step(preset: str, batch: int, seq: int, info: dict[str, Any]) -> tupl
 
     import gpu_kernels
     from service.settings import get_settings
-    from worker.engine.fused_llama import fuse_llama
+    from worker.engine.fused_llama import fuse_model
     from worker.engine.lora import apply_lora, trainable_parameters
     from worker.engine.models import load_base_model
     from worker.engine.train_step import CapturedTrainStep
@@ -118,7 +118,7 @@ def _loraq_step(preset: str, batch: int, seq: int, info: dict[str, Any]) -> tupl
     loaded = load_base_model(preset, store=Path(tempfile.mkdtemp()), device="cuda", dtype=torch.bfloat16)
     model = loaded.model
     apply_lora(model, LoraConfig(r=16, alpha=32, dropout=0.0, target_modules=list(TARGETS)))
-    info["fused"] = fuse_llama(model).__dict__
+    info["fused"] = fuse_model(model).__dict__
     model.train()
     params = trainable_parameters(model)
     fallbacks: list[str] = []

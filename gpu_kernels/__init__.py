@@ -32,10 +32,12 @@ from gpu_kernels.dispatch import (
 from gpu_kernels.graph import GraphedStep
 from gpu_kernels.monitor import NonFiniteMonitor
 from gpu_kernels.ops.adapter_casts import AdapterCasts
+from gpu_kernels.ops.rope_reference import HeadNorm
 
 __all__ = [
     "AdapterCasts",
     "GraphedStep",
+    "HeadNorm",
     "KernelConfig",
     "KernelStatus",
     "NonFiniteMonitor",

@@ -17,6 +17,8 @@ import torch
 from gpu_kernels import _lib, reference
 from gpu_kernels.ops import lora_multi
 from gpu_kernels.ops.adapter_casts import AdapterCasts
+from gpu_kernels.ops.norm_act_reference import Activation
+from gpu_kernels.ops.rope_reference import HeadNorm
 from gpu_kernels.quant.frozen import FrozenWeight
 
 Backend = Literal["auto", "reference"]
@@ -178,28 +180,31 @@ def lora_linear_multi(
     return reference.lora_linear_multi(x, weight, bias, lora_a, lora_b, scales, index)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """(offset + w) ⊙ x / sqrt(mean(x²) + eps) over the last dim; offset 1 for Gemma's weights."""
     if _compiled(x, weight) and _kernel_dtype(x):
         from gpu_kernels.ops import norm_act
 
-        return norm_act.rms_norm(x, weight, eps)
-    return reference.rms_norm(x, weight, eps)
+        return norm_act.rms_norm(x, weight, eps, offset)
+    return reference.rms_norm(x, weight, eps, offset)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, activation: Activation = "silu") -> torch.Tensor:
+    """act(gate) ⊙ up: SwiGLU, or GeGLU with activation "gelu_tanh"."""
     if _compiled(gate, up) and _kernel_dtype(gate) and gate.dtype == up.dtype and gate.shape == up.shape:
         from gpu_kernels.ops import norm_act
 
-        return norm_act.swiglu(gate, up)
-    return reference.swiglu(gate, up)
+        return norm_act.swiglu(gate, up, activation)
+    return reference.swiglu(gate, up, activation)
 
 
-def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
+def swiglu_packed(gate_up: torch.Tensor, activation: Activation = "silu") -> torch.Tensor:
+    """swiglu of [gate | up] packed on the last dim: (..., 2F) -> (..., F)."""
     if _compiled(gate_up) and _kernel_dtype(gate_up):
         from gpu_kernels.ops import norm_act
 
-        return norm_act.swiglu_packed(gate_up)
-    return reference.swiglu_packed(gate_up)
+        return norm_act.swiglu_packed(gate_up, activation)
+    return reference.swiglu_packed(gate_up, activation)
 
 
 def rope_qkv(
@@ -209,15 +214,20 @@ def rope_qkv(
     n_heads: int,
     n_kv_heads: int,
     positions: torch.Tensor | None = None,
+    norm: HeadNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Split the packed (B, S, (H+2G)·D) q/k/v rows and rotate q and k: q (B, H, S, D), k and
-    v (B, G, S, D). cos/sin are (1 or B, S, D), or (1, P, D) read at positions (B, S) when those
-    are given. See reference.rope_qkv."""
-    if _compiled(qkv, cos, sin, positions) and _kernel_dtype(qkv) and qkv.dim() == 3:
+    """Split the packed (B, S, (H+2G)·D) q/k/v rows, normalise q and k per head when `norm` is
+    given, and rotate the first R dims of q and k: q (B, H, S, D), k and v (B, G, S, D). cos/sin
+    are (1 or B, S, R), or (1, P, R) read at positions (B, S) when those are given; R <= D.
+    See reference.rope_qkv."""
+    weights = (norm.q_weight, norm.k_weight) if norm is not None else ()
+    if _compiled(qkv, cos, sin, positions, *weights) and _kernel_dtype(qkv) and qkv.dim() == 3:
         from gpu_kernels.ops import rope
 
-        return rope.rope_qkv(qkv, cos, sin, n_heads, n_kv_heads, positions)
-    return reference.rope_qkv(qkv, cos, sin, n_heads, n_kv_heads, positions)
+        d = reference.rope_head_size(qkv.shape[-1], n_heads, n_kv_heads)
+        if norm is None or rope.norm_fits(d, int(cos.shape[-1])):
+            return rope.rope_qkv(qkv, cos, sin, n_heads, n_kv_heads, positions, norm)
+    return reference.rope_qkv(qkv, cos, sin, n_heads, n_kv_heads, positions, norm)
 
 
 def fused_linear_cross_entropy(
@@ -244,16 +254,17 @@ def varlen_attention(
     cu_seqlens: torch.Tensor,
     max_seqlen: int,
     scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention confined to each sequence of a packed (N, heads, D) batch, the
-    sequences given by cu_seqlens (K + 1,) int32; GQA when k/v have fewer heads. No mask and,
-    on the GPU, no host sync (a fixed-size cu_seqlens keeps the call capturable). See
-    reference.varlen_attention."""
+    sequences given by cu_seqlens (K + 1,) int32; GQA when k/v have fewer heads; with `window`
+    W, a token sees itself and the W − 1 tokens before it. No mask and, on the GPU, no host sync
+    (a fixed-size cu_seqlens keeps the call capturable). See reference.varlen_attention."""
     if _compiled(q, k, v, cu_seqlens) and q.dtype in (torch.float16, torch.bfloat16):
         from gpu_kernels.ops import varlen
 
-        return varlen.varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
-    return reference.varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
+        return varlen.varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale, window)
+    return reference.varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale, window)
 
 
 def new_nonfinite_state(device: torch.device | str) -> torch.Tensor:

@@ -4,9 +4,12 @@
 #   2. correctness: `pytest -m gpu tests/gpu_kernels` — every op forward and backward against its
 #      reference (fp32 + bf16, edge and large shapes: test_op_<op>.py), a graphed step vs eager,
 #      tiny-llama 50 steps and the recipe on the compiled vs the reference path, the packed job
-#      step in bf16 (each example in a packed row vs alone, isolation) (test_gpu_training.py);
+#      step in bf16 (each example in a packed row vs alone, isolation) (test_gpu_training.py); every
+#      family's fused captured step vs the plain path (test_gpu_families.py), and each op's family
+#      variants (q/k norm and partial rotary in rope, RMSNorm offset, GeGLU, varlen windows);
 #   3. compute-sanitizer memcheck of `pytest -m "gpu and not slow and not no_memcheck"` (the small
-#      shapes of every op and the packed step on tiny-llama; no graph capture, no profiler);
+#      shapes of every op and its family variants, the packed step on tiny-llama, every tiny
+#      family's fused packed loss fwd + bwd; no graph capture, no profiler);
 #   4. measuring: op timings, compiled vs eager torch (scripts/gpu_check.py bench).
 # Usage: scripts/gpu_check.sh [OUTDIR]   (logs and JSON land in OUTDIR, default bench/results)
 # Needs pytest and pytest-timeout next to the CUDA torch (pip install pytest pytest-timeout).

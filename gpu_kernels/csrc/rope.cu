@@ -17,6 +17,11 @@
 // int64, one (P, D) table indexed by each token's position (packed rows, where positions restart
 // at every sequence: one (S, D) table instead of a (B, S, D) copy per row). Math in fp32, one
 // rounding.
+//
+// Per family (worker/engine/families.py): the tables may cover only the first R < D dims of a head
+// (partial rotary, Phi-4-mini: the rest is copied), and q and k may first go through a per-head
+// RMSNorm (Qwen3, Gemma 3: q/k norm between the projection and RoPE), in the same pass; its
+// backward recomputes the norm's rstd from the saved input.
 
 #include "common.cuh"
 
@@ -58,42 +63,92 @@ __device__ __forceinline__ int64_t angle_offset(const int64_t* __restrict__ pos,
   return pos != nullptr ? pos[m] * cs_s : b * cs_b + s * cs_s;
 }
 
-// One block per token; each thread takes kV consecutive pairs (i, i + D/2) of one head, so a
-// warp's loads are consecutive in i (coalesced, 8- or 16-byte vectors when kV == 4) and the
-// rotation needs no exchange between threads.
-template <typename T, int kV>
+// Per-head RMSNorm of q and k before the rotation (Qwen3, Gemma 3): (o + w) ⊙ x · rstd over a
+// head's D elements, w (D,) one weight for all q heads, one for all k heads.
+template <typename T>
+struct HeadNorm {
+  const T* qw;  // (D,) or null: no norm
+  const T* kw;
+  float eps, offset;
+};
+
+// Sum over the `width` consecutive lanes that hold one head (width a power of two <= 32, the
+// groups aligned to it); every lane of the warp must call it.
+__device__ __forceinline__ float group_sum(float v, int width) {
+  for (int o = width >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// One block per token; each thread takes kV consecutive pairs of one head, so a warp's loads are
+// consecutive (coalesced, 8- or 16-byte vectors when kV == 4) and the rotation needs no exchange
+// between threads. A head of D elements with R of them rotating (R = D, or less: partial rotary,
+// Phi-4-mini) has D/2 pair slots: slot i < R/2 is the rotated pair (i, i + R/2), slot i >= R/2 the
+// copied pair (R + i', R + i' + (D − R)/2), i' = i − R/2. With kNorm the `groups` threads of a head
+// reduce over it by warp shuffles: the loop runs the same number of times on every thread.
+template <typename T, int kV, bool kNorm>
 __global__ void rope_fwd_kernel(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __restrict__ sin,
                                 const int64_t* __restrict__ pos, int64_t cs_b, int64_t cs_s, T* __restrict__ q,
-                                T* __restrict__ k, T* __restrict__ v,
-                                int S, int H, int G, int D) {
+                                T* __restrict__ k, T* __restrict__ v, HeadNorm<T> norm,
+                                int S, int H, int G, int D, int R) {
   const int64_t m = blockIdx.x;  // token b·S + s
   const int64_t b = m / S, s = m % S;
-  const int half = D / 2, groups = half / kV;
-  const int heads = H + 2 * G;
+  const int half = D / 2, rh = R / 2, ph = (D - R) / 2, groups = half / kV;
+  const int heads = H + 2 * G, work = heads * groups;
   const T* x = qkv + m * heads * D;
   const int64_t a = angle_offset(pos, m, b, s, cs_b, cs_s);
   const T *c = cos + a, *sn = sin + a;
-  for (int t = threadIdx.x; t < heads * groups; t += blockDim.x) {
-    const int h = t / groups, i = (t % groups) * kV;
+  for (int base = 0; base < work; base += blockDim.x) {
+    const int t = base + threadIdx.x;
+    const bool active = t < work;
+    const int h = active ? t / groups : 0, i = (t % groups) * kV;
+    const bool rotary = i < rh;
+    const int lo = rotary ? i : R + (i - rh), hi = rotary ? i + rh : R + (i - rh) + ph;  // the pair
     float x0[kV], x1[kV];
-    load_v<kV>(x + h * D + i, x0);
-    load_v<kV>(x + h * D + i + half, x1);
+#pragma unroll
+    for (int j = 0; j < kV; ++j) x0[j] = x1[j] = 0.f;
+    if (active) {
+      load_v<kV>(x + h * D + lo, x0);
+      load_v<kV>(x + h * D + hi, x1);
+    }
+    if constexpr (kNorm) {
+      float ss = 0.f;
+#pragma unroll
+      for (int j = 0; j < kV; ++j) ss += x0[j] * x0[j] + x1[j] * x1[j];
+      const float rstd = rsqrtf(group_sum(ss, groups) / static_cast<float>(D) + norm.eps);
+      if (active && h < H + G) {
+        const T* w = h < H ? norm.qw : norm.kw;
+        float w0[kV], w1[kV];
+        load_v<kV>(w + lo, w0);
+        load_v<kV>(w + hi, w1);
+#pragma unroll
+        for (int j = 0; j < kV; ++j) {
+          x0[j] *= rstd * (norm.offset + w0[j]);
+          x1[j] *= rstd * (norm.offset + w1[j]);
+        }
+      }
+    }
+    if (!active) continue;
     if (h >= H + G) {  // v: copied
       T* o = v + (m * G + (h - H - G)) * D;
-      store_v<kV>(o + i, x0);
-      store_v<kV>(o + i + half, x1);
+      store_v<kV>(o + lo, x0);
+      store_v<kV>(o + hi, x1);
       continue;
     }
-    float c0[kV], c1[kV], s0[kV], s1[kV], o0[kV], o1[kV];
-    load_angles<kV>(c, sn, i, half, c0, c1, s0, s1);
-#pragma unroll
-    for (int j = 0; j < kV; ++j) {
-      o0[j] = x0[j] * c0[j] - x1[j] * s0[j];
-      o1[j] = x1[j] * c1[j] + x0[j] * s1[j];
-    }
     T* o = h < H ? q + (m * H + h) * D : k + (m * G + (h - H)) * D;
-    store_v<kV>(o + i, o0);
-    store_v<kV>(o + i + half, o1);
+    if (rotary) {
+      float c0[kV], c1[kV], s0[kV], s1[kV], o0[kV], o1[kV];
+      load_angles<kV>(c, sn, i, rh, c0, c1, s0, s1);
+#pragma unroll
+      for (int j = 0; j < kV; ++j) {
+        o0[j] = x0[j] * c0[j] - x1[j] * s0[j];
+        o1[j] = x1[j] * c1[j] + x0[j] * s1[j];
+      }
+      store_v<kV>(o + lo, o0);
+      store_v<kV>(o + hi, o1);
+    } else {
+      store_v<kV>(o + lo, x0);
+      store_v<kV>(o + hi, x1);
+    }
   }
 }
 
@@ -104,45 +159,94 @@ struct GradView {
   int64_t sb, sh, ss;
 };
 
-template <typename T, int kV>
+// With kNorm, qkv is the forward's input (the pre-norm q/k): the rotation's gradient g is then
+// taken through the norm, dx = rstd · (w'⊙g − x · rstd² · mean(w'⊙g⊙x)), w' = o + w, with rstd
+// recomputed from x.
+template <typename T, int kV, bool kNorm>
 __global__ void rope_bwd_kernel(GradView dq, GradView dk, GradView dv, const T* __restrict__ cos,
                                 const T* __restrict__ sin, const int64_t* __restrict__ pos, int64_t cs_b,
-                                int64_t cs_s, T* __restrict__ dqkv,
-                                int S, int H, int G, int D) {
+                                int64_t cs_s, const T* __restrict__ qkv, HeadNorm<T> norm, T* __restrict__ dqkv,
+                                int S, int H, int G, int D, int R) {
   const int64_t m = blockIdx.x;
   const int64_t b = m / S, s = m % S;
-  const int half = D / 2, groups = half / kV;
-  const int heads = H + 2 * G;
+  const int half = D / 2, rh = R / 2, ph = (D - R) / 2, groups = half / kV;
+  const int heads = H + 2 * G, work = heads * groups;
   T* out = dqkv + m * heads * D;
   const int64_t a = angle_offset(pos, m, b, s, cs_b, cs_s);
   const T *c = cos + a, *sn = sin + a;
-  for (int t = threadIdx.x; t < heads * groups; t += blockDim.x) {
-    const int h = t / groups, i = (t % groups) * kV;
+  for (int base = 0; base < work; base += blockDim.x) {
+    const int t = base + threadIdx.x;
+    const bool active = t < work;
+    const int h = active ? t / groups : 0, i = (t % groups) * kV;
+    const bool rotary = i < rh;
+    const int lo = rotary ? i : R + (i - rh), hi = rotary ? i + rh : R + (i - rh) + ph;
     // pick the tensor by value (a runtime-chosen reference to a kernel parameter would put the
     // parameters in local memory)
     const bool is_q = h < H, is_k = !is_q && h < H + G;
-    const int hh = is_q ? h : (is_k ? h - H : h - H - G);
-    const void* base = is_q ? dq.p : (is_k ? dk.p : dv.p);
-    const int64_t off = is_q ? b * dq.sb + hh * dq.sh + s * dq.ss
-                             : (is_k ? b * dk.sb + hh * dk.sh + s * dk.ss : b * dv.sb + hh * dv.sh + s * dv.ss);
-    const T* src = static_cast<const T*>(base) + off;
-    float g0[kV], g1[kV];
-    load_v<kV>(src + i, g0);
-    load_v<kV>(src + i + half, g1);
-    if (h >= H + G) {
-      store_v<kV>(out + h * D + i, g0);
-      store_v<kV>(out + h * D + i + half, g1);
-      continue;
-    }
-    float c0[kV], c1[kV], s0[kV], s1[kV], d0[kV], d1[kV];
-    load_angles<kV>(c, sn, i, half, c0, c1, s0, s1);
+    float d0[kV], d1[kV];
 #pragma unroll
-    for (int j = 0; j < kV; ++j) {
-      d0[j] = g0[j] * c0[j] + g1[j] * s1[j];
-      d1[j] = g1[j] * c1[j] - g0[j] * s0[j];
+    for (int j = 0; j < kV; ++j) d0[j] = d1[j] = 0.f;
+    if (active) {
+      const int hh = is_q ? h : (is_k ? h - H : h - H - G);
+      const void* src_base = is_q ? dq.p : (is_k ? dk.p : dv.p);
+      const int64_t off = is_q ? b * dq.sb + hh * dq.sh + s * dq.ss
+                               : (is_k ? b * dk.sb + hh * dk.sh + s * dk.ss : b * dv.sb + hh * dv.sh + s * dv.ss);
+      const T* src = static_cast<const T*>(src_base) + off;
+      float g0[kV], g1[kV];
+      load_v<kV>(src + lo, g0);
+      load_v<kV>(src + hi, g1);
+      if (rotary && h < H + G) {
+        float c0[kV], c1[kV], s0[kV], s1[kV];
+        load_angles<kV>(c, sn, i, rh, c0, c1, s0, s1);
+#pragma unroll
+        for (int j = 0; j < kV; ++j) {
+          d0[j] = g0[j] * c0[j] + g1[j] * s1[j];
+          d1[j] = g1[j] * c1[j] - g0[j] * s0[j];
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kV; ++j) {
+          d0[j] = g0[j];
+          d1[j] = g1[j];
+        }
+      }
     }
-    store_v<kV>(out + h * D + i, d0);
-    store_v<kV>(out + h * D + i + half, d1);
+    if constexpr (kNorm) {
+      const bool normed = active && h < H + G;
+      float x0[kV], x1[kV], w0[kV], w1[kV];
+#pragma unroll
+      for (int j = 0; j < kV; ++j) x0[j] = x1[j] = w0[j] = w1[j] = 0.f;
+      if (normed) {
+        const T* x = qkv + m * heads * D + h * D;
+        const T* w = h < H ? norm.qw : norm.kw;
+        load_v<kV>(x + lo, x0);
+        load_v<kV>(x + hi, x1);
+        load_v<kV>(w + lo, w0);
+        load_v<kV>(w + hi, w1);
+      }
+      float ss = 0.f, dot = 0.f;
+#pragma unroll
+      for (int j = 0; j < kV; ++j) {
+        w0[j] += norm.offset;
+        w1[j] += norm.offset;
+        ss += x0[j] * x0[j] + x1[j] * x1[j];
+        dot += w0[j] * d0[j] * x0[j] + w1[j] * d1[j] * x1[j];
+      }
+      ss = group_sum(ss, groups);
+      dot = group_sum(dot, groups);
+      if (normed) {
+        const float rstd = rsqrtf(ss / static_cast<float>(D) + norm.eps);
+        const float cc = dot * rstd * rstd / static_cast<float>(D);
+#pragma unroll
+        for (int j = 0; j < kV; ++j) {
+          d0[j] = rstd * (w0[j] * d0[j] - x0[j] * cc);
+          d1[j] = rstd * (w1[j] * d1[j] - x1[j] * cc);
+        }
+      }
+    }
+    if (!active) continue;
+    store_v<kV>(out + h * D + lo, d0);
+    store_v<kV>(out + h * D + hi, d1);
   }
 }
 
@@ -151,46 +255,72 @@ int threads_for(int work) {
   return t < 64 ? 64 : (t > 512 ? 512 : t);
 }
 
-// Vector moves need every row start aligned to 4 elements: D/2 % 4 == 0, 4-element-aligned
-// strides and base pointers.
-bool aligned4(const void* p, int elt) { return reinterpret_cast<uintptr_t>(p) % (4 * elt) == 0; }
+// Vector moves need every pair start aligned to 4 elements: R/2 and (D − R)/2 multiples of 4,
+// 4-element-aligned strides and base pointers.
+bool aligned4(const void* p, int elt) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % (4 * elt) == 0; }
 bool strides4(int64_t a, int64_t b, int64_t c) { return a % 4 == 0 && b % 4 == 0 && c % 4 == 0; }
+
+// The norm's reduction runs over the D/2/kV threads of a head: a power of two, at most a warp.
+bool norm_fits(int D, int kV) {
+  const int groups = D / 2 / kV;
+  return groups >= 1 && groups <= 32 && (groups & (groups - 1)) == 0;
+}
+
+template <typename T, int kV, bool kNorm>
+void fwd(const T* x, const T* c, const T* sn, const int64_t* pos, int64_t cs_b, int64_t cs_s, T* q, T* k, T* v,
+         const HeadNorm<T>& norm, int64_t B, int S, int H, int G, int D, int R, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(B * S));
+  rope_fwd_kernel<T, kV, kNorm><<<grid, threads_for((H + 2 * G) * D / (2 * kV)), 0, stream>>>(
+      x, c, sn, pos, cs_b, cs_s, q, k, v, norm, S, H, G, D, R);
+}
 
 template <typename T>
 int launch_fwd(const void* qkv, const void* cos, const void* sin, const int64_t* pos, int64_t cs_b, int64_t cs_s,
-               void* q, void* k, void* v, int64_t B, int S, int H, int G, int D, cudaStream_t stream) {
+               void* q, void* k, void* v, const HeadNorm<T>& norm, int64_t B, int S, int H, int G, int D, int R,
+               cudaStream_t stream) {
   const int elt = sizeof(T);
-  const bool vec = (D / 2) % 4 == 0 && strides4(cs_b, cs_s, 0) && aligned4(qkv, elt) && aligned4(cos, elt) &&
-                   aligned4(sin, elt) && aligned4(q, elt) && aligned4(k, elt) && aligned4(v, elt);
-  const dim3 grid(static_cast<unsigned>(B * S));
+  const bool vec = (R / 2) % 4 == 0 && ((D - R) / 2) % 4 == 0 && strides4(cs_b, cs_s, 0) && aligned4(qkv, elt) &&
+                   aligned4(cos, elt) && aligned4(sin, elt) && aligned4(q, elt) && aligned4(k, elt) &&
+                   aligned4(v, elt) && aligned4(norm.qw, elt) && aligned4(norm.kw, elt);
+  const bool with_norm = norm.qw != nullptr;
+  if (with_norm && !norm_fits(D, vec ? 4 : 1)) return static_cast<int>(cudaErrorInvalidValue);
   const auto* x = static_cast<const T*>(qkv);
   const auto *c = static_cast<const T*>(cos), *sn = static_cast<const T*>(sin);
   auto *oq = static_cast<T*>(q), *ok = static_cast<T*>(k), *ov = static_cast<T*>(v);
-  if (vec)
-    rope_fwd_kernel<T, 4><<<grid, threads_for((H + 2 * G) * D / 8), 0, stream>>>(x, c, sn, pos, cs_b, cs_s, oq, ok,
-                                                                                   ov, S, H, G, D);
-  else
-    rope_fwd_kernel<T, 1><<<grid, threads_for((H + 2 * G) * D / 2), 0, stream>>>(x, c, sn, pos, cs_b, cs_s, oq, ok,
-                                                                                   ov, S, H, G, D);
+  if (vec && with_norm) fwd<T, 4, true>(x, c, sn, pos, cs_b, cs_s, oq, ok, ov, norm, B, S, H, G, D, R, stream);
+  else if (vec) fwd<T, 4, false>(x, c, sn, pos, cs_b, cs_s, oq, ok, ov, norm, B, S, H, G, D, R, stream);
+  else if (with_norm) fwd<T, 1, true>(x, c, sn, pos, cs_b, cs_s, oq, ok, ov, norm, B, S, H, G, D, R, stream);
+  else fwd<T, 1, false>(x, c, sn, pos, cs_b, cs_s, oq, ok, ov, norm, B, S, H, G, D, R, stream);
   LORAQ_RETURN_LAST_ERROR;
+}
+
+template <typename T, int kV, bool kNorm>
+void bwd(GradView gq, GradView gk, GradView gv, const T* c, const T* sn, const int64_t* pos, int64_t cs_b,
+         int64_t cs_s, const T* x, const HeadNorm<T>& norm, T* out, int64_t B, int S, int H, int G, int D, int R,
+         cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(B * S));
+  rope_bwd_kernel<T, kV, kNorm><<<grid, threads_for((H + 2 * G) * D / (2 * kV)), 0, stream>>>(
+      gq, gk, gv, c, sn, pos, cs_b, cs_s, x, norm, out, S, H, G, D, R);
 }
 
 template <typename T>
 int launch_bwd(GradView gq, GradView gk, GradView gv, const void* cos, const void* sin, const int64_t* pos,
-               int64_t cs_b, int64_t cs_s, void* dqkv, int64_t B, int S, int H, int G, int D, cudaStream_t stream) {
+               int64_t cs_b, int64_t cs_s, const void* qkv, const HeadNorm<T>& norm, void* dqkv, int64_t B, int S,
+               int H, int G, int D, int R, cudaStream_t stream) {
   const int elt = sizeof(T);
-  bool vec = (D / 2) % 4 == 0 && strides4(cs_b, cs_s, 0) && aligned4(cos, elt) && aligned4(sin, elt) &&
-             aligned4(dqkv, elt);
+  bool vec = (R / 2) % 4 == 0 && ((D - R) / 2) % 4 == 0 && strides4(cs_b, cs_s, 0) && aligned4(cos, elt) &&
+             aligned4(sin, elt) && aligned4(dqkv, elt) && aligned4(qkv, elt) && aligned4(norm.qw, elt) &&
+             aligned4(norm.kw, elt);
   for (const GradView& g : {gq, gk, gv}) vec = vec && aligned4(g.p, elt) && strides4(g.sb, g.sh, g.ss);
-  const dim3 grid(static_cast<unsigned>(B * S));
+  const bool with_norm = norm.qw != nullptr;
+  if (with_norm && (qkv == nullptr || !norm_fits(D, vec ? 4 : 1))) return static_cast<int>(cudaErrorInvalidValue);
   const auto *c = static_cast<const T*>(cos), *sn = static_cast<const T*>(sin);
+  const auto* x = static_cast<const T*>(qkv);
   auto* out = static_cast<T*>(dqkv);
-  if (vec)
-    rope_bwd_kernel<T, 4><<<grid, threads_for((H + 2 * G) * D / 8), 0, stream>>>(gq, gk, gv, c, sn, pos, cs_b, cs_s,
-                                                                                   out, S, H, G, D);
-  else
-    rope_bwd_kernel<T, 1><<<grid, threads_for((H + 2 * G) * D / 2), 0, stream>>>(gq, gk, gv, c, sn, pos, cs_b, cs_s,
-                                                                                   out, S, H, G, D);
+  if (vec && with_norm) bwd<T, 4, true>(gq, gk, gv, c, sn, pos, cs_b, cs_s, x, norm, out, B, S, H, G, D, R, stream);
+  else if (vec) bwd<T, 4, false>(gq, gk, gv, c, sn, pos, cs_b, cs_s, x, norm, out, B, S, H, G, D, R, stream);
+  else if (with_norm) bwd<T, 1, true>(gq, gk, gv, c, sn, pos, cs_b, cs_s, x, norm, out, B, S, H, G, D, R, stream);
+  else bwd<T, 1, false>(gq, gk, gv, c, sn, pos, cs_b, cs_s, x, norm, out, B, S, H, G, D, R, stream);
   LORAQ_RETURN_LAST_ERROR;
 }
 
@@ -199,32 +329,47 @@ int launch_bwd(GradView gq, GradView gk, GradView gv, const void* cos, const voi
 extern "C" {
 
 // qkv (B·S, (H+2G)·D) contiguous; cos/sin rows at b·cs_b + s·cs_s, or at pos[b·S + s]·cs_s when
-// pos (B·S int64, every entry a row of the tables) is not null, D contiguous elements each;
-// q (B·S, H, D), k and v (B·S, G, D) contiguous outputs.
+// pos (B·S int64, every entry a row of the tables) is not null, R contiguous elements each (the
+// rotary dims, R <= D, both even); q (B·S, H, D), k and v (B·S, G, D) contiguous outputs.
+// qw/kw (D,) the per-head q/k RMSNorm weights, or null for none (then eps/offset are unused).
 int loraq_rope_fwd(const void* qkv, const void* cos, const void* sin, const int64_t* pos, int64_t cs_b, int64_t cs_s,
-                   void* q, void* k, void* v, int dtype, int64_t B, int S, int H, int G, int D,
-                   cudaStream_t stream) {
+                   void* q, void* k, void* v, const void* qw, const void* kw, float eps, float offset, int dtype,
+                   int64_t B, int S, int H, int G, int D, int R, cudaStream_t stream) {
   if (B == 0 || S == 0) return 0;
-  if (D % 2 != 0 || B * S > 2147483647LL) return static_cast<int>(cudaErrorInvalidValue);
-  if (dtype == LORAQ_BF16)
-    return launch_fwd<__nv_bfloat16>(qkv, cos, sin, pos, cs_b, cs_s, q, k, v, B, S, H, G, D, stream);
-  if (dtype == LORAQ_F32)
-    return launch_fwd<float>(qkv, cos, sin, pos, cs_b, cs_s, q, k, v, B, S, H, G, D, stream);
+  if (D % 2 != 0 || R % 2 != 0 || R > D || R < 2 || B * S > 2147483647LL || (qw == nullptr) != (kw == nullptr))
+    return static_cast<int>(cudaErrorInvalidValue);
+  if (dtype == LORAQ_BF16) {
+    using Bf = __nv_bfloat16;
+    const HeadNorm<Bf> n{static_cast<const Bf*>(qw), static_cast<const Bf*>(kw), eps, offset};
+    return launch_fwd<Bf>(qkv, cos, sin, pos, cs_b, cs_s, q, k, v, n, B, S, H, G, D, R, stream);
+  }
+  if (dtype == LORAQ_F32) {
+    const HeadNorm<float> n{static_cast<const float*>(qw), static_cast<const float*>(kw), eps, offset};
+    return launch_fwd<float>(qkv, cos, sin, pos, cs_b, cs_s, q, k, v, n, B, S, H, G, D, R, stream);
+  }
   return static_cast<int>(cudaErrorInvalidValue);
 }
 
 // d* (B, heads, S, D) with strides (s*_b, s*_h, s*_s) and unit last stride; dqkv (B·S, (H+2G)·D).
+// With qw/kw, qkv is the forward's input (needed by the norm's backward); else it may be null.
 int loraq_rope_bwd(const void* dq, int64_t sq_b, int64_t sq_h, int64_t sq_s, const void* dk, int64_t sk_b,
                    int64_t sk_h, int64_t sk_s, const void* dv, int64_t sv_b, int64_t sv_h, int64_t sv_s,
-                   const void* cos, const void* sin, const int64_t* pos, int64_t cs_b, int64_t cs_s, void* dqkv,
-                   int dtype, int64_t B, int S, int H, int G, int D, cudaStream_t stream) {
+                   const void* cos, const void* sin, const int64_t* pos, int64_t cs_b, int64_t cs_s, const void* qkv,
+                   const void* qw, const void* kw, float eps, float offset, void* dqkv, int dtype, int64_t B, int S,
+                   int H, int G, int D, int R, cudaStream_t stream) {
   if (B == 0 || S == 0) return 0;
-  if (D % 2 != 0 || B * S > 2147483647LL) return static_cast<int>(cudaErrorInvalidValue);
+  if (D % 2 != 0 || R % 2 != 0 || R > D || R < 2 || B * S > 2147483647LL || (qw == nullptr) != (kw == nullptr))
+    return static_cast<int>(cudaErrorInvalidValue);
   const GradView gq{dq, sq_b, sq_h, sq_s}, gk{dk, sk_b, sk_h, sk_s}, gv{dv, sv_b, sv_h, sv_s};
-  if (dtype == LORAQ_BF16)
-    return launch_bwd<__nv_bfloat16>(gq, gk, gv, cos, sin, pos, cs_b, cs_s, dqkv, B, S, H, G, D, stream);
-  if (dtype == LORAQ_F32)
-    return launch_bwd<float>(gq, gk, gv, cos, sin, pos, cs_b, cs_s, dqkv, B, S, H, G, D, stream);
+  if (dtype == LORAQ_BF16) {
+    using Bf = __nv_bfloat16;
+    const HeadNorm<Bf> n{static_cast<const Bf*>(qw), static_cast<const Bf*>(kw), eps, offset};
+    return launch_bwd<Bf>(gq, gk, gv, cos, sin, pos, cs_b, cs_s, qkv, n, dqkv, B, S, H, G, D, R, stream);
+  }
+  if (dtype == LORAQ_F32) {
+    const HeadNorm<float> n{static_cast<const float*>(qw), static_cast<const float*>(kw), eps, offset};
+    return launch_bwd<float>(gq, gk, gv, cos, sin, pos, cs_b, cs_s, qkv, n, dqkv, B, S, H, G, D, R, stream);
+  }
   return static_cast<int>(cudaErrorInvalidValue);
 }
 

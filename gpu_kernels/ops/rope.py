@@ -6,6 +6,10 @@ rows: one table for every row instead of a (B, S, D) copy that lives through the
 Outputs q (B, H, S, D), k and v (B, G, S, D): attention's layout, stored as (B, S, heads, D)
 rows (the strides Hugging Face's transposed views have). The backward writes dq, dk, dv
 un-rotated into one packed (B, S, (H + 2G)·D) gradient, with no slice or concat copies.
+
+Per family: tables of R < D dims rotate only the first R of each head (partial rotary); a
+`HeadNorm` normalises q and k per head first (Qwen3, Gemma 3), which keeps the input qkv for the
+backward (the norm's gradient needs it).
 """
 
 from __future__ import annotations
@@ -15,7 +19,15 @@ from typing import Any
 import torch
 
 from gpu_kernels import _lib
-from gpu_kernels.ops.rope_reference import rope_head_size
+from gpu_kernels.ops.rope_reference import HeadNorm, rope_head_size, rotary_dims
+
+
+def norm_fits(head_size: int, rotary: int) -> bool:
+    """Whether the kernel's per-head norm covers this head: its reduction runs over the D/8
+    threads of a head (D/2 when the pairs are not 4-aligned), a power of two of at most 32."""
+    vec = (rotary // 2) % 4 == 0 and ((head_size - rotary) // 2) % 4 == 0
+    groups = head_size // (8 if vec else 2)
+    return 1 <= groups <= 32 and groups & (groups - 1) == 0
 
 
 def _bshd(b: int, s: int, heads: int, d: int, like: torch.Tensor) -> torch.Tensor:
@@ -27,16 +39,16 @@ def _bshd(b: int, s: int, heads: int, d: int, like: torch.Tensor) -> torch.Tenso
 def _tables(
     cos: torch.Tensor, sin: torch.Tensor, like: torch.Tensor, positions: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin as contiguous tables of like's dtype, shapes checked: (1 or B, S, D), or
-    (1, P, D) read by position when positions are given."""
+    """cos and sin as contiguous tables of like's dtype, shapes checked: (1 or B, S, R), or
+    (1, P, R) read by position when positions are given."""
     b, s, _ = like.shape
     shapes = f"{tuple(cos.shape)} and {tuple(sin.shape)}"
     if cos.shape != sin.shape or cos.dim() != 3:
         raise ValueError(f"cos/sin must be two 3-d tables of one shape, got {shapes}")
     if positions is None and (cos.shape[0] not in (1, b) or cos.shape[1] != s):
-        raise ValueError(f"cos/sin must both be (1 or {b}, {s}, D), got {shapes}")
+        raise ValueError(f"cos/sin must both be (1 or {b}, {s}, R), got {shapes}")
     if positions is not None and cos.shape[0] != 1:
-        raise ValueError(f"cos/sin read by position must both be (1, P, D), got {shapes}")
+        raise ValueError(f"cos/sin read by position must both be (1, P, R), got {shapes}")
     return cos.to(like.dtype).contiguous(), sin.to(like.dtype).contiguous()
 
 
@@ -59,32 +71,41 @@ class RoPEQKVFunction(torch.autograd.Function):
         positions: torch.Tensor | None,
         n_heads: int,
         n_kv: int,
+        q_weight: torch.Tensor | None,
+        k_weight: torch.Tensor | None,
+        eps: float,
+        offset: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, s, width = qkv.shape
         d = rope_head_size(width, n_heads, n_kv)
+        r = rotary_dims(cos, sin, d)
+        if d % 2:
+            raise ValueError(f"head size {d} must be even")
         x = qkv.contiguous()
         cos, sin = _tables(cos, sin, x, positions)
         pos = _positions(positions, b, s)
-        if cos.shape[-1] != d or d % 2:
-            raise ValueError(f"head size {d} must be even and match cos/sin's last dim {cos.shape[-1]}")
         cs_b = cos.stride(0) if cos.shape[0] > 1 else 0  # 0: one table broadcast over the batch
         cs_s = cos.stride(1)
         pos_ptr = pos.data_ptr() if pos is not None else None
+        qw = kw = None
+        if q_weight is not None and k_weight is not None:
+            qw, kw = (w.to(x.dtype).contiguous() for w in (q_weight, k_weight))
         q, k, v = _bshd(b, s, n_heads, d, x), _bshd(b, s, n_kv, d, x), _bshd(b, s, n_kv, d, x)
         rc = _lib.load().loraq_rope_fwd(
             x.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos_ptr, cs_b, cs_s, q.data_ptr(),
-            k.data_ptr(), v.data_ptr(), _lib.dtype_code(x.dtype), b, s, n_heads, n_kv, d,
-            _lib.stream(x.device),
+            k.data_ptr(), v.data_ptr(), _ptr(qw), _ptr(kw), float(eps), float(offset),
+            _lib.dtype_code(x.dtype), b, s, n_heads, n_kv, d, r, _lib.stream(x.device),
         )  # fmt: skip
         _lib.check(rc, "loraq_rope_fwd")
-        ctx.save_for_backward(cos, sin, pos)
-        ctx.meta = (b, s, n_heads, n_kv, d, cs_b, cs_s)
+        # the norm's backward reads its input: q/k/v as projected (B, S, (H + 2G)·D)
+        ctx.save_for_backward(cos, sin, pos, x if qw is not None else None, qw, kw)
+        ctx.meta = (b, s, n_heads, n_kv, d, r, cs_b, cs_s, float(eps), float(offset))
         return q, k, v
 
     @staticmethod
     def backward(ctx: Any, dq: torch.Tensor | None, dk: torch.Tensor | None, dv: torch.Tensor | None) -> Any:
-        cos, sin, pos = ctx.saved_tensors
-        b, s, n_heads, n_kv, d, cs_b, cs_s = ctx.meta
+        cos, sin, pos, x, qw, kw = ctx.saved_tensors
+        b, s, n_heads, n_kv, d, r, cs_b, cs_s, eps, offset = ctx.meta
         grads = []
         for g, heads in ((dq, n_heads), (dk, n_kv), (dv, n_kv)):
             if g is None:
@@ -100,12 +121,16 @@ class RoPEQKVFunction(torch.autograd.Function):
             gq.data_ptr(), gq.stride(0), gq.stride(1), gq.stride(2),
             gk.data_ptr(), gk.stride(0), gk.stride(1), gk.stride(2),
             gv.data_ptr(), gv.stride(0), gv.stride(1), gv.stride(2),
-            cos.data_ptr(), sin.data_ptr(), pos.data_ptr() if pos is not None else None, cs_b, cs_s,
+            cos.data_ptr(), sin.data_ptr(), _ptr(pos), cs_b, cs_s, _ptr(x), _ptr(qw), _ptr(kw), eps, offset,
             dqkv.data_ptr(), _lib.dtype_code(cos.dtype),
-            b, s, n_heads, n_kv, d, _lib.stream(cos.device),
+            b, s, n_heads, n_kv, d, r, _lib.stream(cos.device),
         )  # fmt: skip
         _lib.check(rc, "loraq_rope_bwd")
-        return dqkv, None, None, None, None, None
+        return dqkv, None, None, None, None, None, None, None, None, None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
 
 
 def rope_qkv(
@@ -115,6 +140,8 @@ def rope_qkv(
     n_heads: int,
     n_kv_heads: int,
     positions: torch.Tensor | None = None,  # (B, S); every entry < P, the tables' length
+    norm: HeadNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    q, k, v = RoPEQKVFunction.apply(qkv, cos, sin, positions, n_heads, n_kv_heads)
+    qw, kw, eps, offset = norm if norm is not None else (None, None, 0.0, 0.0)
+    q, k, v = RoPEQKVFunction.apply(qkv, cos, sin, positions, n_heads, n_kv_heads, qw, kw, eps, offset)
     return q, k, v

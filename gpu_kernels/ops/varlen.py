@@ -4,9 +4,11 @@ Python signature has changed between releases; the aten ops' has not).
 
 Shapes: q (N, H, D), k and v (N, G, D) with H % G == 0 (grouped-query attention without
 repeating k/v), cu_seqlens (K + 1,) int32 offsets of the K sequences in the N tokens,
-max_seqlen a host int bounding every sequence's length. Zero-length sequences (a cu_seqlens
-padded to a fixed K by repeating N) cost an early exit per block. Nothing reads device values
-on the host, so a call is capturable in a CUDA graph when cu_seqlens lives in a static buffer.
+max_seqlen a host int bounding every sequence's length; an attention window W (Mistral, Gemma 3's
+sliding layers) is flash-attention's window_size_left = W − 1, right 0: no mask. Zero-length
+sequences (a cu_seqlens padded to a fixed K by repeating N) cost an early exit per block.
+Nothing reads device values on the host, so a call is capturable in a CUDA graph when cu_seqlens
+lives in a static buffer.
 """
 
 from __future__ import annotations
@@ -26,15 +28,19 @@ class VarlenAttentionFunction(torch.autograd.Function):
         cu_seqlens: torch.Tensor,
         max_seqlen: int,
         scale: float | None,
+        window: int | None,
     ) -> torch.Tensor:
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+        left, right = (window - 1, 0) if window is not None else (None, None)
         out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu, cu, max_seqlen, max_seqlen, 0.0, True, False, scale=scale
-        )
+            q, k, v, cu, cu, max_seqlen, max_seqlen, 0.0, True, False, scale=scale,
+            window_size_left=left, window_size_right=right,
+        )  # fmt: skip
         ctx.save_for_backward(q, k, v, out, lse, cu, rng_state, unused)
         ctx.max_seqlen = max_seqlen
         ctx.scale = scale
+        ctx.window = (left, right)
         return out
 
     @staticmethod
@@ -43,9 +49,9 @@ class VarlenAttentionFunction(torch.autograd.Function):
         m = ctx.max_seqlen
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             grad_out.contiguous(), q, k, v, out, lse, cu, cu, m, m, 0.0, True, rng_state, unused,
-            scale=ctx.scale,
+            scale=ctx.scale, window_size_left=ctx.window[0], window_size_right=ctx.window[1],
         )  # fmt: skip
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def varlen_attention(
@@ -55,7 +61,10 @@ def varlen_attention(
     cu_seqlens: torch.Tensor,
     max_seqlen: int,
     scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    out = VarlenAttentionFunction.apply(q, k, v, cu_seqlens, max_seqlen, scale)
+    if window is not None and window < 1:
+        raise ValueError(f"attention window must be at least 1 token, got {window}")
+    out = VarlenAttentionFunction.apply(q, k, v, cu_seqlens, max_seqlen, scale, window)
     assert isinstance(out, torch.Tensor)
     return out

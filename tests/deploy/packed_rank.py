@@ -27,7 +27,7 @@ from worker.engine.types import CheckpointInfo, StepMetrics, TrainConfig
 
 
 def force_fused() -> None:
-    """fuse_llama swaps in the fused modules; every op still runs its reference twin on the CPU."""
+    """fuse_model swaps in the fused modules; every op still runs its reference twin on the CPU."""
     gpu_kernels.available = lambda: KernelStatus(True, "forced for a test")
 
 

@@ -1,6 +1,6 @@
 """The job path's packed step, on the CPU in float64 through gpu_kernels' reference ops.
 
-`fuse_llama` is forced on (as in tests/gpu_kernels/test_fused_llama.py), so the fused modules,
+`fuse_model` is forced on (as in tests/gpu_kernels/test_fused_llama.py), so the fused modules,
 variable-length attention over cu_seqlens and the gathered loss run exactly as on the GPU, with
 the reference twin of every kernel. The oracle is the plain (unfused) Hugging Face model run on
 one example at a time.
@@ -44,7 +44,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> LlamaForCausalLM:
 def fused(base: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch) -> LlamaForCausalLM:
     monkeypatch.setattr(fused_llama.gpu_kernels, "available", lambda: KernelStatus(True, "forced for a test"))
     model = copy.deepcopy(base)
-    fused_llama.fuse_llama(model)
+    fused_llama.fuse_model(model)
     assert fused_llama.fused_stack(model.model)
     return model
 

@@ -1,6 +1,6 @@
 """The engine's fused module surgery and captured step, checked on CPU against the plain model.
 
-On CPU `fuse_llama` is a no-op (the compiled kernels are not in use); these tests force it on
+On CPU `fuse_model` is a no-op (the compiled kernels are not in use); these tests force it on
 with a patched status, so the fused modules run on gpu_kernels' reference ops and must compute
 exactly what the unfused model computes."""
 
@@ -40,18 +40,18 @@ def force_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_not_compiled_means_untouched(base: LlamaForCausalLM) -> None:
     model = copy.deepcopy(base)
-    report = fused_llama.fuse_llama(model)
+    report = fused_llama.fuse_model(model)
     assert report.rms_norms == report.qkv_groups == report.attentions == report.mlps == 0
     assert "compiled kernels not in use" in report.skipped[0]
 
 
 def test_fused_model_computes_the_same_loss_and_grads(base: LlamaForCausalLM, force_compiled: None) -> None:
     plain, fused = copy.deepcopy(base), copy.deepcopy(base)
-    report = fused_llama.fuse_llama(fused)
+    report = fused_llama.fuse_model(fused)
     layers = fused.config.num_hidden_layers
     counts = (report.rms_norms, report.qkv_groups, report.attentions, report.mlps)
     assert counts == (2 * layers + 1, layers, layers, layers)
-    assert all(isinstance(layer.self_attn, fused_llama.FusedLlamaAttention) for layer in fused.model.layers)
+    assert all(isinstance(layer.self_attn, fused_llama.FusedAttention) for layer in fused.model.layers)
     assert sorted(lora_state_dict(fused)) == sorted(lora_state_dict(plain))
     ids = torch.randint(0, 400, (2, 16), generator=torch.Generator().manual_seed(3))
     labels = ids.clone()
@@ -70,7 +70,7 @@ def test_grouped_weights_are_views_and_unwrapping_still_runs(
     base: LlamaForCausalLM, force_compiled: None
 ) -> None:
     model = copy.deepcopy(base)
-    fused_llama.fuse_llama(model)
+    fused_llama.fuse_model(model)
     attn = model.model.layers[0].self_attn
     group = attn.q_proj.group
     assert attn.k_proj.base.weight.untyped_storage().data_ptr() == group.weight.untyped_storage().data_ptr()
@@ -110,7 +110,7 @@ def test_fused_attention_takes_the_rope_path_and_falls_back_with_a_mask(
     base: LlamaForCausalLM, force_compiled: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     plain, fused = copy.deepcopy(base), copy.deepcopy(base)
-    fused_llama.fuse_llama(fused)
+    fused_llama.fuse_model(fused)
     calls: list[tuple[int, ...]] = []
     rope = fused_llama.gpu_kernels.rope_qkv
 
@@ -150,7 +150,7 @@ def test_generation_with_a_kv_cache_matches_the_unwrapped_model(
     transformers passes it (`cache` from 5.24, `past_key_values` before): the fused attention must
     hand every cached step to Hugging Face's forward, or it would attend to the new token alone."""
     plain, fused = copy.deepcopy(base).eval(), copy.deepcopy(base).eval()
-    assert fused_llama.fuse_llama(fused).attentions == fused.config.num_hidden_layers
+    assert fused_llama.fuse_model(fused).attentions == fused.config.num_hidden_layers
     prompt = torch.randint(0, 400, (2, 7), generator=torch.Generator().manual_seed(8))
     settings = {"max_new_tokens": 6, "do_sample": False, "use_cache": True, "pad_token_id": 0}
     with torch.no_grad():
@@ -168,11 +168,11 @@ def test_a_cache_under_any_name_leaves_the_fast_path(
     from transformers.cache_utils import DynamicCache
 
     model = copy.deepcopy(base)
-    fused_llama.fuse_llama(model)
+    fused_llama.fuse_model(model)
     attn = model.model.layers[0].self_attn
-    assert attn._fast_group(None, {}) is not None
-    assert attn._fast_group(None, {name: DynamicCache()}) is None
-    assert attn._fast_group(None, {"some_future_name": DynamicCache()}) is None
+    assert attn._fast_qkv(None, {}) is not None
+    assert attn._fast_qkv(None, {name: DynamicCache()}) is None
+    assert attn._fast_qkv(None, {"some_future_name": DynamicCache()}) is None
 
 
 def test_an_attention_without_the_keywords_is_left_unfused() -> None:

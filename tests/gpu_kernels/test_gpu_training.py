@@ -78,7 +78,7 @@ def train_tiny(steps: int, dtype: torch.dtype) -> dict[str, Any]:
     reference path on the same GPU; returns both loss curves."""
     import tempfile
 
-    from worker.engine.fused_llama import fuse_llama
+    from worker.engine.fused_llama import fuse_model
     from worker.engine.lora import apply_lora, trainable_parameters
     from worker.engine.models import load_base_model
     from worker.engine.train_step import CapturedTrainStep
@@ -94,7 +94,7 @@ def train_tiny(steps: int, dtype: torch.dtype) -> dict[str, Any]:
         model = loaded.model
         torch.manual_seed(1)
         apply_lora(model, LoraConfig(r=8, alpha=16, dropout=0.0))
-        report = fuse_llama(model)
+        report = fuse_model(model)
         model.train()
         params = trainable_parameters(model)
         vocab = model.config.vocab_size
@@ -281,7 +281,7 @@ def packed_check(small: bool = False) -> dict[str, Any]:
     import tempfile
 
     from worker.engine.data import IGNORE_INDEX, Row, collate
-    from worker.engine.fused_llama import PackedInputs, fuse_llama, packed_lm_loss
+    from worker.engine.fused_llama import PackedInputs, fuse_model, packed_lm_loss
     from worker.engine.lora import apply_lora, trainable_parameters
     from worker.engine.models import load_base_model
     from worker.engine.train_step import StepShape, host_step
@@ -310,7 +310,7 @@ def packed_check(small: bool = False) -> dict[str, Any]:
     apply_lora(model, LoraConfig(r=16, alpha=32))
     for p in trainable_parameters(model):
         torch.nn.init.normal_(p, std=0.02)
-    fuse_llama(model)
+    fuse_model(model)
     params = trainable_parameters(model)
     shape = StepShape(1, 1, seq, 16, seq)
 

@@ -105,6 +105,65 @@ def test_positions_read_one_table_as_per_row_tables_would() -> None:
     assert torch.autograd.gradcheck(lambda t: ref.rope_qkv(t, cos, sin, heads, kv, positions), (qkv,))
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_head_norm_matches_the_families_q_k_norm(family: str) -> None:
+    """Qwen3's and Gemma 3's q/k RMSNorm (Gemma's (1 + w) weights: offset 1), then RoPE, as
+    transformers runs them. transformers computes the norm in float32 even on float64 inputs."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    g = torch.Generator().manual_seed(10)
+    b, s, heads, kv, d = 2, 5, 4, 2, 8
+    qkv = torch.randn(b, s, (heads + 2 * kv) * d, generator=g, dtype=torch.float64) * 3
+    angles = torch.randn(b, s, d // 2, generator=g, dtype=torch.float64)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    q_norm, k_norm = (
+        Gemma3RMSNorm(d, eps=1e-6) if family == "gemma3" else Qwen3RMSNorm(d, eps=1e-6) for _ in "qk"
+    )
+    for m in (q_norm, k_norm):
+        m.double()
+        torch.nn.init.normal_(m.weight, std=0.5, generator=g)
+    norm = ref.HeadNorm(q_norm.weight, k_norm.weight, 1e-6, 1.0 if family == "gemma3" else 0.0)
+    q, k, v = ref.rope_qkv(qkv, cos, sin, heads, kv, norm=norm)
+    hf_q, hf_k, hf_v = (t.transpose(1, 2) for t in qkv.view(b, s, -1, d).split([heads, kv, kv], dim=2))
+    want_q, want_k = apply_rotary_pos_emb(q_norm(hf_q), k_norm(hf_k), cos, sin)
+    torch.testing.assert_close(q, want_q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k, want_k, rtol=1e-6, atol=1e-6)
+    assert torch.equal(v, hf_v)
+
+
+def test_partial_rotary_matches_phi3() -> None:
+    """Phi-4-mini: tables of R < D dims rotate the first R of each head, the rest pass."""
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(11)
+    b, s, heads, kv, d, r = 2, 6, 4, 2, 16, 12
+    qkv = torch.randn(b, s, (heads + 2 * kv) * d, generator=g, dtype=torch.float64)
+    angles = torch.randn(b, s, r // 2, generator=g, dtype=torch.float64)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # (B, S, R)
+    q, k, _ = ref.rope_qkv(qkv, cos, sin, heads, kv)
+    hf_q, hf_k, _ = (t.transpose(1, 2) for t in qkv.view(b, s, -1, d).split([heads, kv, kv], dim=2))
+    want_q, want_k = apply_rotary_pos_emb(hf_q, hf_k, cos, sin)
+    torch.testing.assert_close(q, want_q, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(k, want_k, rtol=1e-12, atol=1e-12)
+    with pytest.raises(
+        ValueError, match=r"last dim 18 \(the rotated dims\) must be even, at most the head size 16"
+    ):
+        ref.rope_qkv(qkv, torch.zeros(1, s, 18), torch.zeros(1, s, 18), heads, kv)
+
+
+def test_head_norm_and_partial_rotary_gradients_pass_gradcheck() -> None:
+    g = torch.Generator().manual_seed(12)
+    b, s, heads, kv, d, r = 2, 3, 2, 1, 8, 4
+    qkv = torch.randn(b, s, (heads + 2 * kv) * d, generator=g, dtype=torch.float64, requires_grad=True)
+    angles = torch.randn(1, s, r // 2, generator=g, dtype=torch.float64)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    q_weight, k_weight = (torch.randn(d, generator=g, dtype=torch.float64) for _ in "qk")
+    norm = ref.HeadNorm(q_weight, k_weight, 1e-6, 1.0)
+    assert torch.autograd.gradcheck(lambda t: ref.rope_qkv(t, cos, sin, heads, kv, norm=norm), (qkv,))
+
+
 def test_rope_qkv_names_a_width_that_is_not_whole_heads() -> None:
     qkv = torch.zeros(1, 2, 6 * 8 + 1)  # 4 q heads + 2·1 kv heads of 8, one feature too many
     cos = sin = torch.zeros(1, 2, 8)
@@ -166,11 +225,58 @@ def test_rope_qkv_under_attention_matches_reference(
     )  # fmt: skip
 
 
+# (D, R, norm offset or None): Qwen3 / Llama-8B heads with q/k norm; Gemma's 256 with (1 + w);
+# Phi-4-mini's partial rotary (96 of 128); tiny heads (D = 8, R = 6) on the scalar path
+FAMILY_HEADS = [
+    pytest.param(128, 128, 0.0, id="qwen3"),
+    pytest.param(256, 256, 1.0, id="gemma3"),
+    pytest.param(128, 96, None, id="phi4mini"),
+    pytest.param(8, 6, None, id="tiny-partial"),
+    pytest.param(8, 8, 1.0, id="tiny-norm"),
+    pytest.param(64, 48, 0.0, id="norm-partial"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("by_position", [False, True], ids=["per_row", "by_position"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("d", "r", "offset"), FAMILY_HEADS)
+def test_rope_qkv_family_variants_match_reference(
+    dtype: torch.dtype, d: int, r: int, offset: float | None, by_position: bool, record_property: Recorder
+) -> None:
+    """Per-head q/k norm (offset 0 or 1) and partial rotary in the kernel, forward and backward,
+    under attention as the fused attention uses them (gradients in SDPA's strides)."""
+    b, s, heads, kv = 2, 37, 4, 2
+    qkv = randn(b, s, (heads + 2 * kv) * d, dtype=dtype, grad=True, scale=2.0)
+    cos, sin = rope_tables(1 if by_position else b, s, r, dtype)
+    positions = packed_positions(b, s, seed=d + r, device="cuda") if by_position else None
+    norm = None
+    if offset is not None:
+        weights = [(0.3 * torch.randn(d, device="cuda") + (0.0 if offset else 1.0)).to(dtype) for _ in "qk"]
+        norm = ref.HeadNorm(weights[0], weights[1], 1e-6, offset)
+        assert rope.norm_fits(d, r)
+
+    def attend(fn: Callable[..., tuple[torch.Tensor, ...]], t: torch.Tensor) -> torch.Tensor:
+        tables = (cos.to(t.dtype), sin.to(t.dtype))
+        hn = (
+            norm._replace(q_weight=norm.q_weight.to(t.dtype), k_weight=norm.k_weight.to(t.dtype))
+            if norm
+            else None
+        )
+        q, k, v = fn(t, *tables, heads, kv, positions, hn)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    assert_matches_reference(
+        lambda t: attend(rope.rope_qkv, t), lambda t: attend(ref.rope_qkv, t),
+        [qkv], torch.randn(b, heads, s, d, device="cuda"), ["attn", "dqkv"], dtype, record_property,
+    )  # fmt: skip
+
+
 @pytest.mark.gpu
 def test_rope_qkv_by_position_checks_the_table_shape() -> None:
     qkv = torch.zeros(2, 4, 3 * 8, device="cuda")
     cos = sin = torch.zeros(2, 4, 8, device="cuda")
-    with pytest.raises(ValueError, match=r"read by position must both be \(1, P, D\)"):
+    with pytest.raises(ValueError, match=r"read by position must both be \(1, P, R\)"):
         rope.rope_qkv(qkv, cos, sin, 1, 1, torch.zeros(2, 4, dtype=torch.int64, device="cuda"))
     with pytest.raises(ValueError, match=r"positions must be \(2, 4\)"):
         rope.rope_qkv(qkv, cos[:1], sin[:1], 1, 1, torch.zeros(4, dtype=torch.int64, device="cuda"))

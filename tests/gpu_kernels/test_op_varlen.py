@@ -31,13 +31,18 @@ def cu_seqlens(lengths: list[int], pad: int = 0, device: str = "cpu") -> torch.T
 # ------------------------------------------------------------------ the reference, fp64, on CPU
 
 
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+def naive_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], window: int | None = None
+) -> torch.Tensor:
     """softmax(q·kᵀ/√D + mask)·v over all N tokens at once, the mask allowing token j for token
-    i only within i's sequence and j <= i; k/v heads repeated for GQA. (N, H, D)."""
+    i only within i's sequence and j <= i (and i - j < window, given one); k/v heads repeated for
+    GQA. (N, H, D)."""
     n, heads, d = q.shape
     seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))  # (N,)
     pos = torch.arange(n)
     allowed = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])  # (N, N)
+    if window is not None:
+        allowed &= pos[:, None] - pos[None, :] < window
     rep = heads // k.shape[1]
     kh, vh = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scores = torch.einsum("ihd,jhd->hij", q, kh) / d**0.5
@@ -45,14 +50,20 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: 
     return torch.einsum("hij,jhd->ihd", probs, vh)
 
 
-def test_reference_equals_block_diagonal_causal_attention() -> None:
+@pytest.mark.parametrize("window", [None, 1, 3, 100])
+def test_reference_equals_block_diagonal_causal_attention(window: int | None) -> None:
+    """With an attention window W, token i sees i - W + 1 .. i of its own sequence (Mistral,
+    Gemma 3): a banded block-diagonal mask."""
     g = torch.Generator().manual_seed(0)
-    lengths = [3, 1, 5, 0, 2]
+    lengths = [3, 1, 9, 0, 2]
     n, heads, kv, d = sum(lengths), 4, 2, 6
     q = torch.randn(n, heads, d, generator=g, dtype=torch.float64)
     k, v = (torch.randn(n, kv, d, generator=g, dtype=torch.float64) for _ in range(2))
-    got = ref.varlen_attention(q, k, v, cu_seqlens(lengths, pad=2), max(lengths))
-    torch.testing.assert_close(got, naive_attention(q, k, v, lengths), rtol=1e-12, atol=1e-12)
+    got = ref.varlen_attention(q, k, v, cu_seqlens(lengths, pad=2), max(lengths), window=window)
+    want = naive_attention(q, k, v, lengths, window)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    if window == 3:  # a window that binds changes the result
+        assert not torch.allclose(want, naive_attention(q, k, v, lengths))
 
 
 def test_reference_gradients_pass_gradcheck() -> None:
@@ -70,6 +81,8 @@ def test_reference_rejects_bad_offsets() -> None:
         ref.varlen_attention(q, k, v, torch.tensor([0, 3, 2, 4], dtype=torch.int32), 4)
     with pytest.raises(ValueError, match="longer than max_seqlen 2"):
         ref.varlen_attention(q, k, v, cu_seqlens([1, 3]), 2)
+    with pytest.raises(ValueError, match="window must be at least 1 token"):
+        ref.varlen_attention(q, k, v, cu_seqlens([4]), 4, window=0)
 
 
 # ------------------------------------------------------------ the compiled op, on a CUDA device
@@ -77,15 +90,28 @@ def test_reference_rejects_bad_offsets() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("lengths", "heads", "kv", "d"),
+    ("lengths", "heads", "kv", "d", "window"),
     shapes(
-        [([1], 1, 1, 16), ([5, 1, 17, 0], 4, 2, 16)],
-        [([300, 41, 700, 128, 513, 366], 32, 8, 64), ([2004, 20, 24], 9, 3, 64), ([96, 1100], 32, 8, 128)],
+        [
+            ([1], 1, 1, 16, None),
+            ([5, 1, 17, 0], 4, 2, 16, None),
+            ([5, 1, 17, 0], 4, 2, 16, 4),
+            ([40, 9], 4, 1, 256, 8),
+        ],
+        [
+            ([300, 41, 700, 128, 513, 366], 32, 8, 64, None),
+            ([2004, 20, 24], 9, 3, 64, None),
+            ([96, 1100], 32, 8, 128, None),
+            ([300, 41, 700, 513], 32, 8, 128, 128),
+            ([2004, 20], 8, 4, 256, 512),
+        ],
     ),
 )
 def test_varlen_attention_matches_reference(
-    lengths: list[int], heads: int, kv: int, d: int, record_property: Recorder
+    lengths: list[int], heads: int, kv: int, d: int, window: int | None, record_property: Recorder
 ) -> None:
+    """With an attention window, flash attention's own (left W - 1, right 0): no mask; Gemma's
+    head size 256 too."""
     dtype = torch.bfloat16
     n = sum(lengths)
     cu = cu_seqlens(lengths, pad=2, device="cuda")
@@ -93,8 +119,8 @@ def test_varlen_attention_matches_reference(
     k, v = randn(n, kv, d, dtype=dtype, grad=True), randn(n, kv, d, dtype=dtype, grad=True)
     m = max(lengths)
     assert_matches_reference(
-        lambda q, k, v: varlen.varlen_attention(q, k, v, cu, m),
-        lambda q, k, v: ref.varlen_attention(q, k, v, cu, m),
+        lambda q, k, v: varlen.varlen_attention(q, k, v, cu, m, window=window),
+        lambda q, k, v: ref.varlen_attention(q, k, v, cu, m, window=window),
         [q, k, v], torch.randn(n, heads, d, device="cuda"), ["out", "dq", "dk", "dv"], dtype, record_property,
     )  # fmt: skip
 

@@ -79,7 +79,6 @@ class Family:
     # the linear layers LoRA can wrap: leaf name -> parent module. These are the names PEFT wraps
     # and an exported adapter_config.json lists, so the fused ones where the model has them.
     linear_modules: Mapping[str, str] = field(default_factory=lambda: dict(SPLIT_LINEAR_MODULES))
-    fused_path: bool = False  # the GPU fused step (fused_llama.py) covers this family
 
     def target_hint(self, leaf: str) -> str:
         """Why `leaf` is no layer of this family, where a fused projection holds it ("" if not)."""
@@ -94,7 +93,6 @@ LLAMA = Family(
     "llama",
     "Llama",
     "the reference shape; Llama 3.1+ rope_scaling type llama3",
-    fused_path=True,
 )
 MISTRAL = Family(
     "MistralForCausalLM",
@@ -218,14 +216,10 @@ def layer_attention(family: Family, config: Mapping[str, Any]) -> list[LayerAtte
 
 
 def fused_path_gap(family: Family, config: Mapping[str, Any]) -> str | None:
-    """Why the GPU fused step does not cover a model of `family` with `config` (None: it does).
-    Its kernels are Llama's: pre-norm RMSNorm, SwiGLU, one static RoPE table, no window."""
-    if not family.fused_path:
-        return f"{family.name} ({family.differs}): the fused kernels cover the Llama shape only so far"
+    """Why the GPU fused step (worker/engine/fused_llama.py) does not cover a model of `family`
+    with `config` (None: it does). It covers every field of every family here; what it cannot
+    take is a RoPE whose table depends on the sequence (one static cos/sin table per layer type)."""
     layers = layer_attention(family, config)
-    windows = sorted({layer.window for layer in layers if layer.window is not None})
-    if windows:
-        return f"attention window {windows[0]}: the fused attention has no window argument yet"
     dynamic = sorted({layer.rope.type for layer in layers} - set(STATIC_ROPE_TYPES))
     if dynamic:
         return f"RoPE type {dynamic[0]}: the fused step reads one static cos/sin table"
