@@ -47,11 +47,12 @@ from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased
 
-from service import webhooks
+from service import integrations, memory_check, webhooks
 from service.auth import KEY_QUERY
 from service.db.models import Artifact, Checkpoint, File, Job, JobEvent, JobMetric, Tenant, is_id, now_s
 from service.db.session import decode_json_and_bools
 from service.errors import ConflictError, InvalidRequestError, NotFoundError, RateLimitError
+from service.integrations import Integration
 from service.job_status import ACTIVE, PAUSED, TERMINAL
 from service.schemas import JobCreate, StoredCheckpointMetrics
 from service.settings import get_settings
@@ -103,6 +104,7 @@ class Claim:
     n_gpus: int = 1  # > 1: the worker runs the engine under torchrun
     resume_step: int = 0  # the step of `resume_checkpoint` (0: none, the run starts from step 0)
     paused_attempts: int = 0  # earlier attempts that ended in a pause (not counted as retries)
+    integrations: tuple[Integration, ...] = ()  # where the worker logs the job
 
 
 # ---------------------------------------------------------------- reads
@@ -597,12 +599,14 @@ def create_job(
     spec: JobCreate,
     idempotency_key: str | None = None,
     served_queues: set[str] | None = None,
+    served_integrations: dict[str, set[str]] | None = None,
 ) -> Job:
     """Validate the request, insert the job and move it to `queued`. The caller commits, then enqueues.
 
     Everything that would make the job fail later is refused here with a 400 naming the field:
     an unknown model, a file that failed validation, target modules the model lacks, a queue or
-    GPU count no live worker serves (`served_queues`, see `routing_wait`).
+    GPU count no live worker serves (`served_queues`, see `routing_wait`), integrations none of
+    its queue's live workers can log (`served_integrations`, see `integrations.check_served`).
     """
     digest = request_digest(spec)
     if idempotency_key is not None:
@@ -626,6 +630,18 @@ def create_job(
     waiting_for = waiting_for or routing_wait(
         queue=queue, n_gpus=spec.n_gpus, served_queues=served_queues, default_queue=settings.worker_queue
     )
+    from service.broker import celery_queue
+
+    integrations.check_served(
+        spec.integrations, celery_queue=celery_queue(queue, spec.n_gpus), served=served_integrations
+    )
+    memory_check.check_quantization(spec)
+    memory_check.check_fits(
+        spec,
+        batch_size=requested.batch_size,
+        celery_queue=celery_queue(queue, spec.n_gpus),
+        workers=memory_check.live_workers_now(),
+    )
 
     seed = job_seed(spec)
     config = requested.model_copy(update={"seed": seed, "validation_split": validation_split(spec)})
@@ -643,6 +659,7 @@ def create_job(
         n_gpus=spec.n_gpus,
         suffix=spec.suffix or None,
         metadata_=spec.metadata,
+        integrations=integrations.stored(spec.integrations),
         status="validating_files",
         result_files=[],
     )
@@ -919,6 +936,7 @@ def claim(session: Session, *, job_id: str, worker_id: str, running_limit: int =
         resume_step=int(resume.step) if resume is not None else 0,
         n_gpus=job.n_gpus,
         paused_attempts=job.paused_attempts,
+        integrations=tuple(integrations.of_job(job.integrations)),
     )
 
 
@@ -953,11 +971,12 @@ def _finite(x: float | None) -> float | None:
     return x if x is None or math.isfinite(x) else None
 
 
-def record_metrics(session: Session, *, claim: Claim, rows: list[StepMetrics]) -> None:
+def record_metrics(session: Session, *, claim: Claim, rows: list[StepMetrics]) -> list[StepMetrics]:
     """Insert a batch of per-step metrics (steps already stored are skipped: a resumed attempt
-    repeats steps after its checkpoint) with one `metrics` event each, and update progress."""
+    repeats steps after its checkpoint) with one `metrics` event each, and update progress.
+    Returns the steps stored now, in order (what the job's integrations log)."""
     if not rows:
-        return
+        return []
     last = max(reversed(rows), key=lambda m: m.step)  # the latest row of the highest step
     now = time.time()
     progress = _fenced(claim).values(
@@ -984,7 +1003,7 @@ def record_metrics(session: Session, *, claim: Claim, rows: list[StepMetrics]) -
         if m.step not in stored:
             fresh[m.step] = m  # a step repeated inside one batch keeps its latest values
     if not fresh:
-        return
+        return []
     ts = int(now)
     session.execute(
         insert(JobMetric),
@@ -1007,6 +1026,7 @@ def record_metrics(session: Session, *, claim: Claim, rows: list[StepMetrics]) -
             for m in sorted(fresh.values(), key=lambda m: m.step)
         ],
     )
+    return sorted(fresh.values(), key=lambda m: m.step)
 
 
 def register_checkpoint(
@@ -1036,6 +1056,10 @@ def register_checkpoint(
     session.flush()
     add_event(session, job_id=claim.job_id, level="info", message=f"Checkpoint created at step {step}")
     return ckpt
+
+
+def job_status(session: Session, *, job_id: str) -> str | None:
+    return session.scalar(select(Job.status).where(Job.id == job_id))
 
 
 def is_cancel_requested(session: Session, *, job_id: str) -> bool:

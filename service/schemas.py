@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from service.integrations import Integration, Integrations
 from service.job_status import JobStatus
 from worker.engine.training_config import (
     DpoHyperparameters,
@@ -66,7 +67,7 @@ class JobCreate(TrainingOptions, Placement):
     method: Method | None = None
     suffix: str | None = Field(None, max_length=64, pattern=r"^[A-Za-z0-9._-]*$")
     metadata: dict[MetadataKey, MetadataValue] | None = Field(None, max_length=16)
-    integrations: list[dict[str, Any]] | None = Field(None, max_length=0)
+    integrations: Integrations | None = None  # service/integrations.py: where the worker logs the job
     # Loraq extension: validate and plan the job (service/dry_run.py) without queueing it
     dry_run: bool = False
 
@@ -175,7 +176,7 @@ class JobPublic(TrainingOptions, Placement):
     trained_tokens: int | None
     seed: int
     estimated_finish: int | None
-    integrations: list[dict[str, Any]]
+    integrations: list[Integration]
     metadata: dict[str, str] | None
     method: MethodPublic | DpoMethodPublic
     user_provided_suffix: str | None

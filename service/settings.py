@@ -160,6 +160,10 @@ class Settings(BaseSettings):
 
     checkpoint_each_epoch: bool = True
     checkpoint_interval_seconds: float = Field(600.0, ge=0)
+    # A worker's MLflow tracking server (http(s)://..., or a local file:/sqlite: store): jobs with an
+    # `mlflow` integration are logged there (service/integrations.py). Unset: this worker logs to
+    # no MLflow, and says so in its registry entry. W&B's key is WANDB_API_KEY, wandb's own variable.
+    mlflow_tracking_uri: str | None = None
     # A worker claims a job only while the filesystem of its data dir has this much free: a job
     # that ran out of disk goes back to the queue and waits there, instead of failing again. 0: off.
     min_free_disk_bytes: int = Field(1 << 30, ge=0)

@@ -81,7 +81,18 @@ def list_workers(client: Any) -> list[dict[str, Any]]:
 
 def served_queues(client: Any) -> set[str]:
     """The Celery queues live workers consume (`h100`, `h100-x2`, ...)."""
-    return {str(w["queue"]) for w in list_workers(client) if w.get("queue")}
+    return set(served_integrations(client))
+
+
+def served_integrations(client: Any) -> dict[str, set[str]]:
+    """Each Celery queue live workers consume → the integrations (service/integrations.py) that at
+    least one of them can log (a worker too old to say counts as able: nothing is refused on it)."""
+    served: dict[str, set[str]] = {}
+    for w in list_workers(client):
+        if w.get("queue"):
+            can = w.get("integrations", ["wandb", "mlflow"])
+            served.setdefault(str(w["queue"]), set()).update(str(i) for i in can)
+    return served
 
 
 def unserved_reason(queue: str, n_gpus: int, celery_queue: str, served: set[str]) -> str | None:
@@ -119,6 +130,12 @@ _served_lock = threading.Lock()
 def served_queues_now() -> set[str] | None:
     """`served_queues` of the default client, cached for `SERVED_CACHE_SECONDS`; None when Redis
     cannot be read (then nothing is known, and the caller must not refuse on it)."""
+    served = served_integrations_now()
+    return None if served is None else set(served)
+
+
+def served_integrations_now() -> dict[str, set[str]] | None:
+    """`served_integrations` of the default client, cached as `served_queues_now` is."""
     global _served
     from service.queue import broker_paused
 
@@ -129,7 +146,7 @@ def served_queues_now() -> set[str] | None:
         value = None
         if not broker_paused():  # a publish just failed: do not wait on Redis again
             try:
-                value = served_queues(default_client())
+                value = served_integrations(default_client())
             except Exception:
                 log.warning("worker registry unreadable; submits are not checked against it", exc_info=True)
         _served = (time.monotonic(), value)

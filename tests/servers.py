@@ -10,6 +10,8 @@ from here, and every external binary is found here.
   `pytest_unconfigure`) stops them; they also die with the pytest process (PR_SET_PDEATHSIG).
 - S3: `start_s3` runs moto's standalone server (`python -m moto.server`, from the dev extra) on a
   free loopback port; `shared_s3()` is the session's, and each test makes a bucket of its own.
+- MLflow: `start_mlflow` runs `mlflow server` (dev extra) on a free loopback port, its runs in a
+  SQLite file of the test's own.
 - `require_binary` fails a test whose binary is missing, naming the Debian package: a missing
   server is never a silent skip.
 
@@ -330,6 +332,48 @@ def start_s3(workdir: Path) -> S3Server:
     )  # fmt: skip
     server = S3Server(proc, port)
     wait_until(lambda: _s3_answers(server.endpoint), "moto S3 server", proc, timeout=60)
+    return server
+
+
+# --------------------------------------------------------------------------- MLflow tracking server
+@dataclass
+class MlflowServer:
+    """`mlflow server` (the dev extra's full mlflow) with a SQLite backend store in its workdir."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        stop(self.proc)
+
+
+def _mlflow_answers(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def start_mlflow(workdir: Path) -> MlflowServer:
+    """A tracking server on a free loopback port: runs in `workdir`/mlflow.db, artifacts beside."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1",
+         "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{workdir / 'mlflow.db'}",
+         "--artifacts-destination", str(workdir / "artifacts")],
+        cwd=workdir, stdout=(workdir / "mlflow.log").open("ab"), stderr=subprocess.STDOUT,
+        start_new_session=True, preexec_fn=die_with_parent(),
+    )  # fmt: skip
+    server = MlflowServer(proc, port)
+    wait_until(lambda: _mlflow_answers(server.url), "mlflow server", proc, timeout=120)
     return server
 
 

@@ -38,7 +38,7 @@ from service.db.session import session_scope
 from service.errors import is_disk_full
 from service.schemas import StoredCheckpointMetrics
 from service.settings import Settings, get_settings
-from service.step_metrics import metrics_csv
+from service.step_metrics import event_data, metrics_csv
 from worker import metrics as worker_metrics
 from worker.engine.types import (
     CheckpointInfo,
@@ -51,6 +51,7 @@ from worker.engine.types import (
     TrainResult,
 )
 from worker.launcher import worker_identity
+from worker.metric_sinks import Sinks, open_sinks
 
 log = logging.getLogger("loraq.worker")
 
@@ -119,6 +120,30 @@ class JobCallbacks:
         self._buffer: list[StepMetrics] = []
         self._last_flush = time.monotonic()
         self._cancel_checked_at = float("-inf")
+        self.sinks = Sinks([], warn=self._warn)  # the job's integrations (`open_sinks`)
+
+    def open_sinks(self, settings: Settings) -> None:
+        """Start logging to the job's integrations, its configuration first."""
+        claim = self.claim
+        self.sinks = open_sinks(
+            claim.integrations, job_id=claim.job_id, model=claim.model, settings=settings, warn=self._warn
+        )
+        config = {"job_id": claim.job_id, "model": claim.model, "n_gpus": claim.n_gpus}
+        self.sinks.log_config({**config, **claim.training.model_dump(mode="json", exclude_none=True)})
+
+    def close_sinks(self) -> None:
+        """End the integrations' runs with the job's status as this attempt leaves it."""
+        if not self.sinks:
+            return
+        try:
+            with session_scope() as session:
+                status = jobs.job_status(session, job_id=self.claim.job_id) or "running"
+        except OperationalError:
+            status = "running"  # unknown: MLflow's run stays open, W&B's is finished
+        self.sinks.close(status)
+
+    def _warn(self, message: str) -> None:
+        self.on_event("warn", message)
 
     @property
     def cancel_requested(self) -> bool:
@@ -143,6 +168,8 @@ class JobCallbacks:
             jobs.add_event(session, job_id=self.claim.job_id, level=level, message=message, data=data)
             if data is not None and "hyperparameters" in data:  # the run's plan (recipe.setup)
                 jobs.record_plan(session, claim=self.claim, plan={**data, "message": message})
+        if data is not None and "hyperparameters" in data:
+            self.sinks.log_config({"plan": data["hyperparameters"]})
 
     def on_checkpoint(self, checkpoint: CheckpointInfo) -> None:
         self.flush()
@@ -184,7 +211,8 @@ class JobCallbacks:
             return
         try:
             with session_scope() as session:
-                jobs.record_metrics(session, claim=self.claim, rows=rows)
+                stored = jobs.record_metrics(session, claim=self.claim, rows=rows)
+            self.sinks.log_steps([event_data(m) for m in stored])  # each stored step, once
         except OperationalError:  # a lost connection (a frozen worker's, ended by the reaper)
             self._buffer = rows + self._buffer  # kept for the next flush; the heartbeat fences
             log.warning(
@@ -368,6 +396,7 @@ def run_claimed_job(job_id: str, *, worker_id: str = WORKER_ID) -> str:
         with Heartbeat(claim, callbacks, settings.heartbeat_seconds):
             callbacks.on_event("info", f"Fine-tuning job started (attempt {claim.attempt})")
             callbacks.on_event("info", resume_message(claim))
+            callbacks.open_sinks(settings)
             config = build_train_config(claim, settings, out_dir)
             ensure_base_model(config.model, settings, callbacks)
             result = run_engine(config, callbacks, settings)
@@ -408,6 +437,7 @@ def run_claimed_job(job_id: str, *, worker_id: str = WORKER_ID) -> str:
             )
         return _fail(claim, code="internal_error", message=GENERIC_FAILURE, param=None)
     finally:
+        callbacks.close_sinks()
         # in the background: the task's outcome (and its metrics) must not wait on the broker
         threading.Thread(target=_wake_waiting, args=(claim,), name="loraq-wake", daemon=True).start()
         # The adapter and checkpoints are in the store now; the attempt's scratch space can go.

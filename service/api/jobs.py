@@ -10,7 +10,7 @@ import anyio.from_thread
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import FileResponse, Response
 
-from service import dry_run, file_validation, inference, jobs
+from service import dry_run, file_validation, inference, integrations, jobs
 from service.api.downloads import download_response
 from service.api.last_served import LastServed
 from service.api.plain_route import PlainGetRoute
@@ -49,7 +49,7 @@ from service.schemas import (
     error_responses,
 )
 from service.settings import get_settings
-from service.worker_registry import served_queues_now
+from service.worker_registry import served_integrations_now, served_queues_now
 from worker.engine.catalog import random_weights_warning
 
 router = APIRouter(
@@ -102,7 +102,7 @@ def job_public(job: Job) -> JobPublic:
         result_files=list(job.result_files or []),
         trained_tokens=job.trained_tokens,
         estimated_finish=job.estimated_finish,
-        integrations=[],
+        integrations=integrations.of_job(job.integrations),
         metadata=job.metadata_,
         method=echoed,
         user_provided_suffix=job.suffix,
@@ -182,6 +182,7 @@ def create_job(
         spec=body,
         idempotency_key=idempotency_key,
         served_queues=served_queues_now(),
+        served_integrations=served_integrations_now(),
     )
     session.commit()
     # after commit: a worker must find the job queued in the database; routed by job.queue/n_gpus

@@ -113,7 +113,19 @@ def test_method_hyperparameters_and_auto(api: ApiClient) -> None:
         ({"status": "succeeded"}, "status"),
         ({"id": "ftjob-mine"}, "id"),
         ({"organization_id": "org-x"}, "organization_id"),
-        ({"integrations": [{"type": "wandb"}]}, "integrations"),
+        ({"integrations": [{"type": "wandb"}]}, "integrations[0]"),
+        ({"integrations": [{"type": "comet", "comet": {}}]}, "integrations[0].type"),
+        (
+            {"integrations": [{"type": "wandb", "wandb": {"project": "p", "api_key": "k"}}]},
+            "integrations[0].wandb.api_key",
+        ),
+        (
+            {"integrations": [{"type": "mlflow", "mlflow": {"tracking_uri": "http://x"}}]},
+            "integrations[0].mlflow.tracking_uri",
+        ),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"metadata": {"k" * 65: "v"}}, "metadata." + "k" * 65),  # the key, over 64 characters
+        ({"metadata": {"k": "v" * 513}}, "metadata.k"),
         ({"model": "gpt-9"}, "model"),
         ({"training_file": "file-nope"}, "training_file"),
         ({"validation_file": "file-nope"}, "validation_file"),

@@ -36,11 +36,15 @@ def refused(r: object, param: str) -> dict[str, str]:
 
 @pytest.fixture
 def live_worker() -> Iterator[str]:
-    """A worker registry entry (the format `worker.metrics` writes) for a one-GPU queue of its own."""
+    """A worker registry entry (the format `worker.metrics` writes) for a one-GPU queue of its own,
+    from a worker that can log jobs to MLflow but not to W&B."""
     queue = f"gpu-{secrets.token_hex(3)}"
     node = f"test-node-{secrets.token_hex(3)}"
     client = redis.Redis.from_url(shared_redis_url())
-    entry = {"node": node, "queue": queue, "pid": 1, "gpus": [], "kernels": {}, "last_seen": time.time()}
+    entry = {
+        "node": node, "queue": queue, "pid": 1, "gpus": [], "kernels": {}, "last_seen": time.time(),
+        "integrations": ["mlflow"],
+    }  # fmt: skip
     client.set(worker_registry.worker_key(node), json.dumps(entry), ex=60)
     worker_registry._served = (float("-inf"), None)  # forget the last read: the entry is new
     try:
@@ -103,6 +107,23 @@ def test_queue_and_n_gpus_no_worker_serves_are_refused(api: ApiClient, live_work
     assert f"the workers of queue '{live_worker}' run jobs of at most 1 GPU(s)" in err["message"]
     ok = api.post("/v1/fine_tuning/jobs", json=job_body(file_id, queue=live_worker))
     assert ok.status_code == 200 and ok.json()["waiting_for"] is None
+
+
+def test_an_integration_no_worker_of_the_queue_can_log_is_refused(api: ApiClient, live_worker: str) -> None:
+    file_id = api.upload(DATASET)
+    wandb = {"type": "wandb", "wandb": {"project": "p"}}
+    body = job_body(file_id, queue=live_worker, integrations=[{"type": "mlflow"}, wandb])
+    err = refused(api.post("/v1/fine_tuning/jobs", json=body), "integrations[1].type")
+    assert err["code"] == "integration_unavailable"
+    assert f"no worker of queue '{live_worker}' can log to wandb" in err["message"]
+    assert "WANDB_API_KEY" in err["message"] and "they can log to: mlflow" in err["message"]
+    ok = api.post(
+        "/v1/fine_tuning/jobs", json=job_body(file_id, queue=live_worker, integrations=[{"type": "mlflow"}])
+    )
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["integrations"] == [
+        {"type": "mlflow", "wandb": None, "mlflow": {"experiment": "loraq", "run_name": None}}
+    ]
 
 
 def test_operator_may_accept_unserved_queues(

@@ -217,9 +217,9 @@ def test_callbacks_batch_metrics_instead_of_one_transaction_per_step(
     calls: list[int] = []
     real = jobs.record_metrics
 
-    def counting(session: Any, *, claim: jobs.Claim, rows: list[StepMetrics]) -> None:
+    def counting(session: Any, *, claim: jobs.Claim, rows: list[StepMetrics]) -> list[StepMetrics]:
         calls.append(len(rows))
-        real(session, claim=claim, rows=rows)
+        return real(session, claim=claim, rows=rows)
 
     monkeypatch.setattr(jobs, "record_metrics", counting)
     cb = runner.JobCallbacks(claim, checkpoint_dir_key=f"jobs/{claim.job_id}/checkpoints")

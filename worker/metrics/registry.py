@@ -107,7 +107,11 @@ def kernels_status() -> dict[str, Any]:
     return dict(_kernels)
 
 
-def registry_entry(*, node: str, metrics_port: int | None, queue: str, started_at: float) -> dict[str, Any]:
+def registry_entry(
+    *, node: str, metrics_port: int | None, queue: str, started_at: float, settings: Settings
+) -> dict[str, Any]:
+    from worker.metric_sinks import available_integrations
+
     return {
         "node": node,
         "hostname": socket.gethostname(),
@@ -119,6 +123,8 @@ def registry_entry(*, node: str, metrics_port: int | None, queue: str, started_a
         "kernels": kernels_status(),
         "gpus": [asdict(g) for g in local_gpus()],
         "consumer": watch.status() if (watch := consumer_watch.current()) is not None else None,
+        # what its jobs' `integrations` may ask (service/integrations.py: refused at submit otherwise)
+        "integrations": available_integrations(settings),
     }
 
 
@@ -143,6 +149,7 @@ class RegistryBeat:
             metrics_port=self.metrics_port,
             queue=self.settings.worker_queue,
             started_at=self.started_at,
+            settings=self.settings,
         )
         _redis(self.settings).set(worker_key(self.node), json.dumps(entry), ex=REGISTRY_TTL_SECONDS)
         _health.ok()
