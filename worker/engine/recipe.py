@@ -46,15 +46,16 @@ from worker.engine.data import (
     planned_datasets,
     read_valid_examples,
 )
+from worker.engine.dataset_rules import PREFERENCE_FORMAT
 from worker.engine.export import export_adapter
-from worker.engine.fused_llama import FuseReport, fuse_model, fused_stack, lm_loss_sum
+from worker.engine.fused_llama import FuseReport, fuse_llama, fused_stack, lm_loss_sum
 from worker.engine.health import Finding, HealthMonitor
 from worker.engine.holdout import holdout_sentence
 from worker.engine.lora import apply_lora, lora_modules, remove_lora, trainable_parameters
 from worker.engine.models import LoadedModel, load_base_model
 from worker.engine.sampling import greedy_samples
 from worker.engine.schedule import build_scheduler, warmup_steps
-from worker.engine.train_step import CapturedTrainStep, HostStep, StepShape, host_step
+from worker.engine.train_step import CapturedTrainStep, HostStep, StepObjective, StepShape, host_step
 from worker.engine.training_config import plan_sentence, plan_steps
 from worker.engine.types import (
     CheckpointInfo,
@@ -122,11 +123,20 @@ class _Launched:
 
     micro: list[Batch]
     started: float  # monotonic time this step's own time starts (its report's step_seconds)
-    values: torch.Tensor  # (2,) fp32 loss, grad norm: pinned host memory, valid once `done` ran
+    # (2 + READINGS,) fp32 loss, grad norm (and a DPO step's readings): pinned host memory, valid
+    # once `done` ran
+    values: torch.Tensor
     done: torch.cuda.Event | None  # recorded after the copy into `values` (None off CUDA)
 
 
 class LoRAFinetuneRecipe:
+    """The supervised recipe, and the method-independent loop (schedule, health, validation,
+    checkpoints, limits, run-ahead) that the DPO recipe (worker/engine/dpo.py) shares: it overrides
+    the objective's hooks (`_check_format`, `_prepare_method`, `_objective`, `_host_step`,
+    `_eager_step`, `evaluate`, `_method_metrics`). The step's shape counts pairs for it (Q)."""
+
+    READINGS = 0  # numbers a step reports beside its loss and gradient norm (DPO: its rewards)
+
     def __init__(
         self, config: TrainConfig, callbacks: TrainingCallbacks, *, loaded: LoadedModel | None = None
     ) -> None:
@@ -175,6 +185,7 @@ class LoRAFinetuneRecipe:
         examples, fmt = read_valid_examples(
             cfg.train_file, tokenizer, cfg.max_seq_len, should_stop=stop, progress=progress
         )
+        self._check_format(fmt, "training_file")
         planned = planned_datasets(
             examples,
             tokenizer,
@@ -198,6 +209,7 @@ class LoRAFinetuneRecipe:
                 file_label="validation_file",
                 should_stop=stop,
             )
+            self._check_format(self.valid_data.format, "validation_file")
         log.info(
             "data prepared in %.1fs: %d examples, %.1f MiB of arrays",
             time.monotonic() - prepared,
@@ -239,10 +251,14 @@ class LoRAFinetuneRecipe:
         layers = apply_lora(model, cfg.lora)
         # GPU fast path: fused RMSNorm/SwiGLU modules, grouped q/k/v and gate/up LoRA.
         # A no-op unless gpu_kernels' compiled path is active, so CPU runs are unchanged.
-        report = fuse_model(model)
+        report = fuse_llama(model)
         self.params = trainable_parameters(model)
         # Multi-GPU: the gradients live in one flat buffer that a step all-reduces once.
-        self.grads = distributed.FlatGrads(self.params, self.dist) if self.dist.active else None
+        self.grads = (
+            distributed.FlatGrads(self.params, self.dist, values=1 + self.READINGS)
+            if self.dist.active
+            else None
+        )
         # The packed step wherever the stack is fused, captured on the GPU; the eager
         # Hugging Face step on the CPU and as the fallback.
         self.eager_reason = self._eager_reason(report)
@@ -271,7 +287,8 @@ class LoRAFinetuneRecipe:
         if captured:
             self.step_fn = self._captured_step()
             if self.on_cuda:
-                self._readback = [torch.empty(2, pin_memory=True) for _ in range(2)]
+                self._readback = [torch.empty(2 + self.READINGS, pin_memory=True) for _ in range(2)]
+        self._prepare_method()
 
         n_params = sum(p.numel() for p in self.params)
         self.callbacks.on_event(
@@ -299,6 +316,23 @@ class LoRAFinetuneRecipe:
             self.callbacks.on_event("warn", f"Training step runs eagerly (slower): {self.eager_reason}")
         self._announce_validation()
 
+    def _check_format(self, fmt: str, label: str) -> None:
+        """A supervised run trains on chat, prompt/completion or text lines, never preference pairs."""
+        if fmt == PREFERENCE_FORMAT:
+            raise ConfigError(
+                "method", f"{label} holds preference pairs: train it with method dpo (method.type 'dpo')"
+            )
+
+    def _prepare_method(self) -> None:
+        """What the method needs once the model, data and step are ready (DPO: its reference)."""
+
+    def _objective(self) -> StepObjective | None:
+        """The captured step's objective: None, the cross-entropy of the trained tokens."""
+        return None
+
+    def _method_metrics(self, metrics: StepMetrics, readings: list[float], validated: bool) -> None:
+        """Add the method's readings to a step's report (the supervised step has none)."""
+
     def _announce_validation(self) -> None:
         cfg = self.config
         if cfg.validation_file is not None or cfg.validation_split <= 0:
@@ -314,7 +348,7 @@ class LoRAFinetuneRecipe:
         if not fused_stack(cast(nn.Module, self.model.base_model)):
             if not self.on_cuda:
                 return "CPU run"
-            skipped = "; ".join(report.skipped[:3]) or "not a fused decoder stack"
+            skipped = "; ".join(report.skipped[:3]) or "not a Llama decoder stack"
             return f"the fused path does not cover model {self.config.model!r} ({skipped})"
         return None
 
@@ -329,7 +363,7 @@ class LoRAFinetuneRecipe:
         seq = data.max_seq_len  # the rows' length: max_seq_len, or the shorter rows auto planned
         segments = data.rows.segments()  # (rows,): padding continues a row's last sequence
         trainable = data.rows.trainable()  # (rows,)
-        most_segments = most_trainable = 1
+        most_segments = most_trainable = most_pairs = 1
         for n in range(self.total_micro_batches):
             if n % STOP_CHECK_EVERY == STOP_CHECK_EVERY - 1 and self.callbacks.should_stop():
                 raise StopRequested("stopped while sizing the training step")
@@ -337,10 +371,17 @@ class LoRAFinetuneRecipe:
             ids = self.sampler.order_ids(epoch)[index * cfg.batch_size : (index + 1) * cfg.batch_size]
             for rank in range(world):  # distributed.shard_rows: rows rank, rank + W, ...
                 shard = ids[rank::world]
-                most_segments = max(most_segments, int(segments[shard].sum()) + rows - len(shard))
+                real = int(segments[shard].sum())
+                most_segments = max(most_segments, real + rows - len(shard))
                 most_trainable = max(most_trainable, int(trainable[shard].sum()))
+                most_pairs = max(most_pairs, real // 2)  # preference rows: two sequences a pair
         loss_tokens = min(rows * seq, -(-most_trainable // 8) * 8)
-        return StepShape(cfg.grad_accum, rows, seq, max(most_segments, rows), loss_tokens)
+        pairs = most_pairs if cfg.method.type == "dpo" else 0
+        micro = self.memory.micro_rows
+        if micro is not None and micro < rows:  # the memory plan's passes of at most `micro` rows
+            passes, loss_tokens = -(-rows // micro), min(micro * seq, loss_tokens)
+            return StepShape(cfg.grad_accum * passes, micro, seq, max(most_segments, micro), loss_tokens)
+        return StepShape(cfg.grad_accum, rows, seq, max(most_segments, rows), loss_tokens, pairs)
 
     def _captured_step(self) -> CapturedTrainStep:
         shape = self._step_shape()
@@ -363,6 +404,7 @@ class LoRAFinetuneRecipe:
             optimizer=self.optimizer,
             grads=self.grads,
             agree=lambda flag: distributed.any_rank(flag, dist_ctx),
+            objective=self._objective(),
         )
 
     def _base_model(self, dtype: torch.dtype) -> LoadedModel:
@@ -437,6 +479,12 @@ class LoRAFinetuneRecipe:
             total = self.grads.all_reduce_(total)
         grad_norm = gpu_kernels.clip_grad_norm_(self.params, self.config.max_grad_norm)
         return total, grad_norm
+
+    def _eager_step(self, micro_batches: list[Batch]) -> torch.Tensor:
+        """The eager step's (2 + READINGS,) values on the device: loss, grad norm (and readings);
+        the optimizer has not stepped yet."""
+        loss_t, norm_t = self._train_step(micro_batches)
+        return torch.stack([loss_t.float(), norm_t.float().to(loss_t.device)])
 
     def _optimizer_step(self) -> None:
         self.optimizer.step()
@@ -525,7 +573,9 @@ class LoRAFinetuneRecipe:
         epoch = self.scheduler.last_epoch + steps_ahead
         return self.config.learning_rate * self.scheduler.lr_lambdas[0](epoch)
 
-    def _captured_train_step(self, host: HostStep, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _captured_train_step(self, host: HostStep, lr: float) -> torch.Tensor:
+        """Queue one captured step; its (2 + READINGS,) fp32 values on the device: loss, grad norm
+        (and readings)."""
         assert self.step_fn is not None
         group = self.optimizer.param_groups[0]
         if group["lr"] is not self.step_fn.lr:  # an older LRScheduler assigns a float: undo it
@@ -533,7 +583,11 @@ class LoRAFinetuneRecipe:
         self.step_fn.set_lr(lr)
         self.step_fn.load_step(host)
         out = self.step_fn.run()
-        return out["loss"], out["grad_norm"]
+        loss = out["loss"].float().reshape(1)
+        parts = [loss, out["grad_norm"].float().reshape(1).to(loss.device)]
+        if "readings" in out:
+            parts.append(out["readings"].float().to(loss.device))
+        return torch.cat(parts)
 
     def train(self) -> TrainResult:
         cfg = self.config
@@ -569,15 +623,15 @@ class LoRAFinetuneRecipe:
                     # the host checks, reports and prepares (a step in flight is never checkpointed).
                     ahead = self._launch(*upcoming, self._current_lr(steps_ahead=1), t0)
                     upcoming = None
-                loss, grad_norm = self._read(launched)
+                values = self._read(launched)
                 step_started = launched.started
             else:
                 micro, _ = upcoming or self._prepare(state.micro_batches)
-                loss_t, norm_t = self._train_step(micro)
                 slots = sum(b.input_ids.numel() for b in micro)
                 # the one host read of the step (it waits for the GPU)
-                loss, grad_norm = torch.stack([loss_t.float(), norm_t.float().to(loss_t.device)]).tolist()
+                values = self._eager_step(micro).tolist()
                 step_started = t0
+            loss, grad_norm, readings = values[0], values[1], values[2:]
             tokens = sum(b.num_tokens for b in micro)
             # A diverged run stops with its last checkpoint intact (on the eager path before the
             # optimizer applies the step). The step that blew up is still reported, so the loss
@@ -612,6 +666,7 @@ class LoRAFinetuneRecipe:
             now = time.monotonic()
             per_step = (now - run_start) / steps_this_run
             metrics = self._step_metrics(step, loss, lr, grad_norm, tokens, now - step_started, valid_loss)
+            self._method_metrics(metrics, readings, validated=valid_loss is not None)
             metrics.eta_seconds = per_step * (self.total_steps - step)
             metrics.padding_fraction = 1.0 - tokens / slots if slots else 0.0
             if ahead is not None:  # the queued step's time counts from here (steps tile the run)
@@ -657,8 +712,7 @@ class LoRAFinetuneRecipe:
     def _launch(self, micro: list[Batch], host: HostStep | None, lr: float, started: float) -> _Launched:
         """Queue one captured step on the GPU and its (loss, grad norm) read-back; nothing waits."""
         assert host is not None
-        loss_t, norm_t = self._captured_train_step(host, lr)
-        values = torch.stack([loss_t.float(), norm_t.float().to(loss_t.device)])  # (2,) fp32
+        values = self._captured_train_step(host, lr)  # (2 + READINGS,) fp32
         if values.device.type != "cuda":
             return _Launched(micro, started, values, None)
         # two pinned buffers in turn: a queued step's copy never overwrites the unread one
@@ -670,12 +724,13 @@ class LoRAFinetuneRecipe:
         return _Launched(micro, started, host_values, done)
 
     @staticmethod
-    def _read(launched: _Launched) -> tuple[float, float]:
-        """The step's loss and gradient norm, waiting for that step only (not one queued after)."""
+    def _read(launched: _Launched) -> list[float]:
+        """The step's loss and gradient norm (and readings), waiting for that step only (not one
+        queued after)."""
         if launched.done is not None:
             launched.done.synchronize()
-        loss, grad_norm = launched.values.tolist()
-        return loss, grad_norm
+        values: list[float] = launched.values.tolist()
+        return values
 
     def _prepare(self, start: int) -> tuple[list[Batch], HostStep | None]:
         micro = self._micro_batches_at(start)
@@ -794,8 +849,14 @@ class LoRAFinetuneRecipe:
 def train(
     config: TrainConfig, callbacks: TrainingCallbacks, *, loaded: LoadedModel | None = None
 ) -> TrainResult:
-    """Run one fine-tune; `loaded` lets a worker reuse a base model it keeps between jobs."""
-    recipe = LoRAFinetuneRecipe(config, callbacks, loaded=loaded)
+    """Run one fine-tune; `loaded` lets a worker reuse a base model it keeps between jobs. The
+    method picks the recipe: supervised (this module) or DPO (worker/engine/dpo.py)."""
+    recipe_class = LoRAFinetuneRecipe
+    if config.method.type == "dpo":
+        from worker.engine.dpo import DpoRecipe  # it builds on this module
+
+        recipe_class = DpoRecipe
+    recipe = recipe_class(config, callbacks, loaded=loaded)
     try:
         try:
             recipe.setup()

@@ -17,7 +17,9 @@ Two ways to fill the buffers:
 
       L = Σ_micro Σ_trainable CE / N,    N = the trainable tokens of all k micro-batches,
 
-  with 1/N in a device scalar: never a mean of per-row or per-micro-batch means.
+  with 1/N in a device scalar: never a mean of per-row or per-micro-batch means. The objective is
+  a parameter (`StepObjective`): DPO (worker/engine/preference.py) sums per-token log-probs by
+  sequence and divides by the step's pairs instead, from static buffers of its own.
 - `load_batch(input_ids, labels)`: one (B, T) batch with plain causal rows (the fixed-shape
   benchmark step, and tests).
 """
@@ -27,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -35,6 +37,9 @@ from torch import nn
 import gpu_kernels
 from worker.engine.data import IGNORE_INDEX, Batch
 from worker.engine.fused_llama import PackedInputs, attach_adapter_casts, causal_lm_loss, packed_lm_loss
+
+if TYPE_CHECKING:
+    from worker.engine.preference import HostPairs
 
 
 class GradSync(Protocol):
@@ -53,6 +58,7 @@ class StepShape:
     seq: int  # T, tokens per row
     segments: int  # K, sequences per micro-batch that cu_seqlens can describe (>= B)
     loss_tokens: int  # M, trainable positions per micro-batch that loss_index can hold
+    pairs: int = 0  # Q, preference pairs per micro-batch (DPO's objective); 0: not a preference step
 
     @property
     def slots(self) -> int:
@@ -71,6 +77,12 @@ class HostStep:
     loss_targets: torch.Tensor  # (k, M) int64, that next token (-100 on padding entries)
     trainable_tokens: int  # N: Σ over micro-batches, the loss's divisor
     real_tokens: int  # non-padding tokens
+    pairs: HostPairs | None = None  # a DPO step's pair layout and reference values
+
+    @property
+    def divisor(self) -> int:
+        """What the step's loss divides by: its pairs (DPO), else its trainable tokens."""
+        return self.pairs.pairs if self.pairs is not None else self.trainable_tokens
 
 
 def segment_count(position_ids: torch.Tensor) -> int:
@@ -129,6 +141,22 @@ def host_step(batches: Sequence[Batch], shape: StepShape) -> HostStep:
     return HostStep(input_ids, position_ids, cu_seqlens, loss_index, loss_targets, trainable, real)
 
 
+class StepObjective(Protocol):
+    """What the packed step minimises, if not the cross-entropy of its trained tokens: static
+    buffers of its own (allocated once, refilled from each HostStep) and micro-batch i's loss,
+    × the step's `loss_scale`, with `readings` numbers summed over the step beside it."""
+
+    readings: int
+
+    def allocate(
+        self, micro_batches: int, loss_tokens: int, max_pairs: int, device: torch.device
+    ) -> None: ...
+    def copies(self, pairs: HostPairs) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
+    def micro_loss(
+        self, model: nn.Module, packed: PackedInputs, i: int
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class CapturedTrainStep:
     def __init__(
         self,
@@ -148,13 +176,15 @@ class CapturedTrainStep:
         optimizer: torch.optim.Optimizer | None = None,
         grads: GradSync | None = None,
         agree: Callable[[bool], bool] | None = None,
+        objective: StepObjective | None = None,
     ) -> None:
         """`shape` set: the packed job step (`load_step`); unset: one fixed (batch, seq) batch
         (`load_batch`). `optimizer`, if given, must be a capturable AdamW whose lr is a device
         tensor on CUDA (see `capturable_adamw`). Multi-GPU: `grads` zeroes the flat gradient
         buffer before the backward and sums it (and the loss) over the ranks after it, inside
         the step (so inside the graph); `agree` makes the ranks take the same capture decisions
-        (see GraphedStep)."""
+        (see GraphedStep). `objective`: what a packed step minimises (None: the cross-entropy);
+        its readings come back as `readings` beside the loss, summed over the ranks with it."""
         device = params[0].device
         self.device = device
         self.model = model
@@ -164,6 +194,7 @@ class CapturedTrainStep:
         self.shape = shape
         self.max_grad_norm = max_grad_norm
         self.grads = grads
+        self.objective = objective
         # the (B, T) input_ids and labels of `load_batch`; a packed step has its own buffers instead
         self.fixed: tuple[torch.Tensor, torch.Tensor] | None = None
         self.packed: PackedInputs | None = None
@@ -185,6 +216,8 @@ class CapturedTrainStep:
                 # fp32 for the kernels; float64 on the CPU, where the reference path is the oracle
                 loss_scale=torch.ones((), dtype=torch.float32 if fused_ok else torch.float64, device=device),
             )
+            if objective is not None:
+                objective.allocate(k, m, shape.pairs, device)
         if optimizer is None:
             optimizer = capturable_adamw(params, lr=lr, weight_decay=weight_decay)
         self.optimizer = optimizer
@@ -196,19 +229,25 @@ class CapturedTrainStep:
             self._step, warmup=warmup, enabled=capture and fused_ok, on_fallback=on_fallback, agree=agree
         )
 
-    def _loss(self) -> torch.Tensor:
-        """The step's loss, after running its backward (gradients accumulate over micro-batches)."""
+    def _loss(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's loss (and its objective's readings), after running its backward (gradients
+        accumulate over micro-batches)."""
         if self.packed is None:
             assert self.fixed is not None
             loss = causal_lm_loss(self.model, *self.fixed)
             loss.backward()
-            return loss.detach()
+            return loss.detach(), None
         total = torch.zeros((), dtype=torch.float32, device=self.device)
+        readings: torch.Tensor | None = None
         for i in range(self.packed.input_ids.shape[0]):
-            loss = packed_lm_loss(self.model, self.packed, i)
+            if self.objective is None:
+                loss = packed_lm_loss(self.model, self.packed, i)
+            else:
+                loss, read = self.objective.micro_loss(self.model, self.packed, i)
+                readings = read if readings is None else readings + read
             loss.backward()
             total = total + loss.detach()
-        return total
+        return total, readings
 
     def _step(self) -> dict[str, torch.Tensor]:
         if self.grads is None:
@@ -218,12 +257,19 @@ class CapturedTrainStep:
         gpu_kernels.dropout_seed_step_(self.device)
         # the adapters as the last optimizer step left them, cast once for the whole step
         with self.casts.in_step() if self.casts is not None else nullcontext():
-            loss = self._loss()
+            loss, readings = self._loss()
         if self.grads is not None:  # one all_reduce: every rank's gradients and loss summed
-            loss = self.grads.all_reduce_(loss)
+            if readings is None:
+                loss = self.grads.all_reduce_(loss)
+            else:  # and the readings, in the same buffer (FlatGrads(values=1 + readings))
+                summed = self.grads.all_reduce_(torch.cat([loss.reshape(1), readings.to(loss.dtype)]))
+                loss, readings = summed[0], summed[1:]
         norm = gpu_kernels.clip_grad_norm_(self.params, self.max_grad_norm, self.monitor.state)
         self.optimizer.step()
-        return {"loss": loss, "grad_norm": norm}
+        out = {"loss": loss, "grad_norm": norm}
+        if readings is not None:
+            out["readings"] = readings
+        return out
 
     def load_batch(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
         """Copy a (b <= batch, s <= seq) batch into the static buffers, padding the rest."""
@@ -250,8 +296,12 @@ class CapturedTrainStep:
             (p.cu_seqlens, host.cu_seqlens),
             (p.loss_index, host.loss_index),
             (p.loss_targets, host.loss_targets),
-            (p.loss_scale, torch.tensor(1.0 / max(host.trainable_tokens, 1), dtype=torch.float64)),
+            (p.loss_scale, torch.tensor(1.0 / max(host.divisor, 1), dtype=torch.float64)),
         ]
+        if self.objective is not None:
+            if host.pairs is None:
+                raise ValueError("this step's objective needs the step's pairs (HostStep.pairs)")
+            pairs += self.objective.copies(host.pairs)
         pin = self.device.type == "cuda"
         for dst, src in pairs:
             dst.copy_(src.pin_memory() if pin else src, non_blocking=pin)

@@ -1,0 +1,244 @@
+"""DPO (issue 33, point 3) on the CPU in float64, against an independent implementation of the
+formula on tiny-llama: each sequence run alone through the plain Hugging Face model (full logits,
+log-softmax, gather), the reference from a copy of the base without LoRA, the loss
+mean(-log σ(β((π_w - ref_w) - (π_l - ref_l)))) and its LoRA gradients by autograd.
+
+Ours: the recipe's eager step (Hugging Face forward, pairs one per row or packed several a row,
+over two micro-batches) and the captured step's `PreferenceObjective` (fused modules forced on
+with gpu_kernels' reference ops, packed rows, variable-length attention), with the reference
+log-probabilities from the pre-pass that switches the adapter off.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaForCausalLM
+
+from gpu_kernels.dispatch import KernelStatus
+from tests.engine.recipe_helpers import Recorder
+from worker.engine import fused_llama
+from worker.engine.data import IGNORE_INDEX, BatchSampler, load_dataset, read_valid_examples
+from worker.engine.lora import apply_lora, remove_lora, trainable_parameters
+from worker.engine.models import LoadedModel, load_base_model
+from worker.engine.preference import (
+    LOG2,
+    PreferenceObjective,
+    adapters_off,
+    batch_logps,
+    eager_loss,
+    host_pairs,
+    reference_table,
+)
+from worker.engine.recipe import train
+from worker.engine.train_step import CapturedTrainStep, StepShape, host_step
+from worker.engine.training_config import DpoTraining
+from worker.engine.types import ConfigError, LoraConfig, TrainConfig
+
+BETA = 0.3
+ANIMALS = ["cat", "dog", "bird", "fish", "horse", "cow", "sheep", "goat"]
+
+
+def pair(i: int) -> dict[str, Any]:
+    a = ANIMALS[i % len(ANIMALS)]
+    return {
+        "input": {"messages": [{"role": "user", "content": f"what is the {a}?" + " really" * (i % 3)}]},
+        "preferred_output": [{"role": "assistant", "content": f"the {a} is an animal."}],
+        "non_preferred_output": [{"role": "assistant", "content": f"no idea{'!' * (i % 4)}"}],
+    }
+
+
+def write_pairs(path: Path, n: int) -> Path:
+    path.write_text("".join(json.dumps(pair(i)) + "\n" for i in range(n)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_fp64(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    loaded = load_base_model("tiny-llama", store=Path(tmp_path_factory.mktemp("store")))
+    model = loaded.model
+    assert isinstance(model, LlamaForCausalLM)
+    torch.manual_seed(0)
+    apply_lora(model, LoraConfig(r=4, alpha=8))
+    model.double()
+    for p in trainable_parameters(model):
+        torch.nn.init.normal_(p, std=0.05)  # B nonzero: the policy differs from the reference
+    return loaded
+
+
+def no_autocast() -> torch.autocast:
+    return torch.autocast(device_type="cpu", enabled=False)
+
+
+def formula(policy: torch.nn.Module, examples: list[tuple[list[int], list[int], int]]) -> torch.Tensor:
+    """The DPO loss by the paper's formula, each sequence alone, full logits; the reference a
+    copy of the base without LoRA (no code of worker.engine.preference involved)."""
+    base = copy.deepcopy(policy)
+    remove_lora(base)
+
+    def logp(model: torch.nn.Module, ids: list[int], labels: list[int]) -> torch.Tensor:
+        logits = model(input_ids=torch.tensor([ids])).logits[0]  # (T, V)
+        lp = torch.log_softmax(logits[:-1], dim=-1)
+        target = torch.tensor(labels[1:])
+        keep = target != IGNORE_INDEX
+        return lp[keep].gather(1, target[keep][:, None]).sum()
+
+    losses = []
+    for ids, labels, split in examples:
+        chosen, rejected = (ids[:split], labels[:split]), (ids[split:], labels[split:])
+        with torch.no_grad():
+            ref_w, ref_l = logp(base, *chosen), logp(base, *rejected)
+        margin = (logp(policy, *chosen) - ref_w) - (logp(policy, *rejected) - ref_l)
+        losses.append(-F.logsigmoid(BETA * margin))
+    return torch.stack(losses).mean()
+
+
+def grads_of(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() for p in trainable_parameters(model)]  # type: ignore[union-attr]
+
+
+def assert_close_rel(ours: list[torch.Tensor], theirs: list[torch.Tensor], rel: float = 1e-6) -> None:
+    for a, b in zip(ours, theirs, strict=True):
+        assert float((a - b).norm() / b.norm()) < rel
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["one-pair-a-row", "packed"])
+def test_eager_step_equals_the_formula(tiny_fp64: LoadedModel, tmp_path: Path, pack: bool) -> None:
+    """Loss and LoRA gradients of one optimizer step of 6 pairs in micro-batches of 2 rows, within
+    1e-6 relative of the formula; packed rows equal one pair a row."""
+    data = load_dataset(write_pairs(tmp_path / "p.jsonl", 6), tiny_fp64.tokenizer, 256, pack=pack)
+    assert data.packed and (len(data) < 6) == pack
+    model = copy.deepcopy(tiny_fp64.model)
+
+    def logps(batch: Any) -> torch.Tensor:
+        return batch_logps(model, batch, no_autocast)
+
+    table = reference_table(model, data, 2, logps)
+    sampler = BatchSampler(data, 2, seed=0, shuffle=False)
+    micro = [sampler.batch(0, i) for i in range(len(sampler))]
+    step_pairs = 6
+    total = torch.zeros((), dtype=torch.float64)
+    for batch in micro:
+        loss, _ = eager_loss(logps(batch), table.for_batch(batch), BETA, step_pairs)
+        loss.backward()
+        total += loss.detach()
+    examples, _ = read_valid_examples(tmp_path / "p.jsonl", tiny_fp64.tokenizer, 256)
+    oracle_model = copy.deepcopy(tiny_fp64.model)
+    expected = formula(oracle_model, [(*examples.tokens_of(i), examples.split(i)) for i in range(6)])
+    expected.backward()
+    assert float(total) == pytest.approx(float(expected.detach()), rel=1e-6)
+    assert_close_rel(grads_of(model), grads_of(oracle_model))
+
+
+def test_adapters_off_is_the_base(tiny_fp64: LoadedModel) -> None:
+    model = copy.deepcopy(tiny_fp64.model)
+    base = copy.deepcopy(model)
+    remove_lora(base)
+    ids = torch.tensor([[5, 9, 33, 70, 2]])
+    with torch.no_grad(), adapters_off(model):
+        off = model(input_ids=ids).logits
+    with torch.no_grad():
+        on = model(input_ids=ids).logits
+    torch.testing.assert_close(off, base(input_ids=ids).logits, rtol=0, atol=0)
+    assert float((on - off).abs().max()) > 1e-3  # and the adapter is back on after it
+
+
+def test_captured_step_objective_equals_the_formula(
+    tiny_fp64: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The captured step's machinery (fused modules with the reference ops, packed rows,
+    cu_seqlens, gathered loss positions, static buffers) with PreferenceObjective: one step of 6
+    pairs in 2 micro-batches, loss and gradients (max_grad_norm out of the way, lr 0) equal the
+    formula's."""
+    monkeypatch.setattr(fused_llama.gpu_kernels, "available", lambda: KernelStatus(True, "forced for a test"))
+    model = copy.deepcopy(tiny_fp64.model)
+    fused_llama.fuse_model(model)
+    assert fused_llama.fused_stack(model.model)
+    data = load_dataset(write_pairs(tmp_path / "p.jsonl", 6), tiny_fp64.tokenizer, 128, pack=True)
+    table = reference_table(model, data, 1, lambda b: batch_logps(model, b, no_autocast))
+    sampler = BatchSampler(data, 1, seed=0, shuffle=False)
+    micro = [sampler.batch(0, i) for i in range(len(sampler))]
+    assert len(micro) >= 2
+    rows, seq = 1, data.max_seq_len
+    shape = StepShape(len(micro), rows, seq, segments=16, loss_tokens=rows * seq, pairs=6)
+    params = trainable_parameters(model)
+    objective = PreferenceObjective(BETA)
+    step = CapturedTrainStep(
+        model,
+        params,
+        batch=rows,
+        seq=seq,
+        lr=0.0,
+        max_grad_norm=1e9,
+        shape=shape,
+        warmup=1,
+        objective=objective,
+    )
+    host = host_step(micro, shape)
+    host.pairs = host_pairs(micro, host.loss_index, shape.micro_batches, shape.pairs, rows, seq, table)
+    assert host.pairs.pairs == 6 and host.divisor == 6
+    step.load_step(host)
+    out = step.run()
+    examples, _ = read_valid_examples(tmp_path / "p.jsonl", tiny_fp64.tokenizer, 128)
+    oracle_model = copy.deepcopy(tiny_fp64.model)
+    expected = formula(oracle_model, [(*examples.tokens_of(i), examples.split(i)) for i in range(6)])
+    expected.backward()
+    assert float(out["loss"]) == pytest.approx(float(expected), rel=1e-6)
+    assert_close_rel(grads_of(model), grads_of(oracle_model))
+    assert out["readings"].shape == (3,)
+
+
+def test_dpo_run_reports_its_curves_and_refuses_supervised_data(tmp_path: Path, tiny: LoadedModel) -> None:
+    """A DPO job's recipe on tiny-llama (fp32, eager): the first step's loss is log 2 (the adapter
+    starts at B = 0, so the policy is the reference), every step reports rewards, margin and
+    accuracy, the held-out pairs give a validation loss with their own readings, and the margin
+    grows; a chat file is refused naming the method."""
+    train_file = write_pairs(tmp_path / "pairs.jsonl", 12)
+    rec = Recorder()
+    config = TrainConfig(
+        model="tiny-llama",
+        train_file=train_file,
+        output_dir=tmp_path / "out",
+        model_store=tmp_path / "models",
+        lora=LoraConfig(r=8, alpha=16.0),
+        max_seq_len=128,
+        batch_size=2,
+        n_epochs=1,
+        learning_rate=2e-2,
+        seed=1,
+        device="cpu",
+        pack=False,
+        eval_every=3,
+        method=DpoTraining(beta=0.1),
+        validation_file=write_pairs(tmp_path / "valid.jsonl", 4),
+    )
+    result = train(config, rec, loaded=tiny)
+    assert result.steps == len(rec.steps) > 4 and not result.stopped
+    first = rec.steps[0]
+    assert first.train_loss == pytest.approx(LOG2, abs=1e-6)
+    assert first.preference is not None and first.preference.accuracy == 0.0  # r_w == r_l == 0
+    assert all(s.preference is not None for s in rec.steps)
+    validated = [s for s in rec.steps if s.valid_loss is not None]
+    assert validated and all(s.valid_preference is not None for s in validated)
+    last = rec.steps[-1].preference
+    assert last is not None and last.margin > 0.05 and last.accuracy > 0.5
+    assert math.isclose(last.margin, last.chosen_reward - last.rejected_reward, rel_tol=1e-9)
+    assert rec.steps[-1].train_loss < LOG2
+    assert (result.adapter_dir / "adapter_model.safetensors").is_file()
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+        + "\n"
+    )
+    with pytest.raises(ConfigError, match="needs preference pairs"):
+        train(
+            TrainConfig(**{**config.__dict__, "train_file": chats, "output_dir": tmp_path / "o2"}), Recorder()
+        )
