@@ -1,23 +1,32 @@
-"""Fast-path module surgery for Llama-family models after `apply_lora`, and the fused loss.
+"""Fast-path module surgery after `apply_lora`, for every family of worker/engine/families.py,
+and the fused loss.
 
-Applied only where gpu_kernels' compiled path is active (see `fuse_llama`); the CPU path keeps
+Applied only where gpu_kernels' compiled path is active (see `fuse_model`); the CPU path keeps
 the plain modules. Module paths and parameter objects do not change, so LoRA state dicts,
-checkpoints, PEFT export and the optimizer see exactly the same parameters.
+checkpoints, PEFT export and the optimizer see exactly the same parameters. What differs between
+families is read from their `Family` and the model's config (`families.layer_attention`), never
+from class names; Hugging Face's decoder layer keeps its own norm placement (pre-norm, or Gemma's
+sandwich), so only the modules inside it are swapped:
 
-- RMSNorm modules  -> FusedRMSNorm: one kernel forward, one backward (weight frozen)
+- RMSNorm modules -> FusedRMSNorm: one kernel forward, one backward (weight frozen), scaling by
+  (offset + w) with the family's offset (Gemma: 1)
 - q/k/v and gate/up LoRA layers -> GroupedLoRALinear: the projections that read the same input
   run as ONE grouped op (one base GEMM over the stacked weight, one skinny GEMM for all A's);
-  their base weights become views into the stacked weight, so no memory is added
-- LlamaMLP -> FusedSwiGLUMLP: down(swiglu_packed(gate_up(x))), no split/concat copies
+  their base weights become views into the stacked weight, so no memory is added. Families whose
+  checkpoints fuse them already (Phi-3's qkv_proj, gate_up_proj) run their one LoRA layer as is.
+- the MLP -> FusedGatedMLP: down(act_packed(gate_up(x))) with the family's activation (SwiGLU,
+  GeGLU), no split/concat copies
+- the attention -> FusedAttention: the q/k/v rows go through one kernel that splits them,
+  applies the per-head q/k RMSNorm where the family has one (Qwen3, Gemma 3), and rotates the
+  rotary dims (all, or Phi-4-mini's partial share) with the layer's RoPE table (Gemma 3: one per
+  layer type); then variable-length flash attention with the layer's window (Mistral, Gemma 3's
+  sliding layers: no dense mask), or SDPA with native grouped-query heads; Hugging Face's forward,
+  called by keyword, still runs whenever the fast path does not apply (a mask, a KV cache under
+  any of its names)
 - the LM loss: chunked fused linear + cross-entropy on the final hidden states, so the
-  (tokens, vocab) logits never exist at once
+  (tokens, vocab) logits never exist at once (Gemma's 262k vocabulary included; tied heads too)
 
-- LlamaAttention -> FusedLlamaAttention: the grouped q/k/v output goes through one RoPE kernel
-  that splits and rotates it (gpu_kernels.rope_qkv), then SDPA with native grouped-query heads;
-  Hugging Face's forward, called by keyword, still runs whenever the fast path does not apply
-  (a mask, a KV cache under any of its names)
-
-Called outside FusedLlamaAttention, the first of q/k/v computes all three and hands the other two
+Called outside FusedAttention, the first of q/k/v computes all three and hands the other two
 their (view) outputs, which they return when called with the same input tensor.
 """
 
@@ -35,21 +44,39 @@ from transformers.cache_utils import Cache
 
 import gpu_kernels
 from gpu_kernels.quant import stack_frozen
-from worker.engine.families import family_named, fused_path_gap
+from worker.engine.families import (
+    Activation,
+    Family,
+    LayerAttention,
+    family_named,
+    fused_path_gap,
+    layer_attention,
+)
 from worker.engine.lora import LoRALinear, slot_operands
 from worker.engine.types import ModelError
 
 
 class FusedRMSNorm(nn.Module):
-    """y = w ⊙ x / sqrt(mean(x²) + eps) through gpu_kernels.rms_norm; x (..., D)."""
+    """y = (offset + w) ⊙ x / sqrt(mean(x²) + eps) through gpu_kernels.rms_norm; x (..., D)."""
 
-    def __init__(self, weight: nn.Parameter, eps: float) -> None:
+    def __init__(self, weight: nn.Parameter, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = weight
         self.variance_epsilon = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gpu_kernels.rms_norm(x, self.weight, self.variance_epsilon)
+        return gpu_kernels.rms_norm(x, self.weight, self.variance_epsilon, self.offset)
+
+
+def rms_norm_eps(module: nn.Module) -> float | None:
+    """An RMSNorm module's epsilon, under either name transformers uses (`variance_epsilon`:
+    Llama and most; `eps`: Gemma); None for a module that is no RMSNorm with a weight."""
+    weight = getattr(module, "weight", None)
+    if not type(module).__name__.endswith("RMSNorm") or not isinstance(weight, nn.Parameter):
+        return None
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    return float(eps) if isinstance(eps, (int, float)) else None
 
 
 class LoRAGroup:
@@ -121,24 +148,43 @@ class GroupedLoRALinear(LoRALinear):
         return super().forward(x)  # called on its own (or out of order): the ungrouped op
 
 
-class FusedSwiGLUMLP(nn.Module):
-    """down(silu(gate(x)) ⊙ up(x)) with gate/up as one grouped LoRA op and a fused SwiGLU."""
+class FusedGatedMLP(nn.Module):
+    """down(act(gate(x)) ⊙ up(x)), act SiLU or tanh-GELU, with gate/up as one LoRA op (a grouped
+    pair, or the family's fused gate_up_proj) and the activation fused on the packed [gate | up]."""
 
-    def __init__(
-        self, gate_proj: GroupedLoRALinear, up_proj: GroupedLoRALinear, down_proj: nn.Module
-    ) -> None:
+    def __init__(self, mlp: nn.Module, activation: Activation) -> None:
         super().__init__()
-        self.gate_proj = gate_proj
-        self.up_proj = up_proj
-        self.down_proj = down_proj
+        for name, child in mlp.named_children():  # gate_proj/up_proj or gate_up_proj, down_proj
+            if name not in ("act_fn", "activation_fn"):
+                self.add_module(name, child)
+        self.activation: Activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        group = getattr(self.gate_proj, "group", None)
-        if group is None or self.up_proj not in group.members:
-            # gate/up were unwrapped (remove_lora / merge_lora): the plain SwiGLU MLP
-            return self.down_proj(gpu_kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
+        down = cast(nn.Module, self.down_proj)
+        packed = getattr(self, "gate_up_proj", None)
+        if packed is not None:  # (..., 2F) = [gate | up] from one layer (Phi-3)
+            return down(gpu_kernels.swiglu_packed(packed(x), self.activation))
+        gate, up = cast(nn.Module, self.gate_proj), cast(nn.Module, self.up_proj)
+        group = getattr(gate, "group", None)
+        if group is None or up not in group.members:
+            # gate/up were unwrapped (remove_lora / merge_lora): the plain gated MLP
+            return down(gpu_kernels.swiglu(gate(x), up(x), self.activation))
         gate_up = group.forward_all(x)  # (..., 2F) = [gate | up]
-        return self.down_proj(gpu_kernels.swiglu_packed(gate_up))
+        return down(gpu_kernels.swiglu_packed(gate_up, self.activation))
+
+
+# config activation names (`hidden_act`, Gemma's `hidden_activation`) -> the fused kernel's
+ACTIVATIONS: dict[str, Activation] = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",  # the same tanh approximation, computed by hand
+}
+
+
+def config_activation(config: Any) -> str:
+    """The gate activation a transformers config names."""
+    return str(getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu"))
 
 
 # Names under which Hugging Face's attention has taken the KV cache: `past_key_value` (4.x),
@@ -167,58 +213,85 @@ def hf_attention_signature_ok(attn: nn.Module) -> str | None:
     return None
 
 
-class FusedLlamaAttention(nn.Module):
-    """Llama self-attention on the fused path: grouped q/k/v LoRA op -> RoPE split kernel ->
-    SDPA (causal, GQA without repeating k/v) -> o_proj. Same submodules and parameters as the
-    Hugging Face module it replaces, whose forward it calls when the fast path does not apply."""
+class FusedAttention(nn.Module):
+    """Self-attention on the fused path, for every family: one LoRA op for q/k/v (a grouped
+    q/k/v, or the family's fused qkv_proj) -> one kernel for the split, the per-head q/k norm
+    (Qwen3, Gemma 3) and RoPE -> causal attention within the layer's window -> o_proj. Keeps the
+    Hugging Face module's submodules and attributes under their names, so its forward, called when
+    the fast path does not apply, runs on this module unchanged."""
 
-    def __init__(self, attn: Any) -> None:  # a transformers LlamaAttention
+    def __init__(self, attn: nn.Module, layer: LayerAttention, family: Family) -> None:
         super().__init__()
-        self.config = attn.config
-        self.n_heads = int(attn.config.num_attention_heads)
-        self.n_kv_heads = int(attn.config.num_key_value_heads)
-        self.layer_idx = attn.layer_idx
-        self.head_dim = int(attn.head_dim)
-        self.num_key_value_groups = attn.num_key_value_groups
-        self.scaling = float(attn.scaling)
-        self.attention_dropout = float(attn.attention_dropout)
-        self.is_causal = True
-        self.q_proj, self.k_proj, self.v_proj = attn.q_proj, attn.k_proj, attn.v_proj
-        self.o_proj: nn.Module = attn.o_proj
+        for name, child in attn.named_children():  # q/k/v/o_proj or qkv_proj, q_norm/k_norm
+            self.add_module(name, child)
+        for key, value in vars(attn).items():  # config, head_dim, scaling, layer_idx, ...
+            if not key.startswith("_") and key != "training":
+                setattr(self, key, value)
+        config = cast(Any, attn).config
+        self.n_heads = int(config.num_attention_heads)
+        self.n_kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(attn.head_dim)  # type: ignore[arg-type]
+        self.scaling = float(attn.scaling)  # type: ignore[arg-type]
+        self.attention_dropout = float(getattr(attn, "attention_dropout", 0.0))
+        self.window = layer.window  # tokens a query sees, itself included; None: all before it
+        # the rotary table this layer reads: one per layer type (Gemma 3), else the model's one
+        self.rope_key: str | None = layer.kind if family.rope == "per_layer_type" else None
+        self.qk_norm = family.qk_norm
+        self.norm_offset = family.norm_offset
+        self.packed_qkv = "qkv_proj" in family.packed_modules
         self.hf_forward: Callable[..., tuple[torch.Tensor, Any]] = type(attn).forward
 
-    def _fast_group(self, attention_mask: Any, kwargs: dict[str, Any]) -> LoRAGroup | None:
-        """The q/k/v group when the fast path applies: no mask and no KV cache in play (under
-        any name a supported transformers version uses, or any argument that is a Cache)."""
+    def _qkv(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """(..., d) -> (..., (H + 2G)·D) q/k/v rows as one LoRA op, while the LoRA layers are there."""
+        if self.packed_qkv:
+            layer = getattr(self, "qkv_proj", None)
+            return layer if isinstance(layer, LoRALinear) else None
         group: LoRAGroup | None = getattr(self.q_proj, "group", None)
+        if group is None or group.members != [self.q_proj, self.k_proj, self.v_proj]:
+            return None
+        return group.forward_all
+
+    def _head_norm(self) -> gpu_kernels.HeadNorm | None:
+        if not self.qk_norm:
+            return None
+        q_norm, k_norm = cast(nn.Module, self.q_norm), cast(nn.Module, self.k_norm)
+        eps = rms_norm_eps(q_norm)
+        assert eps is not None, "q_norm is an RMSNorm"
+        return gpu_kernels.HeadNorm(
+            cast(torch.Tensor, q_norm.weight), cast(torch.Tensor, k_norm.weight), eps, self.norm_offset
+        )
+
+    def _fast_qkv(
+        self, attention_mask: Any, kwargs: dict[str, Any]
+    ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The q/k/v op when the fast path applies: no mask and no KV cache in play (under any
+        name a supported transformers version uses, or any argument that is a Cache)."""
         if (
-            group is None
-            or group.members != [self.q_proj, self.k_proj, self.v_proj]
-            or attention_mask is not None
+            attention_mask is not None
             or uses_kv_cache(kwargs)
             or kwargs.get("output_attentions")
             or (self.training and self.attention_dropout > 0)
         ):
             return None
-        return group
+        return self._qkv()
 
     def forward(
         self,
         hidden_states: torch.Tensor,  # (B, S, d)
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin (1|B, S, D)
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin (1|B, S, R)
         attention_mask: torch.Tensor | None = None,
         *args: Any,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, Any]:
         """`cu_seqlens` (K + 1,) int32 and `max_seqlen` (int) in kwargs: the B·S tokens are
         packed sequences at those offsets, and each attends only within its own sequence.
-        `rope_positions` (B, S) int64 in kwargs: position_embeddings is one (1, P, D) table pair
+        `rope_positions` (B, S) int64 in kwargs: position_embeddings is one (1, P, R) table pair
         that token (b, s) reads at row rope_positions[b, s] (every entry < P)."""
         cu_seqlens: torch.Tensor | None = kwargs.pop("cu_seqlens", None)
         max_seqlen: int = kwargs.pop("max_seqlen", 0)
         rope_positions: torch.Tensor | None = kwargs.pop("rope_positions", None)
-        group = None if args else self._fast_group(attention_mask, kwargs)
-        if group is None or position_embeddings is None:
+        qkv = None if args else self._fast_qkv(attention_mask, kwargs)
+        if qkv is None or position_embeddings is None:
             if cu_seqlens is not None or rope_positions is not None:
                 raise ValueError("packed sequences (cu_seqlens, rope_positions) need the fused attention")
             if args:  # a caller that passes more positionally follows the installed signature
@@ -237,20 +310,24 @@ class FusedLlamaAttention(nn.Module):
         cos, sin = position_embeddings
         # q (B, H, S, D), k and v (B, G, S, D), stored as (B, S, heads, D) rows
         q, k, v = gpu_kernels.rope_qkv(
-            group.forward_all(hidden_states), cos, sin, n_heads, n_kv, rope_positions
+            qkv(hidden_states), cos, sin, n_heads, n_kv, rope_positions, self._head_norm()
         )
+        if cu_seqlens is None and self.window is not None:
+            # a window has no SDPA flag: each row is one sequence of the variable-length kernel
+            cu_seqlens = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=hidden_states.device)
+            max_seqlen = s
         if cu_seqlens is not None:
             # (B, S, heads, D) rows are already the packed (B·S, heads, D) layout: views, no copies
             qp, kp, vp = (t.transpose(1, 2).reshape(b * s, t.shape[1], self.head_dim) for t in (q, k, v))
             out = gpu_kernels.varlen_attention(
-                qp, kp, vp, cu_seqlens, max_seqlen, self.scaling
+                qp, kp, vp, cu_seqlens, max_seqlen, self.scaling, self.window
             )  # (B·S, H, D)
-            return self.o_proj(out.view(b, s, n_heads * self.head_dim)), None
+            return cast(nn.Module, self.o_proj)(out.view(b, s, n_heads * self.head_dim)), None
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=s > 1, scale=self.scaling, enable_gqa=n_kv != n_heads
         )  # (B, H, S, D)
         out = out.transpose(1, 2).reshape(b, s, n_heads * self.head_dim)
-        return self.o_proj(out), None
+        return cast(nn.Module, self.o_proj)(out), None
 
 
 @dataclass
@@ -286,9 +363,11 @@ def _group(parent: nn.Module, names: list[str]) -> list[GroupedLoRALinear] | Non
     return members
 
 
-def fuse_llama(model: nn.Module) -> FuseReport:
+def fuse_model(model: nn.Module) -> FuseReport:
     """Swap in the fused modules where the compiled kernels are active and cover the model's
     family and config (`families.fused_path_gap`); otherwise a no-op report saying why not.
+    What each family changes (norm offset, activation, q/k norm, fused projections, windows and
+    RoPE tables per layer) is read from its `Family` and `layer_attention(family, config)`.
 
     Call after apply_lora and before building the optimizer (parameters are kept, but this keeps
     the order of operations obvious)."""
@@ -300,38 +379,67 @@ def fuse_llama(model: nn.Module) -> FuseReport:
     if gap is not None:  # the model keeps its plain modules: the eager step, as on the CPU
         report.skipped.append(gap)
         return report
+    family = family_named(type(model).__name__)
+    config = cast(Any, model).config
+    layers = layer_attention(family, config.to_dict())
+    activation = ACTIVATIONS.get(config_activation(config))
     for name, module in list(model.named_modules()):
         parent_path, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
-        cls = type(module).__name__
-        if cls.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
-            weight = module.weight
-            assert isinstance(weight, nn.Parameter)
-            setattr(parent, leaf, FusedRMSNorm(weight, float(module.variance_epsilon)))
+        eps = rms_norm_eps(module)
+        if eps is not None and leaf not in ("q_norm", "k_norm"):  # those run inside the rope kernel
+            setattr(parent, leaf, FusedRMSNorm(cast(nn.Parameter, module.weight), eps, family.norm_offset))
             report.rms_norms += 1
-        elif cls.endswith("Attention") and hasattr(module, "q_proj"):
-            if _group(module, ["q_proj", "k_proj", "v_proj"]) is not None:
-                report.qkv_groups += 1
-                unfit = hf_attention_signature_ok(module) if cls == "LlamaAttention" else cls
-                if unfit is None and module.head_dim % 2 == 0:
-                    setattr(parent, leaf, FusedLlamaAttention(module))
-                    report.attentions += 1
-                elif unfit is not None and cls == "LlamaAttention":
-                    report.skipped.append(f"{name}: {unfit}")
+        elif type(module).__name__.endswith("Attention") and isinstance(
+            getattr(module, "layer_idx", None), int
+        ):
+            layer = layers[cast(int, module.layer_idx)]
+            _fuse_attention(name, module, parent, leaf, layer, family, report)
+        elif type(module).__name__.endswith("MLP") and hasattr(module, "down_proj"):
+            if activation is None:
+                report.skipped.append(f"{name}: activation {config_activation(config)} has no fused kernel")
+                continue
+            if "gate_up_proj" in family.packed_modules:
+                fits = isinstance(getattr(module, "gate_up_proj", None), LoRALinear)
             else:
-                report.skipped.append(f"{name}: q/k/v are not all LoRA layers of one kind")
-        elif cls.endswith("MLP") and hasattr(module, "gate_proj"):
-            act = type(getattr(module, "act_fn", None)).__name__
-            if act != "SiLUActivation" and act != "SiLU":
-                report.skipped.append(f"{name}: activation {act} is not SiLU")
+                fits = _group(module, ["gate_proj", "up_proj"]) is not None
+            if not fits:
+                report.skipped.append(f"{name}: gate/up are not LoRA layers of one kind")
                 continue
-            members = _group(module, ["gate_proj", "up_proj"])
-            if members is None:
-                report.skipped.append(f"{name}: gate/up are not both LoRA layers of one kind")
-                continue
-            setattr(parent, leaf, FusedSwiGLUMLP(members[0], members[1], module.down_proj))
+            setattr(parent, leaf, FusedGatedMLP(module, activation))
             report.mlps += 1
     return report
+
+
+def _layer_index(module: nn.Module) -> object:
+    return getattr(module, "layer_idx", None)
+
+
+def _fuse_attention(
+    name: str,
+    module: nn.Module,
+    parent: nn.Module,
+    leaf: str,
+    layer: LayerAttention,
+    family: Family,
+    report: FuseReport,
+) -> None:
+    if "qkv_proj" in family.packed_modules:  # one LoRA layer already computes q/k/v (Phi-3)
+        fits = isinstance(getattr(module, "qkv_proj", None), LoRALinear)
+    else:
+        fits = _group(module, ["q_proj", "k_proj", "v_proj"]) is not None
+    if not fits:
+        report.skipped.append(f"{name}: q/k/v are not all LoRA layers of one kind")
+        return
+    report.qkv_groups += 1
+    unfit = hf_attention_signature_ok(module)
+    if unfit is None and int(cast(Any, module).head_dim) % 2:
+        unfit = f"odd head size {module.head_dim}"
+    if unfit is not None:
+        report.skipped.append(f"{name}: {unfit}")
+        return
+    setattr(parent, leaf, FusedAttention(module, layer, family))
+    report.attentions += 1
 
 
 def family_gap(model: nn.Module) -> str | None:
@@ -385,13 +493,13 @@ def lm_loss_sum(selected: torch.Tensor, head: nn.Module, targets: torch.Tensor) 
 
 
 def fused_stack(backbone: nn.Module) -> bool:
-    """Whether a decoder stack is a Llama stack whose attention layers are all fused (the only
-    kind `_fused_decoder_states` and packed attention run on)."""
+    """Whether a decoder stack's attention layers are all fused (the only kind
+    `_fused_decoder_states` and packed attention run on)."""
     layers = getattr(backbone, "layers", None)
     parts = [getattr(backbone, name, None) for name in ("embed_tokens", "rotary_emb", "norm")]
     if not isinstance(layers, nn.ModuleList) or not all(isinstance(p, nn.Module) for p in parts):
         return False
-    return all(isinstance(getattr(layer, "self_attn", None), FusedLlamaAttention) for layer in layers)
+    return all(isinstance(getattr(layer, "self_attn", None), FusedAttention) for layer in layers)
 
 
 def _fused_decoder_states(
@@ -399,10 +507,11 @@ def _fused_decoder_states(
     input_ids: torch.Tensor,  # (B, S)
     position_ids: torch.Tensor | None = None,  # (B, S); None: 0..S-1 in every row
     final_norm: bool = True,  # False: the last layer's output, before the final RMSNorm
-    **attention: Any,  # cu_seqlens, max_seqlen: packed sequences (see FusedLlamaAttention)
+    **attention: Any,  # cu_seqlens, max_seqlen: packed sequences (see FusedAttention)
 ) -> torch.Tensor | None:
-    """Final hidden states (B, S, d) of a Llama stack whose attention layers are all fused, run
-    without Hugging Face's mask construction; None if the stack is not of that kind.
+    """Final hidden states (B, S, d) of a decoder stack whose attention layers are all fused, run
+    without Hugging Face's mask construction; None if the stack is not of that kind. The
+    embedding module applies the family's scale (Gemma: × √d), each layer its norm placement.
 
     An all-causal batch needs no mask (SDPA's is_causal covers it), and a packed one gets its
     per-sequence offsets instead. Skipping the construction matters under CUDA-graph capture:
@@ -425,13 +534,13 @@ def _fused_decoder_states(
         # the backward would keep alive through the whole step.
         attention = {**attention, "rope_positions": position_ids}
         position_ids = steps
-    position_embeddings = rotary(hidden, position_ids=position_ids)  # cos, sin (1 or B, S, D)
+    tables = _rope_tables(backbone, rotary, hidden, position_ids)  # layer type -> cos, sin (1|B, S, R)
     for layer in layers:
         out = layer(
             hidden,
             attention_mask=None,
             position_ids=position_ids,
-            position_embeddings=position_embeddings,
+            position_embeddings=tables[cast(FusedAttention, layer.self_attn).rope_key],
             use_cache=False,
             **attention,
         )
@@ -440,6 +549,25 @@ def _fused_decoder_states(
         return hidden
     states: torch.Tensor = norm(hidden)
     return states
+
+
+def _rope_tables(
+    backbone: nn.Module, rotary: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor
+) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+    """The cos/sin tables of every rope key the stack's layers read: None (the model's one table)
+    or a layer type (Gemma 3: local base on sliding layers, global base and scaling on the rest),
+    each computed once per forward."""
+    keys = {cast(FusedAttention, layer.self_attn).rope_key for layer in cast(nn.ModuleList, backbone.layers)}
+    tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
+    for key in keys:
+        if key is None:
+            tables[key] = rotary(hidden, position_ids=position_ids)
+        elif "layer_type" in inspect.signature(rotary.forward).parameters:  # transformers 5
+            tables[key] = rotary(hidden, position_ids=position_ids, layer_type=key)
+        else:  # transformers 4: a second module for the sliding layers
+            local = getattr(backbone, "rotary_emb_local", rotary) if key == "sliding_attention" else rotary
+            tables[key] = local(hidden, position_ids=position_ids)
+    return tables
 
 
 def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -515,5 +643,5 @@ def _trained_rows(backbone: nn.Module, inputs: PackedInputs, i: int) -> torch.Te
         max_seqlen=inputs.max_seqlen,
     )
     if hidden is None:
-        raise ValueError("packed training needs a fused Llama stack (see fuse_llama)")
+        raise ValueError("packed training needs a fused decoder stack (see fuse_model)")
     return hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.loss_index[i])

@@ -48,7 +48,7 @@ from worker.engine.data import (
 )
 from worker.engine.dataset_rules import PREFERENCE_FORMAT
 from worker.engine.export import export_adapter
-from worker.engine.fused_llama import FuseReport, fuse_llama, fused_stack, lm_loss_sum
+from worker.engine.fused_llama import FuseReport, fuse_model, fused_stack, lm_loss_sum
 from worker.engine.health import Finding, HealthMonitor
 from worker.engine.holdout import holdout_sentence
 from worker.engine.lora import apply_lora, lora_modules, remove_lora, trainable_parameters
@@ -251,7 +251,7 @@ class LoRAFinetuneRecipe:
         layers = apply_lora(model, cfg.lora)
         # GPU fast path: fused RMSNorm/SwiGLU modules, grouped q/k/v and gate/up LoRA.
         # A no-op unless gpu_kernels' compiled path is active, so CPU runs are unchanged.
-        report = fuse_llama(model)
+        report = fuse_model(model)
         self.params = trainable_parameters(model)
         # Multi-GPU: the gradients live in one flat buffer that a step all-reduces once.
         self.grads = (
@@ -348,7 +348,7 @@ class LoRAFinetuneRecipe:
         if not fused_stack(cast(nn.Module, self.model.base_model)):
             if not self.on_cuda:
                 return "CPU run"
-            skipped = "; ".join(report.skipped[:3]) or "not a Llama decoder stack"
+            skipped = "; ".join(report.skipped[:3]) or "not a fused decoder stack"
             return f"the fused path does not cover model {self.config.model!r} ({skipped})"
         return None
 
