@@ -57,7 +57,9 @@ def pull_model(
     if revision is not None:
         raise ModelError(f"--revision is for Hugging Face Hub models (owner/name), not {name!r}")
     if name not in PRETRAINED:
-        raise ModelError(f"model {name!r} is {info.kind}; only pretrained models are pulled (and Hub models, owner/name)")
+        raise ModelError(
+            f"model {name!r} is {info.kind}; only pretrained models are pulled (and Hub models, owner/name)"
+        )
     return fetch_gguf(PRETRAINED[name], pretrained_path(name, store), progress)
 
 
