@@ -64,6 +64,8 @@ async def pause_resume_flow(api: ApiClient) -> None:
         assert "Pause requested" in events
         assert "Fine-tuning job paused at step 3; a resume continues from its checkpoint" in events
 
+        with pytest.raises(openai.ConflictError):  # a paused job still needs its training file
+            await client.files.delete(f.id)
         resumed = await client.fine_tuning.jobs.resume(job.id)
         assert resumed.status == "queued" and resumed.metadata == METADATA
         with session_scope() as s:  # the next claim is a new attempt; the paused one was not a retry

@@ -141,3 +141,32 @@ def test_a_pause_withdrawn_as_the_run_stops_requeues_it_and_a_cancel_wins(
             jobs.request_pause(s, tenant_id=worker_env.tenant_id, job_id=second)
         with pytest.raises(jobs.InvalidRequestError, match="cannot be resumed"):
             jobs.request_resume(s, tenant_id=worker_env.tenant_id, job_id=second)
+
+
+@pytest.mark.parametrize("worker_env", ["sqlite"], indirect=True)
+def test_a_lost_worker_s_job_with_a_pause_requested_ends_paused_and_pauses_are_not_retries(
+    worker_env: WorkerEnv,
+) -> None:
+    """The reaper's release of a silent attempt (`jobs.requeue`) reaches a requested pause instead
+    of re-queueing; the retry count the reaper compares with LORAQ_MAX_ATTEMPTS leaves out the
+    attempts that ended in a pause."""
+    job_id = worker_env.create_job(worker_env.upload(chat_lines(8)))
+    tenant = worker_env.tenant_id
+    for attempt in (1, 2):  # two attempts, each paused by its worker
+        with session_scope() as s:
+            claim = jobs.claim(s, job_id=job_id, worker_id="w")
+            assert claim is not None and (claim.attempt, claim.paused_attempts) == (attempt, attempt - 1)
+            jobs.request_pause(s, tenant_id=tenant, job_id=job_id)
+            assert jobs.pause(s, claim=claim, step=0)
+            jobs.request_resume(s, tenant_id=tenant, job_id=job_id)
+    with session_scope() as s:
+        claim = jobs.claim(s, job_id=job_id, worker_id="w")
+        assert claim is not None and claim.attempt == 3
+        ((_, token, retries),) = jobs.stale_running_jobs(s, older_than=float("inf"))
+        assert (token, retries) == (claim.attempt_token, 1)  # attempt 3, the first not paused
+        jobs.request_pause(s, tenant_id=tenant, job_id=job_id)
+        # the worker went silent before it reached the pause: released as paused, nothing to re-send
+        assert not jobs.requeue(s, job_id=job_id, attempt_token=claim.attempt_token, reason="worker lost")
+    job = job_row(job_id)
+    assert (job.status, job.attempt_token, job.pause_requested) == ("paused", None, False)
+    assert "Fine-tuning job paused: worker lost" in [e.message for e in events(job_id)]
