@@ -54,6 +54,7 @@ from worker.engine.dataset_rules import (
     DatasetFormat,
     FileFormat,
     LineProblem,
+    check_conversation,
     parse_line,
     preference_pair,
 )
@@ -364,6 +365,8 @@ def prompt_ids(
     if not tokenizer.chat_template:
         raise ModelError("the model's tokenizer has no chat template, so it cannot serve chat completions")
     try:
+        if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            check_conversation(messages, tools, needs_assistant=False)  # ids answered, names offered
         text = prompt_text(messages, tools or None, _renderer(tokenizer))
     except LineProblem as exc:
         raise RequestError("tools" if tools and "tool" in str(exc) else "messages", str(exc)) from exc

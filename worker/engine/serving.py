@@ -46,6 +46,7 @@ from worker.engine.kv_decode import KVCache, LlamaDecoder
 from worker.engine.lora import PEFT_PREFIX
 from worker.engine.quantize import decoder_linear_paths
 from worker.engine.models import LoadedModel
+from worker.engine.tool_calls import ToolCallFormat, tool_call_format
 from worker.engine.types import RequestError
 
 INITIAL_RANK = 8
@@ -323,10 +324,23 @@ class ServingModel:
             a, b = factors.get(path, (None, None))
             layer.set_slot(slot, a, b, adapter.scale)
 
-    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    def prompt_ids(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The request's prompt: `messages` and `tools` in the model's chat template."""
         from worker.engine.data import prompt_ids
 
-        return prompt_ids(messages, self.tokenizer)
+        if tools and self.tool_format is None:
+            raise RequestError(
+                "tools",
+                f"the chat template of {self.loaded.name!r} writes no tool calls: it takes no tools",
+            )
+        return prompt_ids(messages, self.tokenizer, tools)
+
+    @property
+    def tool_format(self) -> ToolCallFormat | None:
+        """How this model's chat template writes tool calls (worker/engine/tool_calls.py)."""
+        return tool_call_format(self.tokenizer.chat_template)
 
     def check_fits(self, n_prompt: int, max_tokens: int) -> None:
         if n_prompt + max_tokens > self.max_context:
