@@ -377,10 +377,6 @@ class LoRAFinetuneRecipe:
                 most_pairs = max(most_pairs, real // 2)  # preference rows: two sequences a pair
         loss_tokens = min(rows * seq, -(-most_trainable // 8) * 8)
         pairs = most_pairs if cfg.method.type == "dpo" else 0
-        micro = self.memory.micro_rows
-        if micro is not None and micro < rows:  # the memory plan's passes of at most `micro` rows
-            passes, loss_tokens = -(-rows // micro), min(micro * seq, loss_tokens)
-            return StepShape(cfg.grad_accum * passes, micro, seq, max(most_segments, micro), loss_tokens)
         return StepShape(cfg.grad_accum, rows, seq, max(most_segments, rows), loss_tokens, pairs)
 
     def _captured_step(self) -> CapturedTrainStep:
