@@ -1,7 +1,7 @@
 """A webhook receiver as a user would write one, run as its own process by the webhook tests:
 
     python -m tests.webhook_receiver --port P --secret whsec_… --dir D [--hang-after-processing]
-                                     [--status CODE]
+                                     [--status CODE] [--tls CERT KEY]
 
 Each POST is checked with OpenAI's client (`client.webhooks.unwrap`: Standard Webhooks'
 signature and timestamp, then the event parsed as OpenAI's type), logged to `D/received.jsonl`,
@@ -11,7 +11,7 @@ a delivery repeated after a crash between processing and answering is harmless.
 
 `--hang-after-processing`: after processing its first event, never answer (the test kills the
 process mid-delivery). `--status`: answer every request with CODE (after logging it, processing
-nothing). A bad signature is answered 400.
+nothing). A bad signature is answered 400. `--tls`: serve https with this certificate and key.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import ssl
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -47,6 +48,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, required=True)
     parser.add_argument("--hang-after-processing", action="store_true")
     parser.add_argument("--status", type=int, default=None)
+    parser.add_argument("--tls", nargs=2, metavar=("CERT", "KEY"), default=None)
     args = parser.parse_args()
     client = OpenAI(api_key="unused", webhook_secret=args.secret)
     received, processed = args.dir / "received.jsonl", args.dir / "processed.jsonl"
@@ -96,7 +98,12 @@ def main() -> None:
         def log_message(self, format: str, *a: Any) -> None:
             pass
 
-    ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
+    if args.tls is not None:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(*args.tls)
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+    server.serve_forever()
 
 
 if __name__ == "__main__":

@@ -93,6 +93,17 @@ def deliveries(api: ApiClient, endpoint_id: str) -> list[dict[str, Any]]:
     return data
 
 
+def all_delivered(api: ApiClient, endpoint_id: str, n: int) -> list[dict[str, Any]]:
+    """The endpoint's deliveries once there are `n`, each delivered."""
+
+    def done() -> list[dict[str, Any]]:
+        found = deliveries(api, endpoint_id)
+        return found if len(found) == n and all(d["state"] == "delivered" for d in found) else []
+
+    found: list[dict[str, Any]] = wait_for(done, f"{n} events delivered to {endpoint_id}")
+    return found
+
+
 def end_job(api: ApiClient, file_id: str, status: str) -> str:
     """A job ended by its worker's transition (claim, then `jobs.finish`)."""
     from service import jobs
@@ -136,15 +147,7 @@ def test_a_receiver_killed_mid_delivery_processes_each_event_once(
     with receiver(port, endpoint["secret"], tmp_path):
         succeeded = end_job(api, file_id, "succeeded")
         failed = end_job(api, file_id, "failed")
-        done = wait_for(
-            lambda: (
-                (found := deliveries(api, endpoint["id"]))
-                and len(found) == 3
-                and all(d["state"] == "delivered" for d in found)
-                and found
-            ),
-            "all three events delivered",
-        )
+        done = all_delivered(api, endpoint["id"], 3)
 
     events = {cancelled: "cancelled", succeeded: "succeeded", failed: "failed"}
     by_job = {d["job_id"]: d for d in done}
@@ -215,3 +218,88 @@ def test_a_failing_receiver_is_retried_until_the_window_ends_and_410_disables_it
     assert len(deliveries(api, gone["id"])) == 1
     assert len(deliveries(api, erring["id"])) == 2
     assert job_id in {d["job_id"] for d in deliveries(api, erring["id"])}
+
+
+def self_signed(directory: Path, name: str) -> tuple[Path, Path]:
+    """A certificate for DNS name `name` (and nothing else) and its key, made by openssl."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    names = ["-subj", f"/CN={name}", "-addext", f"subjectAltName=DNS:{name}"]
+    files = ["-keyout", str(key), "-out", str(cert)]
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", *names, *files],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_https_is_sent_to_the_checked_address_naming_the_host_for_tls(
+    sending: None, api: ApiClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """https://localhost:P is resolved and checked by the sender, which connects to 127.0.0.1 and
+    names `localhost` in the Host header and the TLS handshake (SNI, certificate check); the same
+    receiver reached as https://127.0.0.1:P fails verification (its certificate names localhost
+    only), so certificates are checked."""
+    from service import webhook_delivery
+    from service.settings import get_settings
+
+    cert, key = self_signed(tmp_path, "localhost")
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # trusted as a CA, as a user's own CA would be
+    monkeypatch.setenv("LORAQ_WEBHOOK_ALLOW_HTTP", "0")
+    monkeypatch.setenv("LORAQ_WEBHOOK_ALLOW_HOSTS", '["localhost", "127.0.0.1"]')
+    get_settings.cache_clear()
+    webhook_delivery._tls.cache_clear()
+    try:
+        port = free_port()
+        by_name = register(api, f"https://localhost:{port}/hook")
+        by_address = register(api, f"https://127.0.0.1:{port}/hook")
+        file_id = api.upload(DATASET)
+        with receiver(port, by_name["secret"], tmp_path, "--tls", str(cert), str(key)):
+            job_id = end_job(api, file_id, "succeeded")
+            (sent,) = wait_for(
+                lambda: [d for d in deliveries(api, by_name["id"]) if d["state"] == "delivered"],
+                "delivered over https",
+            )
+            (refused,) = wait_for(
+                lambda: [d for d in deliveries(api, by_address["id"]) if d["attempts"]],
+                "the other attempt recorded",
+            )
+    finally:
+        webhook_delivery._tls.cache_clear()
+    assert sent["job_id"] == job_id and [a["status_code"] for a in sent["attempts"]] == [200]
+    (arrival,) = read_jsonl(tmp_path / "received.jsonl")
+    assert arrival["verified"] and arrival["host"] == f"localhost:{port}"
+    assert arrival["webhook_id"] == sent["id"]
+    assert refused["state"] == "pending" and refused["attempts"][0]["status_code"] is None
+    assert "CERTIFICATE_VERIFY_FAILED" in refused["attempts"][0]["error"], refused["attempts"][0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_jobs_run_by_the_worker_send_their_events(sending: None, api: ApiClient, tmp_path: Path) -> None:
+    """The worker's own code (`runner.run_claimed_job`, what the Celery task runs) trains a
+    tiny-llama job to `succeeded` and fails one whose file has bad lines: each end is an event
+    the API process sends to a real receiver."""
+    from tests.conftest import store_file
+    from tests.e2e.datasets import broken_lines
+    from worker import runner
+
+    port = free_port()
+    endpoint = register(api, f"http://127.0.0.1:{port}/hook")
+    trained = api.create_job(api.upload(DATASET))["id"]
+    broken = api.create_job(store_file(api.tenant_id, broken_lines()))["id"]
+    with receiver(port, endpoint["secret"], tmp_path):
+        assert runner.run_claimed_job(trained) == "succeeded", api.get(
+            f"/v1/fine_tuning/jobs/{trained}"
+        ).json()["error"]
+        assert runner.run_claimed_job(broken) == "failed"
+        done = all_delivered(api, endpoint["id"], 2)
+    assert {d["job_id"]: d["event_type"] for d in done} == {
+        trained: "fine_tuning.job.succeeded",
+        broken: "fine_tuning.job.failed",
+    }
+    processed = read_jsonl(tmp_path / "processed.jsonl")
+    assert {p["job_id"]: p["type"] for p in processed} == {d["job_id"]: d["event_type"] for d in done}
+    assert api.get(f"/v1/fine_tuning/jobs/{trained}").json()["status"] == "succeeded"
