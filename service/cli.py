@@ -480,7 +480,7 @@ def jobs_list(
         cells = [
             short[j["id"]],
             j["model"],
-            j["status"] + (" (cancelling)" if j.get("cancel_requested") and j["status"] == "running" else ""),
+            j["status"] + _stopping(j),
             j.get("user_provided_suffix") or "",
             fmt.ago(j["created_at"]),
             fmt.job_duration(j),
@@ -505,11 +505,21 @@ def jobs_get(
         _print_json(_api_call(c.get_job, find_job_id(c, job_id)))
 
 
-def cancel_message(job: dict[str, Any]) -> str:
-    """What a cancel did, in the status the server answered."""
-    if job["status"] == "running" and job.get("cancel_requested"):
+def _stopping(job: dict[str, Any]) -> str:
+    """What follows a running job's status in the list: a stop asked but not reached yet."""
+    if job["status"] != "running":
+        return ""
+    if job.get("cancel_requested"):
+        return " (cancelling)"
+    return " (pausing)" if job.get("pause_requested") else ""
+
+
+def cancel_message(job: dict[str, Any], asked: str = "cancel_requested") -> str:
+    """What a cancel (or a pause: `asked` "pause_requested") did, in the status the server answered."""
+    if job["status"] == "running" and job.get(asked):
+        what = "cancel requested" if asked == "cancel_requested" else "pause requested (a checkpoint is kept)"
         return (
-            f"{job['id']}: running, cancel requested: it stops after its current step "
+            f"{job['id']}: running, {what}: it stops after its current step "
             f"(`loraq jobs watch {job['id']}` shows when)"
         )
     return f"{job['id']}: {job['status']}"
@@ -525,6 +535,32 @@ def jobs_cancel(
     with _client(url, api_key) as c:
         job = _api_call(c.cancel_job, find_job_id(c, job_id))
     console.print(cancel_message(job), soft_wrap=True, highlight=False)
+
+
+@jobs_app.command("pause")
+def jobs_pause(
+    job_id: Annotated[str, typer.Argument(help="A job id or a unique prefix of one.")],
+    url: UrlOpt = None,
+    api_key: KeyOpt = None,
+) -> None:
+    """Pause a job: a queued one at once, a running one after its current step, with a checkpoint
+    (its GPU takes the next job); `loraq jobs resume` continues it from there."""
+    with _client(url, api_key) as c:
+        job = _api_call(c.job_action, find_job_id(c, job_id), "pause")
+    console.print(cancel_message(job, "pause_requested"), soft_wrap=True, highlight=False)
+
+
+@jobs_app.command("resume")
+def jobs_resume(
+    job_id: Annotated[str, typer.Argument(help="A job id or a unique prefix of one.")],
+    url: UrlOpt = None,
+    api_key: KeyOpt = None,
+) -> None:
+    """Resume a paused job (queued again, it continues from its checkpoint), or withdraw a pause
+    its worker has not reached yet."""
+    with _client(url, api_key) as c:
+        job = _api_call(c.job_action, find_job_id(c, job_id), "resume")
+    console.print(f"{job['id']}: {job['status']}", soft_wrap=True, highlight=False)
 
 
 LEVEL_STYLE = {"info": "", "warn": "yellow", "error": "red"}

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
@@ -126,7 +126,10 @@ class LoraqClient:
         return self._json("GET", f"/fine_tuning/jobs/{job_id}")
 
     def cancel_job(self, job_id: str) -> dict[str, Any]:
-        return self._json("POST", f"/fine_tuning/jobs/{job_id}/cancel")
+        return self.job_action(job_id, "cancel")
+
+    def job_action(self, job_id: str, action: Literal["cancel", "pause", "resume"]) -> dict[str, Any]:
+        return self._json("POST", f"/fine_tuning/jobs/{job_id}/{action}")
 
     def list_events(self, job_id: str, limit: int = 20, after: str | None = None) -> dict[str, Any]:
         params: dict[str, Any] = {"limit": limit}

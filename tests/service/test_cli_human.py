@@ -220,6 +220,28 @@ def test_cancel_of_a_running_job_says_the_server_status(live_api: LiveApi) -> No
     assert "running (cancelling)" in listing or "running (canc" in listing
 
 
+def test_pause_and_resume_say_the_server_status(live_api: LiveApi) -> None:
+    from service import jobs
+    from service.db.session import session_scope
+
+    file_id = http(live_api, "POST", "/v1/files", data={"purpose": "fine-tune"},
+                   files={"file": ("t.jsonl", DATASET)})["id"]  # fmt: skip
+    job = http(live_api, "POST", "/v1/fine_tuning/jobs",
+               json={"model": "tiny-llama", "training_file": file_id, "max_seq_len": 64})  # fmt: skip
+    job_id = str(job["id"])
+    assert one_line(loraq("jobs", "pause", job_id, env=live_api.env).stdout) == f"{job_id}: paused"
+    assert one_line(loraq("jobs", "resume", job_id, env=live_api.env).stdout) == f"{job_id}: queued"
+    with session_scope() as s:  # a worker claims it: running
+        assert jobs.claim(s, job_id=job_id, worker_id="test:cpu") is not None
+    line = one_line(loraq("jobs", "pause", job_id, env=live_api.env).stdout)
+    assert line.startswith(f"{job_id}: running, pause requested (a checkpoint is kept)"), line
+    assert "running (pausing)" in loraq("jobs", "list", env=live_api.env).stdout
+    again = loraq("jobs", "resume", job_id, env=live_api.env)  # withdrawn before the worker got there
+    assert one_line(again.stdout) == f"{job_id}: running"
+    refused = loraq("jobs", "resume", job_id, env=live_api.env)
+    assert refused.returncode == 1 and "cannot be resumed" in refused.stderr, refused
+
+
 def test_events_print_health_warnings_and_fold_step_lines(live_api: LiveApi) -> None:
     from service import jobs
     from service.db.session import session_scope
