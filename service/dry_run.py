@@ -21,7 +21,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from service import estimates, inference, jobs
+from service import estimates, inference, jobs, memory_check
 from service.schemas import (
     DatasetSummary,
     DryRunError,
@@ -29,6 +29,7 @@ from service.schemas import (
     EstimatePublic,
     HyperparametersPublic,
     JobCreate,
+    MemoryPlanPublic,
     TrainingData,
 )
 from service.settings import Settings
@@ -128,5 +129,19 @@ def plan(spec: JobCreate, request: dict[str, Any], done: dict[str, Any], setting
         steps=steps.steps,
         trained_tokens=trained_tokens,
         estimates=[EstimatePublic(**vars(e)) for e in found],
+        memory=_memory(spec, batch_size, planned["row_tokens"] if planned else spec.max_seq_len, settings),
         errors=errors,
     )
+
+
+def _memory(spec: JobCreate, batch_size: int, row_tokens: int, settings: Settings) -> list[MemoryPlanPublic]:
+    """The plan of a micro-batch of this job's rows on each GPU size of its queue's live workers."""
+    workers = memory_check.live_workers_now()
+    if workers is None:
+        return []
+    from service.broker import celery_queue
+
+    queue = celery_queue(spec.queue or settings.worker_queue, spec.n_gpus)
+    rows = memory_check.gpu_rows(batch_size, spec.n_gpus)
+    found = memory_check.plans(spec, memory_check.queue_gpu_bytes(workers, queue), rows=rows, seq=row_tokens)
+    return [MemoryPlanPublic(**p) for p in memory_check.public(found)]

@@ -490,6 +490,21 @@ class EstimatePublic(BaseModel):
     unavailable: str | None = None
 
 
+class MemoryPlanPublic(BaseModel):
+    """The step's memory plan on one GPU size of the queue's live workers
+    (worker/engine/memory_plan.py): what the worker will pick, and its predicted peak."""
+
+    gpu_memory_gib: float
+    workers: int  # live workers of the job's queue whose GPUs are this size
+    fits: bool
+    predicted_peak_gib: float
+    limit_gib: float  # the share of the GPU the plan stays under (90 %)
+    micro_batch_rows: int | None  # rows per forward pass; null: the whole micro-batch at once
+    activation_checkpointing: Literal["none", "selective", "full"]
+    offload_activations: bool
+    plan: str  # in words
+
+
 class DryRunPublic(BaseModel):
     """What a job would do, computed without queueing it (`"dry_run": true`)."""
 
@@ -515,5 +530,7 @@ class DryRunPublic(BaseModel):
     steps: int  # optimizer steps: grad_accum micro-batches each
     trained_tokens: int  # tokens the run trains on: every epoch sees every trained token
     estimates: list[EstimatePublic]
+    # one per GPU size of the queue's live workers (empty: none known, or a model of unknown shape)
+    memory: list[MemoryPlanPublic] = Field(default_factory=list)
     errors: list[DryRunError]
     latency_ms: dict[str, float] = Field(default_factory=dict)  # /readyz: how long each check took

@@ -21,6 +21,7 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BeforeValidator, Field, ValidationError
 
+from worker.engine.memory_plan import CHECKPOINTING
 from worker.engine.training_config import LOCAL_N_EPOCHS, NEpochs, Strict, TrainingConfig
 from worker.engine.types import ConfigError, DeviceName, TrainConfig
 
@@ -151,6 +152,13 @@ def validate_config(config: TrainConfig) -> None:
     data = config.to_dict()
     data["packing"] = data.pop("pack")
     del data["auto"], data["row_tokens"]  # the plan's bookkeeping, not fields a config file sets
+    memory = data.pop("memory")  # the memory plan's choice (worker/engine/step_memory.py)
+    if memory is not None and (
+        (memory["micro_rows"] or 1) < 1 or memory["checkpointing"] not in CHECKPOINTING
+    ):
+        raise ConfigError(
+            "memory", f"memory needs micro_rows >= 1 and checkpointing in {CHECKPOINTING}: {memory}"
+        )
     config_from_mapping(data)
 
 

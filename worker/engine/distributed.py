@@ -60,6 +60,7 @@ import torch.distributed as dist
 import gpu_kernels
 from worker.engine import types as engine_types
 from worker.engine.data import Batch
+from worker.engine.memory_plan import MemoryChoice
 from worker.engine.types import (
     CheckpointInfo,
     EngineError,
@@ -276,6 +277,8 @@ def config_from_json(text: str) -> TrainConfig:
     d = json.loads(text)
     d["lora"] = LoraConfig(**d["lora"])
     d["auto"] = tuple(d["auto"])
+    if d.get("memory") is not None:
+        d["memory"] = MemoryChoice(**d["memory"])
     for key in ("train_file", "output_dir", "model_store", "validation_file", "resume_from"):
         if d.get(key) is not None:
             d[key] = Path(d[key])

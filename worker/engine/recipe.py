@@ -55,6 +55,7 @@ from worker.engine.lora import apply_lora, lora_modules, remove_lora, trainable_
 from worker.engine.models import LoadedModel, load_base_model
 from worker.engine.sampling import greedy_samples
 from worker.engine.schedule import build_scheduler, warmup_steps
+from worker.engine.step_memory import obey, offloaded, remove_checkpointing, split_rows
 from worker.engine.train_step import CapturedTrainStep, HostStep, StepObjective, StepShape, host_step
 from worker.engine.training_config import plan_sentence, plan_steps
 from worker.engine.types import (
@@ -252,6 +253,15 @@ class LoRAFinetuneRecipe:
         # GPU fast path: fused RMSNorm/SwiGLU modules, grouped q/k/v and gate/up LoRA.
         # A no-op unless gpu_kernels' compiled path is active, so CPU runs are unchanged.
         report = fuse_model(model)
+        # micro-batch rows, activation checkpointing, offload: the plan for this GPU, or the config's
+        self.memory = obey(
+            cfg,
+            model,
+            self.device,
+            rows=-(-cfg.batch_size // self.dist.world_size),
+            seq=self.train_data.max_seq_len,
+            announce=self.callbacks.on_event,
+        )
         self.params = trainable_parameters(model)
         # Multi-GPU: the gradients live in one flat buffer that a step all-reduces once.
         self.grads = (
@@ -377,6 +387,10 @@ class LoRAFinetuneRecipe:
                 most_pairs = max(most_pairs, real // 2)  # preference rows: two sequences a pair
         loss_tokens = min(rows * seq, -(-most_trainable // 8) * 8)
         pairs = most_pairs if cfg.method.type == "dpo" else 0
+        micro = self.memory.micro_rows
+        if micro is not None and micro < rows:  # the memory plan's passes of at most `micro` rows
+            passes, loss_tokens = -(-rows // micro), min(micro * seq, loss_tokens)
+            return StepShape(cfg.grad_accum * passes, micro, seq, max(most_segments, micro), loss_tokens)
         return StepShape(cfg.grad_accum, rows, seq, max(most_segments, rows), loss_tokens, pairs)
 
     def _captured_step(self) -> CapturedTrainStep:
@@ -467,9 +481,11 @@ class LoRAFinetuneRecipe:
             shard = distributed.shard_rows(batch, self.dist)  # the whole batch in one process
             if shard is None:
                 continue
-            loss = self._loss_sum(shard.to(self.device)) / n
-            loss.backward()
-            total += loss.detach()
+            for part in split_rows(shard, self.memory.micro_rows):  # the memory plan's passes
+                with offloaded(self.memory.offload, self.device):
+                    loss = self._loss_sum(part.to(self.device)) / n
+                loss.backward()
+                total += loss.detach()
         if self.grads is not None:
             # Multi-GPU: sum the ranks' partial gradients and losses (each divided by the global n).
             total = self.grads.all_reduce_(total)
@@ -559,6 +575,7 @@ class LoRAFinetuneRecipe:
         trainable tokens of the whole step on all ranks."""
         assert self.step_fn is not None and self.step_fn.shape is not None
         shards = [s for s in (distributed.shard_rows(b, self.dist) for b in micro) if s is not None]
+        shards = [part for s in shards for part in split_rows(s, self.memory.micro_rows)]
         host = host_step(shards, self.step_fn.shape)
         host.trainable_tokens = sum(b.num_trainable_tokens for b in micro)
         return host
@@ -821,6 +838,8 @@ class LoRAFinetuneRecipe:
         step_fn: CapturedTrainStep | None = self.__dict__.get("step_fn")
         if step_fn is not None:
             step_fn.release()
+        if self.loaded is not None:
+            remove_checkpointing(self.loaded.model)
         if self.loaded is not None and lora_modules(self.loaded.model):
             remove_lora(self.loaded.model)
             self.loaded.model.eval()

@@ -24,6 +24,7 @@ from worker.engine.training_config import (
     TrainingMethod,
     plan_auto,
 )
+from worker.engine.memory_plan import MemoryChoice
 from worker.engine.training_config import LoraConfig as LoraConfig  # re-exported for the engine
 from worker.engine.training_config import QuantizationName as QuantizationName
 from worker.engine.training_config import SchedulerName as SchedulerName
@@ -61,6 +62,9 @@ class TrainConfig:
     seed: int = 0
     pack: bool = _DEFAULT.packing  # padding-free: examples packed into rows of max_seq_len tokens
     quantization: QuantizationName | None = None  # the frozen base's storage (worker/engine/quantize.py)
+    # micro-batch rows, activation checkpointing, offload (worker/engine/step_memory.py); None:
+    # planned for the GPU's free memory when the run starts (nothing on the CPU)
+    memory: MemoryChoice | None = None
     # Without a validation_file, hold out this share of the examples for the validation loss (at
     # most HOLDOUT_MAX_EXAMPLES, only from HOLDOUT_MIN_EXAMPLES examples on: worker/engine/data.py);
     # 0 = train on everything. The service passes LORAQ_VALIDATION_SPLIT (0.05) or the job's value.

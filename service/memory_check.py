@@ -1,0 +1,152 @@
+"""A job's memory plan against the live workers' GPUs, before any GPU is claimed.
+
+Workers report each GPU's memory in their registry entry (`gpus`, service/worker_registry.py).
+For the GPUs of the live workers that consume a job's Celery queue, `plans` runs the engine's
+torch-free memory plan (worker/engine/memory_plan.py) for a micro-batch of the job's rows of
+max_seq_len tokens; `check_fits` refuses at submit (400 `insufficient_gpu_memory`, naming what to
+change) a job that fits none of them even split into 1-row micro-batches with full activation
+checkpointing and offload. With no live GPU worker (CPU workers, or a registry that cannot be
+read) nothing is refused: nothing is known.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from service.errors import InvalidRequestError
+from service.schemas import JobCreate
+from service.settings import get_settings
+from worker.engine.memory_plan import MemoryPlan, ModelDims, catalog_dims, plan_memory, refusal
+from worker.engine.training_config import AUTO_BATCH_SIZE
+
+log = logging.getLogger("loraq.memory")
+CACHE_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class GpuPlan:
+    gpu_bytes: int  # one GPU's memory (the smallest of a worker's)
+    workers: int  # live workers of the queue with GPUs this size
+    plan: MemoryPlan
+
+
+def queue_gpu_bytes(workers: list[dict[str, Any]], celery_queue: str) -> dict[int, int]:
+    """{GPU memory bytes: live workers of `celery_queue` whose smallest GPU has that much}."""
+    sizes: dict[int, int] = {}
+    for w in workers:
+        gpus = [int(g.get("memory_total_bytes") or 0) for g in w.get("gpus") or []]
+        if str(w.get("queue")) == celery_queue and gpus and min(gpus) > 0:
+            sizes[min(gpus)] = sizes.get(min(gpus), 0) + 1
+    return sizes
+
+
+_cache: tuple[float, list[dict[str, Any]] | None] = (float("-inf"), None)
+_lock = threading.Lock()
+
+
+def live_workers_now() -> list[dict[str, Any]] | None:
+    """The registry's live worker entries (cached for CACHE_SECONDS); None when unreadable."""
+    global _cache
+    from service.queue import broker_paused
+    from service.worker_registry import default_client, list_workers
+
+    with _lock:
+        at, value = _cache
+        if time.monotonic() - at < CACHE_SECONDS:
+            return value
+        value = None
+        if not broker_paused():
+            try:
+                value = list_workers(default_client())
+            except Exception:
+                log.warning("worker registry unreadable; GPU memory is not checked", exc_info=True)
+        _cache = (time.monotonic(), value)
+        return value
+
+
+def _dims(model: str) -> ModelDims | None:
+    return catalog_dims(model, get_settings().model_store)
+
+
+def plans(spec: JobCreate, gpu_bytes: dict[int, int], *, rows: int, seq: int) -> list[GpuPlan]:
+    """The plan of a micro-batch of `rows` rows (per GPU) of `seq` tokens on each GPU size."""
+    dims = _dims(spec.model)
+    if dims is None:
+        return []
+    return [
+        GpuPlan(
+            size,
+            count,
+            plan_memory(
+                dims,
+                rank=spec.lora.r,
+                targets=spec.lora.target_modules,
+                rows=rows,
+                seq=seq,
+                gpu_bytes=size,
+                quantization=spec.quantization,
+            ),
+        )
+        for size, count in sorted(gpu_bytes.items())
+    ]
+
+
+def gpu_rows(batch_size: int | str, n_gpus: int) -> int:
+    """Rows a micro-batch gives each GPU: batch_size ("auto": at most AUTO_BATCH_SIZE) over the GPUs."""
+    rows = AUTO_BATCH_SIZE if batch_size == "auto" else int(batch_size)
+    return -(-rows // n_gpus)
+
+
+def check_fits(
+    spec: JobCreate, *, batch_size: int | str, celery_queue: str, workers: list[dict[str, Any]] | None
+) -> None:
+    """400 when the queue's live GPU workers are known and the job fits none of their GPUs."""
+    if workers is None:
+        return
+    rows = gpu_rows(batch_size, spec.n_gpus)
+    found = plans(spec, queue_gpu_bytes(workers, celery_queue), rows=rows, seq=spec.max_seq_len)
+    if not found or any(p.plan.fits for p in found):
+        return
+    largest = max(found, key=lambda p: p.gpu_bytes)
+    raise InvalidRequestError(
+        refusal(largest.plan, quantization=spec.quantization, rank=spec.lora.r, seq=spec.max_seq_len, rows=1)
+        + f" (GPUs of queue {celery_queue!r}: {', '.join(f'{p.gpu_bytes / 2**30:.0f} GiB' for p in found)})",
+        param="quantization" if spec.quantization is None else "max_seq_len",
+        code="insufficient_gpu_memory",
+    )
+
+
+def check_quantization(spec: JobCreate) -> None:
+    """400 naming `quantization` when "gguf" (keep a GGUF file's blocks) names a base that is
+    not a GGUF file."""
+    from worker.engine.catalog import PRETRAINED
+
+    if spec.quantization == "gguf" and spec.model not in PRETRAINED:
+        raise InvalidRequestError(
+            f'invalid quantization: "gguf" keeps a GGUF base\'s own blocks, and model {spec.model!r} '
+            f'is not a GGUF base (GGUF bases: {", ".join(sorted(PRETRAINED))}); use "nf4" or "int8"',
+            param="quantization",
+            code="invalid_quantization",
+        )
+
+
+def public(found: list[GpuPlan]) -> list[dict[str, Any]]:
+    """The plans as the dry run shows them (MemoryPlanPublic's fields)."""
+    return [
+        {
+            "gpu_memory_gib": round(p.gpu_bytes / 2**30, 1),
+            "workers": p.workers,
+            "fits": p.plan.fits,
+            "predicted_peak_gib": round(p.plan.peak_bytes / 2**30, 2),
+            "limit_gib": round(p.plan.limit_bytes / 2**30, 2),
+            "micro_batch_rows": p.plan.choice.micro_rows,
+            "activation_checkpointing": p.plan.choice.checkpointing,
+            "offload_activations": p.plan.choice.offload,
+            "plan": p.plan.sentence(),
+        }
+        for p in found
+    ]

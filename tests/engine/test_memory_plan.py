@@ -1,0 +1,100 @@
+"""The memory plan (worker/engine/memory_plan.py): its prediction against the peaks measured on an
+H100 (bench/results, as service/estimates.py lists them), and the choices it makes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from service.estimates import TABLES
+from tests.engine.conftest import loaded_after
+from worker.engine.catalog import PRESET_SHAPES
+from worker.engine.memory_plan import (
+    GIB,
+    MemoryChoice,
+    ModelDims,
+    catalog_dims,
+    plan_memory,
+    predict_peak,
+    refusal,
+)
+
+H100 = 80 * GIB
+
+
+def dims(name: str) -> ModelDims:
+    found = catalog_dims(name, Path("/nonexistent"))
+    assert found is not None
+    return found
+
+
+@pytest.mark.parametrize("shape", sorted(TABLES["h100"]))
+def test_the_predicted_peak_is_within_15_percent_of_the_measured_one(shape: str) -> None:
+    row = TABLES["h100"][shape]  # r=16 on every linear layer, bf16 base, no checkpointing
+    parts = predict_peak(
+        dims(shape), rank=16, targets="all-linear", micro_tokens=row.batch * row.seq, choice=MemoryChoice()
+    )
+    assert abs(parts["total"] / GIB - row.mem_gib) <= 0.15 * row.mem_gib, (parts, row)
+
+
+def test_a_step_that_fits_runs_whole_without_checkpointing() -> None:
+    plan = plan_memory(dims("llama-1b"), rank=16, targets="all-linear", rows=4, seq=2048, gpu_bytes=H100)
+    assert plan.fits and plan.choice == MemoryChoice()
+    assert "no activation checkpointing" in plan.sentence()
+
+
+def test_checkpointing_and_splitting_keep_a_large_step_under_the_share() -> None:
+    d = dims("llama-8b")
+    whole = predict_peak(d, rank=16, targets="all-linear", micro_tokens=8 * 4096, choice=MemoryChoice())
+    assert whole["total"] > 0.9 * H100  # 8 rows of 4096 tokens do not fit as they are
+    plan = plan_memory(d, rank=16, targets="all-linear", rows=8, seq=4096, gpu_bytes=H100)
+    assert plan.fits and plan.peak_bytes <= 0.9 * H100
+    assert plan.choice != MemoryChoice()
+    # checkpointing lowers the peak, and offloading lowers it further
+    full = predict_peak(
+        d, rank=16, targets="all-linear", micro_tokens=4096, choice=MemoryChoice(None, "full")
+    )
+    off = predict_peak(
+        d, rank=16, targets="all-linear", micro_tokens=4096, choice=MemoryChoice(None, "full", True)
+    )
+    sel = predict_peak(
+        d, rank=16, targets="all-linear", micro_tokens=4096, choice=MemoryChoice(None, "selective")
+    )
+    none = predict_peak(d, rank=16, targets="all-linear", micro_tokens=4096, choice=MemoryChoice())
+    assert none["total"] > sel["total"] > full["total"] > off["total"]
+
+
+def test_an_8b_bf16_base_fits_no_16_gib_gpu_but_an_nf4_one_does() -> None:
+    d = dims("llama-8b")
+    dense = plan_memory(d, rank=16, targets="all-linear", rows=1, seq=1024, gpu_bytes=16 * GIB)
+    assert not dense.fits
+    message = refusal(dense, quantization=None, rank=16, seq=1024, rows=1)
+    assert '"quantization": "nf4"' in message and "larger GPU" in message
+    nf4 = plan_memory(
+        d, rank=16, targets="all-linear", rows=1, seq=1024, gpu_bytes=16 * GIB, quantization="nf4"
+    )
+    assert nf4.fits
+    # 4.5 bits a linear weight; the 2 GiB of untied embeddings and LM head stay bf16
+    assert nf4.breakdown["weights"] < dense.breakdown["weights"] / 2.5
+
+
+def test_fewer_targets_and_a_smaller_rank_shrink_the_adapter() -> None:
+    d = dims("llama-1b")
+    every = predict_peak(d, rank=64, targets="all-linear", micro_tokens=1024, choice=MemoryChoice())
+    two = predict_peak(d, rank=8, targets=["q_proj", "v_proj"], micro_tokens=1024, choice=MemoryChoice())
+    assert two["adapter"] < every["adapter"] / 20
+
+
+def test_dims_of_a_local_directory_come_from_its_config(tmp_path: Path) -> None:
+    config = PRESET_SHAPES["tiny-llama"].config_kwargs()
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    (tmp_path / "registry.json").write_text(json.dumps({"models": {"mine": {"path": str(tmp_path / "m")}}}))
+    assert catalog_dims("mine", tmp_path) == catalog_dims("tiny-llama", tmp_path)
+    assert catalog_dims("nobody", tmp_path) is None
+
+
+def test_the_plan_loads_no_torch() -> None:
+    assert loaded_after("import worker.engine.memory_plan", ("torch", "transformers")) == []

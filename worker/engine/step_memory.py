@@ -1,0 +1,149 @@
+"""How the engine obeys a memory plan (worker/engine/memory_plan.py's MemoryChoice):
+
+- micro-batch rows: a micro-batch of B rows runs as ⌈B / m⌉ forward/backward passes of at most m
+  rows (`split_rows`). The step's loss is Σ CE / N with N the trainable tokens of the whole step
+  whatever the split, so the loss and gradients are those of the whole micro-batch (up to the
+  order in which the partial sums are added);
+- activation checkpointing: "full" recomputes each decoder layer from its input in the backward,
+  "selective" recomputes each layer's MLP only (torch.utils.checkpoint, non-reentrant, so
+  keyword arguments and the packed-attention kwargs pass through). The same ops run again on the
+  same inputs in the same order: losses and gradients are bit for bit those of the plain step;
+- offload: the tensors the forward saves for the backward (with checkpointing, the layer inputs)
+  wait in host memory (pinned on CUDA) through saved-tensor hooks (`offloaded`), copied back for
+  the backward: copies, so again bit for bit.
+
+Checkpointing replaces an instance's `forward` (module paths, parameters and state dicts do not
+change); `remove_checkpointing` restores them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from worker.engine.data import Batch
+from worker.engine.memory_plan import Checkpointing, MemoryChoice, ModelDims, plan_memory
+
+_PATCHED = "_loraq_checkpointed"
+
+
+def split_rows(batch: Batch, rows: int | None) -> list[Batch]:
+    """`batch` cut into consecutive parts of at most `rows` rows (None: the batch itself)."""
+    n = batch.input_ids.shape[0]
+    if rows is None or rows >= n:
+        return [batch]
+    parts = []
+    for start in range(0, n, rows):
+        s = slice(start, start + rows)
+        row_ids = batch.row_ids[s] if batch.row_ids is not None else None
+        parts.append(
+            Batch(
+                batch.input_ids[s],
+                batch.labels[s],
+                batch.attention_mask[s],
+                batch.position_ids[s],
+                batch.packed,
+                row_ids,
+            )
+        )
+    return parts
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a *ForCausalLM (`model.model.layers`), or [] where it has none."""
+    backbone = getattr(model, "model", None)
+    layers = getattr(backbone, "layers", None)
+    return list(layers) if isinstance(layers, nn.ModuleList) else []
+
+
+def _checkpointed(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    if not torch.is_grad_enabled():  # evaluation, sampling: nothing to save, nothing to recompute
+        return original(*args, **kwargs)
+    return checkpoint(original, *args, use_reentrant=False, **kwargs)
+
+
+def apply_checkpointing(model: nn.Module, mode: Checkpointing) -> int:
+    """Checkpoint every decoder layer ("full") or every layer's MLP ("selective"); returns how
+    many modules now recompute in the backward."""
+    remove_checkpointing(model)
+    if mode == "none":
+        return 0
+    targets = decoder_layers(model)
+    if mode == "selective":
+        targets = [m for layer in targets if isinstance(m := getattr(layer, "mlp", None), nn.Module)]
+    for module in targets:
+        module.forward = functools.partial(_checkpointed, module.forward)
+        setattr(module, _PATCHED, True)
+    return len(targets)
+
+
+def remove_checkpointing(model: nn.Module) -> None:
+    for module in model.modules():
+        if module.__dict__.pop(_PATCHED, False):
+            del module.forward
+
+
+@contextlib.contextmanager
+def offloaded(enabled: bool, device: torch.device) -> Iterator[None]:
+    """Inside: what autograd saves for the backward is kept in host memory (pinned on CUDA)."""
+    if not enabled:
+        yield
+        return
+    with torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"):
+        yield
+
+
+def plan_on_device(
+    model: nn.Module,
+    *,
+    device: torch.device,
+    rank: int,
+    targets: list[str] | str,
+    rows: int,
+    seq: int,
+    quantization: str | None,
+) -> tuple[MemoryChoice, str]:
+    """The plan for this GPU as it is now: its free memory plus what this process holds already
+    (the base is loaded: the plan counts its weights). Returns (choice, sentence)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    budget = free + torch.cuda.memory_allocated(device)
+    dims = ModelDims.from_config(getattr(model, "config").to_dict())  # noqa: B009 (a PreTrainedModel)
+    plan = plan_memory(
+        dims, rank=rank, targets=targets, rows=rows, seq=seq, gpu_bytes=budget, quantization=quantization
+    )
+    return plan.choice, plan.sentence()
+
+
+def obey(
+    config: Any, model: nn.Module, device: torch.device, *, rows: int, seq: int, announce: Callable[..., None]
+) -> MemoryChoice:
+    """The run's MemoryChoice: `config.memory` where set, else the plan for this GPU (on the CPU:
+    nothing split or recomputed); checkpointing applied to `model`; `announce(level, message)`
+    says the plan once (a warning where it needs checkpointing or does not fit)."""
+    choice: MemoryChoice | None = config.memory
+    if choice is None and device.type == "cuda":
+        choice, sentence = plan_on_device(
+            model,
+            device=device,
+            rank=config.lora.r,
+            targets=config.lora.target_modules,
+            rows=rows,
+            seq=seq,
+            quantization=config.quantization,
+        )
+        fits = not sentence.startswith("does not fit")
+        needs = choice.checkpointing != "none" or choice.offload
+        level = "warn" if not fits or needs else "info"
+        note = " (fits only with activation checkpointing)" if needs and fits else ""
+        announce(level, f"Memory plan: {sentence}{note}")
+    choice = choice or MemoryChoice()
+    if config.method.type != "supervised":  # a preference pair's rows must stay in one pass
+        choice = MemoryChoice(None, choice.checkpointing, choice.offload)
+    apply_checkpointing(model, choice.checkpointing)
+    return choice
