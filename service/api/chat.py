@@ -32,10 +32,12 @@ from service.schemas import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionCreate,
+    ChatMessage,
     Choice,
     ChoiceLogprobs,
     ChunkChoice,
     ChunkDelta,
+    ChunkToolCall,
     TokenLogprobPublic,
     Usage,
     error_responses,
@@ -60,11 +62,13 @@ def worker_request(body: ChatCompletionCreate, target: inference.Target, request
         "base": target.base,
         "adapter_key": target.adapter_key,
         "adapter_sha256": target.adapter_sha256,
-        # "developer" is OpenAI's newer name for the system role; templates know "system"
-        "messages": [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in body.messages
-        ],
+        "messages": [worker_message(m) for m in body.messages],
+        # rendered by the model's chat template; the answer's calls come back as tool_calls
+        "tools": (
+            [t.model_dump(exclude_none=True) for t in body.tools]
+            if body.tools and body.tool_choice != "none"
+            else None
+        ),
         "max_tokens": body.max_completion_tokens or body.max_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,
@@ -74,6 +78,28 @@ def worker_request(body: ChatCompletionCreate, target: inference.Target, request
         # None: no logprobs; k: each token's and the k most likely (worker.engine.serving)
         "top_logprobs": (body.top_logprobs or 0) if body.logprobs else None,
     }
+
+
+def worker_message(m: ChatMessage) -> dict[str, Any]:
+    # "developer" is OpenAI's newer name for the system role; templates know "system"
+    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    if m.tool_calls:
+        out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def answer_deltas(event: dict[str, Any]) -> list[ChunkDelta]:
+    """A request with tools is answered whole at its end (only then can a call be told from
+    text): its content, then its tool calls, as a stream's deltas."""
+    deltas = []
+    if event.get("buffered") and event.get("text"):
+        deltas.append(ChunkDelta(content=event["text"]))
+    if event.get("tool_calls"):
+        calls = [ChunkToolCall(index=i, **call) for i, call in enumerate(event["tool_calls"])]
+        deltas.append(ChunkDelta(tool_calls=calls))
+    return deltas
 
 
 @dataclass(frozen=True)
@@ -151,7 +177,7 @@ async def create_chat_completion(body: ChatCompletionCreate, tenant: CurrentTena
         model=body.model,
         choices=[
             Choice(
-                message=AssistantMessage(content=done["text"]),
+                message=AssistantMessage(content=done["text"], tool_calls=done.get("tool_calls") or None),
                 finish_reason=done["finish_reason"],
                 logprobs=_logprobs(done),
             )
@@ -190,12 +216,21 @@ async def sse_chunks(
         if head.notice:
             yield f": {head.notice}\n\n"
         yield chunk([ChunkChoice(delta=ChunkDelta(role="assistant", content=""))], first=True)
+        sent = 0  # tokens whose logprobs a chunk carried
         async for event in events:
             if event["type"] == "delta" and event["text"]:
                 logprobs = _logprobs(event)
+                sent += len(logprobs.content or []) if logprobs else 0
                 yield chunk([ChunkChoice(delta=ChunkDelta(content=event["text"]), logprobs=logprobs)])
             elif event["type"] == "done":
-                yield chunk([ChunkChoice(delta=ChunkDelta(), finish_reason=event["finish_reason"])])
+                for delta in answer_deltas(event):
+                    yield chunk([ChunkChoice(delta=delta)])
+                # tokens whose text never came (held back, or decoding to nothing) end the stream
+                rest = {"logprobs": event["logprobs"][sent:]} if event.get("logprobs") is not None else {}
+                last = _logprobs(rest) if rest.get("logprobs") else None
+                yield chunk(
+                    [ChunkChoice(delta=ChunkDelta(), finish_reason=event["finish_reason"], logprobs=last)]
+                )
                 if include_usage:
                     yield chunk([], usage_of(event))
         yield "data: [DONE]\n\n"

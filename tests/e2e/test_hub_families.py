@@ -140,3 +140,22 @@ def test_a_hub_family_trains_and_serves_what_peft_computes(
     assert first.token == tokenizer.decode([int(want.argmax())])
     assert math.isclose(first.logprob, float(want.max()), abs_tol=1e-4)
     assert first.bytes == list(first.token.encode())
+
+    # a stream's chunks carry the same logprobs, token by token, as the whole answer's
+    ask: dict[str, Any] = {
+        "model": job["fine_tuned_model"], "messages": messages, "max_tokens": 6, "temperature": 0,
+        "logprobs": True, "top_logprobs": 2,
+    }  # fmt: skip
+    whole = client.chat.completions.create(**ask)
+    assert whole.choices[0].logprobs is not None and whole.choices[0].logprobs.content is not None
+    streamed = [
+        (t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs])
+        for chunk in client.chat.completions.create(**ask, stream=True)
+        if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content
+        for t in chunk.choices[0].logprobs.content
+    ]
+    expected = [
+        (t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs])
+        for t in whole.choices[0].logprobs.content
+    ]
+    assert streamed == expected and len(expected) == whole.usage.completion_tokens
