@@ -38,10 +38,49 @@ class StepRow(BaseModel):
     tokens: int  # tokens in this step (all micro-batches)
     tokens_per_s: float
     step_seconds: float
+    # DPO only (worker/engine/preference.py): the step's rewards β·(log π - log π_ref) of the chosen
+    # and rejected answers, their margin and the share of pairs ranked right; the validation
+    # pass's margin and accuracy on the steps that ran one
+    chosen_reward: float | None = None
+    rejected_reward: float | None = None
+    reward_margin: float | None = None
+    reward_accuracy: float | None = None
+    valid_reward_margin: float | None = None
+    valid_reward_accuracy: float | None = None
 
     @classmethod
     def from_metrics(cls, m: StepMetrics) -> StepRow:
-        return cls(**{name: getattr(m, name) for name in cls.model_fields})
+        plain = {name: getattr(m, name) for name in cls.model_fields if hasattr(m, name)}
+        return cls(**plain, **preference_fields(m))
+
+
+PREFERENCE_FIELDS = (
+    "chosen_reward",
+    "rejected_reward",
+    "reward_margin",
+    "reward_accuracy",
+    "valid_reward_margin",
+    "valid_reward_accuracy",
+)
+
+
+def preference_fields(m: StepMetrics) -> dict[str, float]:
+    """A DPO step's readings under the names a stored step and a metrics event give them."""
+    out: dict[str, float] = {}
+    if m.preference is not None:
+        p = m.preference
+        out |= {
+            "chosen_reward": p.chosen_reward,
+            "rejected_reward": p.rejected_reward,
+            "reward_margin": p.margin,
+            "reward_accuracy": p.accuracy,
+        }
+    if m.valid_preference is not None:
+        out |= {
+            "valid_reward_margin": m.valid_preference.margin,
+            "valid_reward_accuracy": m.valid_preference.accuracy,
+        }
+    return out
 
 
 class StepData(BaseModel):
@@ -61,10 +100,18 @@ class StepData(BaseModel):
     padding_fraction: float | None  # share of the step's token slots that were padding
     step_seconds: float | None
     eta_seconds: float | None
+    # DPO only: as in StepRow
+    chosen_reward: float | None = None
+    rejected_reward: float | None = None
+    reward_margin: float | None = None
+    reward_accuracy: float | None = None
+    valid_reward_margin: float | None = None
+    valid_reward_accuracy: float | None = None
 
     @classmethod
     def from_metrics(cls, m: StepMetrics) -> StepData:
-        return cls(**{name: getattr(m, name) for name in cls.model_fields if hasattr(m, name)})
+        plain = {name: getattr(m, name) for name in cls.model_fields if hasattr(m, name)}
+        return cls(**plain, **preference_fields(m))
 
 
 RESULTS_CSV_COLUMNS = ("step", "train_loss", "train_accuracy", "valid_loss", "valid_mean_token_accuracy")

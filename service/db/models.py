@@ -200,6 +200,13 @@ class JobMetric(Base):
     tokens: Mapped[int] = mapped_column(BigInteger)
     tokens_per_s: Mapped[float] = mapped_column(Float)
     step_seconds: Mapped[float] = mapped_column(Float)
+    # a DPO step's readings (service/step_metrics.py StepRow); NULL for supervised jobs
+    chosen_reward: Mapped[float | None] = mapped_column(Float, default=None)
+    rejected_reward: Mapped[float | None] = mapped_column(Float, default=None)
+    reward_margin: Mapped[float | None] = mapped_column(Float, default=None)
+    reward_accuracy: Mapped[float | None] = mapped_column(Float, default=None)
+    valid_reward_margin: Mapped[float | None] = mapped_column(Float, default=None)
+    valid_reward_accuracy: Mapped[float | None] = mapped_column(Float, default=None)
     created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
 
 

@@ -7,8 +7,16 @@ import dataclasses
 import math
 
 from service.db.models import JobMetric
-from service.step_metrics import RESULTS_CSV_COLUMNS, StepData, StepRow, event_data, metrics_csv
-from worker.engine.types import StepMetrics
+from service.step_metrics import (
+    PREFERENCE_FIELDS,
+    RESULTS_CSV_COLUMNS,
+    StepData,
+    StepRow,
+    event_data,
+    metrics_csv,
+    preference_fields,
+)
+from worker.engine.types import PreferenceMetrics, StepMetrics
 from worker.metrics.live_jobs import LIVE_JOB_GAUGES
 
 JOB_LABELS = {"job_id", "model", "clip_rate"}  # what a live-job file adds to a step's data
@@ -25,7 +33,8 @@ def step(
 
 
 def test_the_schemas_fields_come_from_the_engine_and_the_table() -> None:
-    engine_fields = {f.name for f in dataclasses.fields(StepMetrics)}
+    # a DPO step's readings are its `preference` and `valid_preference`, flat (preference_fields)
+    engine_fields = {f.name for f in dataclasses.fields(StepMetrics)} | set(PREFERENCE_FIELDS)
     assert set(StepRow.model_fields) <= engine_fields
     assert set(StepRow.model_fields) == set(JobMetric.__table__.columns.keys()) - {
         "id",
@@ -34,6 +43,21 @@ def test_the_schemas_fields_come_from_the_engine_and_the_table() -> None:
     }
     assert set(StepData.model_fields) - engine_fields == {"train_mean_token_accuracy"}  # OpenAI's, unmeasured
     assert set(StepRow.model_fields) <= set(StepData.model_fields)
+
+
+def test_a_dpo_steps_readings_are_stored_and_sent_flat() -> None:
+    dpo = dataclasses.replace(
+        step(valid_loss=0.6),
+        preference=PreferenceMetrics(0.3, -0.1, 0.4, 0.75),
+        valid_preference=PreferenceMetrics(0.2, 0.0, 0.2, 0.5),
+    )
+    assert set(preference_fields(dpo)) == set(PREFERENCE_FIELDS)
+    row = StepRow.from_metrics(dpo)
+    assert (row.chosen_reward, row.reward_margin, row.valid_reward_accuracy) == (0.3, 0.4, 0.5)
+    assert event_data(dpo)["reward_accuracy"] == 0.75
+    assert StepRow.from_metrics(step()).reward_margin is None  # a supervised step has none
+    record = dataclasses.asdict(dpo)  # what a torchrun rank writes, read back by the launcher
+    assert StepMetrics.from_record(record) == dpo
 
 
 def test_every_live_gauge_reads_a_field_of_the_schema() -> None:

@@ -14,6 +14,10 @@ const dashPath = `/dashboard/api/jobs/${encodeURIComponent(jobId)}`;
 // Column arrays, one entry per step (uPlot's data layout). tokens and time are running sums of
 // each step's tokens and seconds: the "tokens seen" and "wall time" x-axes.
 const rows = { step: [], tokens: [], time: [], train: [], valid: [], lr: [], gn: [] };
+// a DPO job's readings (null on supervised jobs): chosen/rejected rewards, margin, accuracy
+const DPO_FIELDS = ["chosen_reward", "rejected_reward", "reward_margin", "reward_accuracy",
+  "valid_reward_margin", "valid_reward_accuracy"];
+for (const f of DPO_FIELDS) rows[f] = [];
 const charts = {};
 let job = null;
 let checkpoints = [];
@@ -206,16 +210,50 @@ function makeSmallChart(id, label, color) {
   }, [xs(), rows[id === "lrchart" ? "lr" : "gn"]], el);
 }
 
+// DPO's own curves, on the steps that have them; validation points where a pass ran
+const DPO_CHARTS = {
+  reward: ["rewardchart", [["chosen", "chosen_reward", "#2b8a3e"], ["rejected", "rejected_reward", "#c92a2a"],
+    ["margin", "reward_margin", "#1864ab"], ["validation margin", "valid_reward_margin", "#d9480f"]]],
+  acc: ["accchart", [["train", "reward_accuracy", "#1864ab"], ["validation", "valid_reward_accuracy", "#d9480f"]]],
+};
+
+function isDpo() {
+  return rows.chosen_reward.some((v) => v !== null);
+}
+
+function dpoData(key) {
+  return [xs(), ...DPO_CHARTS[key][1].map(([, field]) => rows[field])];
+}
+
+function makeDpoChart(key) {
+  const [id, lines] = DPO_CHARTS[key];
+  const el = document.getElementById(id);
+  const axis = X_AXES[xMode()];
+  return new uPlot({
+    width: chartWidth(el), height: 200,
+    scales: { x: { time: false }, y: key === "acc" ? { range: [0, 1] } : {} },
+    axes: [{ incrs: axis.incrs, values: axis.values }, { size: 70, values: distinctTicks }],
+    legend: { show: true },
+    series: [{}, ...lines.map(([label, field, color]) => ({
+      label, stroke: color, width: 1.5, spanGaps: field.startsWith("valid_"),
+      points: { show: field.startsWith("valid_"), size: 5 },
+    }))],
+  }, dpoData(key), el);
+}
+
 function makeCharts() {
   makeLossChart();
-  for (const key of ["lr", "gn"]) if (charts[key]) charts[key].destroy();
+  for (const key of ["lr", "gn", "reward", "acc"]) if (charts[key]) charts[key].destroy();
   charts.lr = makeSmallChart("lrchart", "lr", "#2b8a3e");
   charts.gn = makeSmallChart("gnchart", "grad norm", "#862e9c");
+  document.getElementById("dpocharts").hidden = !isDpo();
+  if (isDpo()) for (const key of Object.keys(DPO_CHARTS)) charts[key] = makeDpoChart(key);
   window.loraqCharts = charts; // for tests and the curious: charts.loss.data[0] are the x values
 }
 
 function resizeCharts() {
-  for (const [key, id] of [["loss", "losschart"], ["lr", "lrchart"], ["gn", "gnchart"]]) {
+  for (const [key, id] of [["loss", "losschart"], ["lr", "lrchart"], ["gn", "gnchart"],
+    ["reward", "rewardchart"], ["acc", "accchart"]]) {
     const el = document.getElementById(id);
     if (charts[key] && el.clientWidth) charts[key].setSize({ width: chartWidth(el), height: charts[key].height });
   }
@@ -225,6 +263,8 @@ function redraw() {
   charts.loss.setData(lossData());
   charts.lr.setData([xs(), rows.lr]);
   charts.gn.setData([xs(), rows.gn]);
+  if (isDpo() && !charts.reward) makeCharts(); // the first DPO step arrived: its charts appear
+  for (const key of Object.keys(DPO_CHARTS)) if (charts[key]) charts[key].setData(dpoData(key));
   const el = document.getElementById("losschart");
   el.dataset.points = String(rows.step.length);
   document.getElementById("points").textContent = `${rows.step.length} steps`;
@@ -242,6 +282,7 @@ async function fetchMetrics() {
     rows.valid.push(m.valid_loss ?? null);
     rows.lr.push(m.lr ?? null);
     rows.gn.push(m.grad_norm ?? null);
+    for (const f of DPO_FIELDS) rows[f].push(m[f] ?? null);
   }
   return body.data.length > 0;
 }
