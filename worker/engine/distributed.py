@@ -421,7 +421,7 @@ def _forward(events: Path, offset: int, callbacks: TrainingCallbacks, records: l
         records.append(record)
         kind = record.pop("type")
         if kind == "step":
-            callbacks.on_step(StepMetrics(**record))
+            callbacks.on_step(StepMetrics.from_record(record))
         elif kind == "event":
             callbacks.on_event(record["level"], record["message"], record.get("data"))
         elif kind == "checkpoint":

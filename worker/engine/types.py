@@ -187,6 +187,15 @@ class StepMetrics:
     preference: PreferenceMetrics | None = None
     valid_preference: PreferenceMetrics | None = None
 
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> StepMetrics:
+        """A step from its `dataclasses.asdict` record (what a torchrun rank writes)."""
+        nested = {
+            key: PreferenceMetrics(**record[key]) if record.get(key) else None
+            for key in ("preference", "valid_preference")
+        }
+        return cls(**{**record, **nested})
+
 
 @dataclass
 class CheckpointInfo:
