@@ -125,6 +125,8 @@ def _resolve(host: str, port: int) -> list[IPAddress]:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as e:
         raise UrlRefused(f"its host {host!r} does not resolve ({e.strerror or e})") from None
+    except (UnicodeError, ValueError) as e:  # not a host name (IDNA refuses it, a NUL byte)
+        raise UrlRefused(f"its host {host!r} is not a valid host name ({e})") from None
     found: list[IPAddress] = []
     for info in infos:
         ip = _address(str(info[4][0]))

@@ -303,3 +303,29 @@ def test_jobs_run_by_the_worker_send_their_events(sending: None, api: ApiClient,
     processed = read_jsonl(tmp_path / "processed.jsonl")
     assert {p["job_id"]: p["type"] for p in processed} == {d["job_id"]: d["event_type"] for d in done}
     assert api.get(f"/v1/fine_tuning/jobs/{trained}").json()["status"] == "succeeded"
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_the_operators_endpoint_receives_every_tenants_events(
+    sending: None, api: ApiClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LORAQ_WEBHOOK_OPERATOR_URL gets each organization's job events, signed with its own secret;
+    they are not the organization's to read."""
+    from service import webhooks
+    from service.settings import get_settings
+
+    port, secret = free_port(), webhooks.new_secret()
+    monkeypatch.setenv("LORAQ_WEBHOOK_OPERATOR_URL", f"http://127.0.0.1:{port}/ops")
+    monkeypatch.setenv("LORAQ_WEBHOOK_OPERATOR_SECRET", secret)
+    get_settings.cache_clear()
+    assert api.other is not None
+    jobs = [client.create_job(client.upload(DATASET))["id"] for client in (api, api.other)]
+    with receiver(port, secret, tmp_path):
+        for client, job_id in zip((api, api.other), jobs, strict=True):
+            client.post(f"/v1/fine_tuning/jobs/{job_id}/cancel")
+        wait_for(lambda: len(read_jsonl(tmp_path / "processed.jsonl")) == 2, "both events at the operator's")
+    arrivals = read_jsonl(tmp_path / "received.jsonl")
+    assert all(a["verified"] for a in arrivals) and len(arrivals) == 2
+    assert sorted(a["job_id"] for a in arrivals) == sorted(jobs)
+    assert {a["type"] for a in arrivals} == {"fine_tuning.job.cancelled"}
+    assert api.get(f"/dashboard/api/jobs/{jobs[0]}/webhook_deliveries").json()["data"] == []

@@ -183,6 +183,9 @@ def test_endpoints_per_tenant_are_limited(api: ApiClient, monkeypatch: pytest.Mo
         ("https://testserver/hook", "the API's own host"),  # the Host this request came by
         ("https://10.1.2.3/hook", "LORAQ_WEBHOOK_DENY_NETWORKS"),
         ("https://no-such-host.invalid/hook", "does not resolve"),
+        ("https://a..b/hook", "is not a valid host name"),
+        ("https://[::1/hook", "is not a valid URL"),
+        ("https://93.184.215.14:99999/hook", "is not a valid URL"),
     ],
 )
 def test_url_policy_refuses_with_a_400_naming_url(
