@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, TypeAdapter, model_validator
+from pydantic import ConfigDict, Field, TypeAdapter, model_validator
 
 from service.errors import InvalidRequestError
 from worker.engine.training_config import Strict, Text
@@ -50,6 +50,22 @@ class MlflowSettings(Strict):
 class Integration(Strict):
     """One integration, in OpenAI's shape: `type` names the block that holds its settings (one
     class rather than a tagged union, so that a bad field is named `integrations[0].wandb.project`)."""
+
+    # the rule `_settings_of_its_type` checks, in the schema too (clients and fuzzers see it)
+    model_config = ConfigDict(
+        json_schema_extra={
+            "allOf": [
+                {
+                    "if": {"properties": {"type": {"const": "wandb"}}},
+                    "then": {"required": ["wandb"], "properties": {"mlflow": {"type": "null"}}},
+                },
+                {
+                    "if": {"properties": {"type": {"const": "mlflow"}}},
+                    "then": {"properties": {"wandb": {"type": "null"}}},
+                },
+            ]
+        }
+    )
 
     type: IntegrationType
     wandb: WandbSettings | None = None
