@@ -38,7 +38,7 @@ from service.settings import get_settings
 from service.webhook_urls import UrlRefused, resolve_target
 from service.webhooks import signed_headers
 
-LEASE_MARGIN_S = 30.0  # beyond the request timeout: the time to write the result back
+LEASE_MARGIN_S = 10.0  # beyond the request timeout: time to write the result back (else: sent again)
 MAX_ERROR_CHARS = 500
 MAX_RETRY_AFTER_S = 6 * 3600.0
 JITTER = 0.1
