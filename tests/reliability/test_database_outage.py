@@ -75,7 +75,9 @@ def test_the_schema_documents_503_where_the_database_is_read_and_507_where_a_wri
     from service.app import create_app
 
     writes = {("post", "/v1/files"), ("delete", "/v1/files/{file_id}"), ("post", "/v1/fine_tuning/jobs")}
-    writes.add(("post", "/v1/fine_tuning/jobs/{fine_tuning_job_id}/cancel"))
+    writes |= {
+        ("post", f"/v1/fine_tuning/jobs/{{fine_tuning_job_id}}/{a}") for a in ("cancel", "pause", "resume")
+    }
     writes |= {("post", "/v1/webhook_endpoints"), ("delete", "/v1/webhook_endpoints/{endpoint_id}")}
     for path, operations in create_app().openapi()["paths"].items():
         for method, operation in operations.items():
