@@ -10,6 +10,7 @@ torch: several seconds on a busy 2-core machine); each test works on its own job
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import secrets
@@ -250,12 +251,13 @@ class Stack:
         return job
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+@contextlib.contextmanager
+def running_stack(tmp: Path, **extra_env: str) -> Iterator[Stack]:
+    """A fresh PostgreSQL database, a private redis-server and the API (with `extra_env` on top of
+    the stack's settings), in `tmp`; the workers a test starts are stopped after it."""
     from service.db.migrate import upgrade_head
     from service.db.session import dispose_engines
 
-    tmp = tmp_path_factory.mktemp("reliability")
     pg_name, db_url = create_pg_database("loraq_rel")
     redis_port, api_port = free_port(), free_port()
     env = clean_env(
@@ -276,6 +278,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         LORAQ_MAX_ATTEMPTS="3",
         LORAQ_MAX_QUEUED_JOBS_PER_TENANT="0",
         LORAQ_RATE_LIMIT_PER_MINUTE="0",
+        **extra_env,
     )
     (tmp / "var").mkdir()
     stack = Stack(
@@ -296,3 +299,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 stop_process(maybe)
         dispose_engines()
         drop_pg_database(pg_name)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with running_stack(tmp_path_factory.mktemp("reliability")) as stack:
+        yield stack
