@@ -13,7 +13,8 @@ A gated repository answers 401 (no token) or 403 (another token) with `X-Error-C
 unless the request carries `Authorization: Bearer <its token>`; a missing one 404 with
 `X-Error-Code: RepoNotFound`, a missing revision `RevisionNotFound`. Every request is recorded
 (method, path, Authorization, Range) for the tests to check what the client sent. Files are
-streamed in CHUNK-byte pieces, `delay` seconds apart, so a test can stop a pull part-way.
+streamed in CHUNK-byte pieces, `delay` seconds apart (or held after the first until a test
+releases them), so a test can stop a pull part-way or start another beside it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class FakeRepo:
     commit: str
     gated_token: str | None = None  # a gated repository: only this bearer token reads it
     delay: float = 0.0  # seconds between CHUNK-byte pieces of a download
+    # while set and not released, a download sends its first piece and then waits
+    hold: threading.Event | None = None
 
     def sibling(self, name: str) -> dict[str, Any]:
         data = self.files[name]
@@ -174,15 +177,18 @@ def create_app(hub: FakeHub) -> FastAPI:
         headers["Content-Length"] = str(len(data) - start)
         if request.method == "HEAD":
             return Response(status_code=status, headers=headers)
-        return StreamingResponse(_pieces(data[start:], found.delay), status_code=status, headers=headers)
+        pieces = _pieces(data[start:], found.delay, found.hold)
+        return StreamingResponse(pieces, status_code=status, headers=headers)
 
     return app
 
 
-async def _pieces(data: bytes, delay: float) -> AsyncIterator[bytes]:
+async def _pieces(data: bytes, delay: float, hold: threading.Event | None) -> AsyncIterator[bytes]:
     for offset in range(0, len(data), CHUNK):
         if delay and offset:
             await asyncio.sleep(delay)
+        while offset and hold is not None and not hold.is_set():
+            await asyncio.sleep(0.02)
         yield data[offset : offset + CHUNK]
 
 

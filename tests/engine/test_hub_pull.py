@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -177,8 +178,9 @@ def test_missing_repository_and_revision_say_so(fake_hub: FakeHub, tmp_path: Pat
         pull_model("smollm2-135m-instruct", tmp_path / "models", revision="main")
 
 
+@pytest.mark.slow
 def test_two_processes_pulling_one_model_download_it_once(fake_hub: FakeHub, tmp_path: Path) -> None:
-    fake_hub.repos[REPO].delay = 0.3  # ~4 s for the weights: the second process arrives meanwhile
+    release = fake_hub.repos[REPO].hold = threading.Event()  # the weights wait after their first piece
     store = tmp_path / "models"
     env = {**os.environ, "HF_ENDPOINT": fake_hub.url}
 
@@ -186,33 +188,37 @@ def test_two_processes_pulling_one_model_download_it_once(fake_hub: FakeHub, tmp
         out = (tmp_path / name).open("w")
         return subprocess.Popen(
             [sys.executable, "-c", PULL_SCRIPT, REPO, str(store)],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
 
     def lines(name: str) -> list[object]:
         return [json.loads(x) for x in (tmp_path / name).read_text().splitlines() if x.startswith(("{", '"'))]
 
     first = start("first.out")
-    wait_for(lambda: bool(fake_hub.downloads(REPO, WEIGHTS)), "the first pull's download of the weights", 60)
-    assert (hub_dir(REPO, store) / PULL_LOCK).exists()
-    second = start("second.out")
+    try:
+        wait_for(
+            lambda: bool(fake_hub.downloads(REPO, WEIGHTS)), "the first pull's download of the weights", 60
+        )
+        assert (hub_dir(REPO, store) / PULL_LOCK).exists()
+        second = start("second.out")
+        waiting = f"Waiting for another job's download of base model {REPO}"
+        wait_for(lambda: waiting in lines("second.out"), "the second pull to wait for the lock", 60)
+    finally:
+        release.set()
     assert first.wait(timeout=60) == 0 and second.wait(timeout=60) == 0, (
         lines("first.out"),
         lines("second.out"),
     )
     assert lines("first.out")[-1] == {"downloaded": True}
     assert lines("second.out") == [
-        f"Waiting for another job's download of base model {REPO}",
+        waiting,
         f"Base model {REPO} is local now (downloaded by another job); not downloading it again",
         {"downloaded": False},
     ]
     assert len(fake_hub.downloads(REPO, WEIGHTS)) == 1
 
 
+@pytest.mark.slow
 def test_cli_pulls_a_revision_with_progress_and_lists_each_base(fake_hub: FakeHub, tmp_path: Path) -> None:
     env = {**os.environ, "HF_ENDPOINT": fake_hub.url, "LORAQ_DATA_DIR": str(tmp_path), "COLUMNS": "250"}
     commit = fake_hub.repos[REPO].commit
