@@ -181,3 +181,44 @@ def test_an_integration_that_cannot_log_is_a_warning_and_never_fails_the_job(
     (warning,) = [e.message for e in events(other) if e.level == "warn" and "integration" in e.message]
     assert warning.startswith("The mlflow integration could not start: ") and warning.endswith("trains on")
     assert job_row(other).status == "succeeded"
+
+
+class Recording:
+    """A `MetricSink` that records what it is given, or raises from `log_steps` once `broken`."""
+
+    def __init__(self, broken: bool = False) -> None:
+        self.broken = broken
+        self.calls: list[tuple[str, Any]] = []
+
+    def log_config(self, config: dict[str, Any]) -> None:
+        self.calls.append(("config", config))
+
+    def log_steps(self, rows: list[dict[str, Any]]) -> None:
+        if self.broken:
+            raise ConnectionError("tracking server\n  went away")
+        self.calls.append(("steps", [row["step"] for row in rows]))
+
+    def close(self, status: str) -> None:
+        self.calls.append(("close", status))
+
+
+def test_a_sink_that_fails_mid_run_is_dropped_with_one_warning_and_the_others_go_on() -> None:
+    from worker.metric_sinks import Sinks
+
+    good, bad = Recording(), Recording(broken=True)
+    warnings: list[str] = []
+    sinks = Sinks([("mlflow", bad), ("wandb", good)], warn=warnings.append)
+    sinks.log_config({"model": "tiny-llama"})
+    sinks.log_steps([{"step": 1, "train_loss": 2.0}])
+    sinks.log_steps([{"step": 2, "train_loss": 1.5}])
+    sinks.close("succeeded")
+    assert warnings == [
+        "The mlflow integration stopped logging: tracking server went away; the job trains on"
+    ]
+    assert bad.calls == [("config", {"model": "tiny-llama"})]
+    assert good.calls == [
+        ("config", {"model": "tiny-llama"}),
+        ("steps", [1]),
+        ("steps", [2]),
+        ("close", "succeeded"),
+    ]
