@@ -14,6 +14,14 @@ bench/chat_dataset.py), per model, in one invocation, each cell in its own subpr
 
 plus a long-context case: the job path and the fixed step with rows of 8,192 tokens.
 
+Family shapes (bench/family_shapes.py: random-init Qwen3-8B, Gemma-3-4B/12B/1B, Llama-3.1-8B,
+Mistral-7B, Phi-4-mini, Llama-3.2-1B, Qwen3-1.7B at their published sizes) run job, peft_padded
+and peft_padding_free (no fixed row); their goals hold each job row's MFU and peak memory against
+the Llama row of its parameter class and its tokens/s against HF+PEFT padded:
+
+    python bench/train_bench.py --job --presets llama-3.1-8b,qwen3-8b,gemma-3-4b,mistral-7b,phi-4-mini \
+        --out bench/results/families-h100-DATE.json
+
 `--job --n-gpus N` (multi-GPU scaling): per model, the same job on one GPU (in process, as a
 worker runs an n_gpus=1 job) and on N GPUs (`distributed.run_torchrun`, as a worker runs an
 n_gpus=N job: one process per GPU, the same global batch split by rows), each in its own
@@ -76,11 +84,21 @@ class StepCollector:
         return False
 
 
+def job_shape(preset: str) -> tuple[int, int, int, int] | None:
+    """(B, T, E, timed steps) of a catalog preset or a family shape (bench/family_shapes.py)."""
+    from bench.family_shapes import FAMILY_SHAPES
+
+    return JOB_SHAPES.get(preset) or (FAMILY_SHAPES[preset].job if preset in FAMILY_SHAPES else None)
+
+
 def job_config(preset: str, batch: int, seq: int, steps: int, tmp: Path, pack: bool = True) -> Any:
     """The job's TrainConfig (warm-up steps + `steps` timed ones), its files under `tmp`."""
+    from bench.family_shapes import FAMILY_SHAPES
     from worker.engine.types import LoraConfig, TrainConfig
 
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    if preset in FAMILY_SHAPES:
+        targets = FAMILY_SHAPES[preset].targets()
     return TrainConfig(
         model=preset,
         train_file=DATASET,
@@ -103,16 +121,22 @@ def job_cell(
 ) -> dict[str, Any]:
     import torch
 
+    from bench.family_shapes import FAMILY_SHAPES, random_family_model
     from worker.engine.distributed import run_torchrun
+    from worker.engine.models import LoadedModel
     from worker.engine.recipe import train
+    from worker.engine.tiny import build_tiny_tokenizer
 
     tmp = Path(tempfile.mkdtemp())
     config = job_config(preset, batch, seq, steps, tmp, pack)
     rec = StepCollector()
+    loaded = None
+    if preset in FAMILY_SHAPES:  # built here, handed to the job as a worker hands its cached base
+        loaded = LoadedModel(random_family_model(preset), build_tiny_tokenizer(), preset, is_random=True)
     torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
     if n_gpus == 1:
-        result = train(config, rec)
+        result = train(config, rec, loaded=loaded)
     else:  # the ranks are torchrun's processes: this one measures no GPU memory
         result = run_torchrun(config, rec, n_gpus=n_gpus, workdir=tmp / "torchrun")
     wall = time.time() - t0
@@ -258,7 +282,10 @@ def summarize_job(result: dict[str, Any]) -> None:
         by[(r["model"], r["variant"], r["seq"])] = r
     models: dict[str, Any] = {}
     goals: dict[str, Any] = {}
-    for model, (_, seq, _, _) in [*JOB_SHAPES.items(), *LONG_CONTEXT.items()]:
+    from bench.family_shapes import FAMILY_SHAPES
+
+    families = [(m, shape.job) for m, shape in FAMILY_SHAPES.items()]
+    for model, (_, seq, _, _) in [*JOB_SHAPES.items(), *LONG_CONTEXT.items(), *families]:
         job = by.get((model, "job", seq))
         if not job:
             continue
@@ -270,6 +297,7 @@ def summarize_job(result: dict[str, Any]) -> None:
             "job_tok_s": job["tok_s"],
             "job_trainable_tok_s": job["trainable_tok_s"],
             "job_mem_gib": job["mem_gib"],
+            "job_mfu": job["mfu"],
             "job_padding_fraction": job["padding_fraction"],
             "fixed_tok_s": fixed["tok_s"] if fixed else None,
             "fixed_mem_gib": fixed["mem_gib"] if fixed else None,
@@ -284,6 +312,9 @@ def summarize_job(result: dict[str, Any]) -> None:
             )
         if padded:
             g["job_vs_peft_padded"] = round(job["tok_s"] / padded["tok_s"], 2)
+        if model in FAMILY_SHAPES:
+            goals[key] = family_goal(model, job, padded, by)
+            continue
         g["met"] = bool(
             g.get("job_vs_fixed", 0) >= 0.9
             and g.get("mem_le_fixed", False)
@@ -294,13 +325,55 @@ def summarize_job(result: dict[str, Any]) -> None:
     result["goals"] = goals
 
 
+def family_goal(
+    model: str, job: dict[str, Any], padded: dict[str, Any] | None, by: dict[tuple[str, str, int], Any]
+) -> dict[str, Any]:
+    """Issue 31's targets for a family shape: job MFU >= 0.9x its Llama peer's job MFU, >= 5x
+    HF+PEFT padded on the same data, peak memory <= the Llama peer's (the same parameter class;
+    a Llama row is its own peer)."""
+    from bench.family_shapes import FAMILY_SHAPES, LLAMA_PEER
+
+    peer_name = LLAMA_PEER.get(model, model)
+    peer = by.get((peer_name, "job", FAMILY_SHAPES[peer_name].job[1]))
+    g: dict[str, Any] = {"llama_peer": peer_name}
+    if padded:
+        g["job_vs_peft_padded"] = round(job["tok_s"] / padded["tok_s"], 2)
+    if peer:
+        g["mfu_vs_llama"] = round(job["mfu"] / peer["mfu"], 3)
+        g["mem_le_llama"] = job["mem_bytes"] <= peer["mem_bytes"]
+    g["met"] = bool(
+        g.get("mfu_vs_llama", 0) >= 0.9
+        and g.get("mem_le_llama", False)
+        and g.get("job_vs_peft_padded", 0) >= 5
+    )
+    return g
+
+
+# what a family shape runs: no `fixed` row (that step builds the catalog's Llama presets only)
+FAMILY_VARIANTS = ("job", "peft_padded", "peft_padding_free")
+
+
 def cells(presets: list[str]) -> list[list[str]]:
-    """The subprocess argument lists of one `--job` invocation, in run order."""
+    """The subprocess argument lists of one `--job` invocation, in run order: catalog presets
+    preset by preset; family shapes the job and HF+PEFT padded rows of every shape first, then
+    their padding-free rows (the longest runs last)."""
+    from bench.family_shapes import FAMILY_SHAPES
+
     out: list[list[str]] = []
+    family_rows: list[list[str]] = []
     for preset in presets:
-        batch, seq, examples, steps = JOB_SHAPES[preset]
-        for variant in ("job", "fixed", "peft_padded", "peft_padding_free"):
-            out.append(["--job-cell", preset, variant, str(batch), str(seq), str(examples), str(steps)])
+        shape = job_shape(preset)
+        assert shape is not None, preset
+        batch, seq, examples, steps = shape
+        variants = (
+            FAMILY_VARIANTS
+            if preset in FAMILY_SHAPES
+            else ("job", "fixed", "peft_padded", "peft_padding_free")
+        )
+        for variant in variants:
+            cell = ["--job-cell", preset, variant, str(batch), str(seq), str(examples), str(steps)]
+            (family_rows if variant == "peft_padding_free" and preset in FAMILY_SHAPES else out).append(cell)
+    out += family_rows
     for preset, (batch, seq, examples, steps) in LONG_CONTEXT.items():
         if preset in presets:
             for variant in ("job", "fixed"):

@@ -16,11 +16,14 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 def peft_peer_model(preset: str, max_positions: int) -> tuple[Any, list[Any], Any]:
     """(peft_model, trainable params, optimizer) for `preset`, positions up to `max_positions`."""
     import torch
-    from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from bench.family_shapes import FAMILY_SHAPES, random_family_model
     from worker.engine.catalog import PRESET_SHAPES
 
+    if preset in FAMILY_SHAPES:  # another family's real shape (bench/family_shapes.py)
+        model = random_family_model(preset, max_positions)
+        return _with_lora(model, FAMILY_SHAPES[preset].targets())
     # attn_implementation reaches PreTrainedConfig through **kwargs: transformers 5's LlamaConfig
     # (a dataclass) does not name it in its signature
     kwargs = {**PRESET_SHAPES[preset].config_kwargs(), "attn_implementation": "sdpa"}
@@ -31,8 +34,15 @@ def peft_peer_model(preset: str, max_positions: int) -> tuple[Any, list[Any], An
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg)
     torch.set_default_dtype(torch.float32)
+    return _with_lora(model, TARGETS)
+
+
+def _with_lora(model: Any, targets: list[str]) -> tuple[Any, list[Any], Any]:
+    import torch
+    from peft import LoraConfig, get_peft_model
+
     peft_model = get_peft_model(
-        model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS)
+        model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets)
     )
     params = [p for p in peft_model.parameters() if p.requires_grad]
     for p in params:

@@ -48,7 +48,12 @@ def n_linear(preset: str) -> int:
 
 
 def flops_per_token(preset: str, seq: int) -> float:
+    from bench.family_shapes import FAMILY_SHAPES
     from worker.engine.catalog import PRESET_SHAPES
+
+    if preset in FAMILY_SHAPES:  # attention by its heads' width (Gemma's differs from hidden)
+        shape = FAMILY_SHAPES[preset]
+        return 4 * shape.linear_weights() + 6 * seq * shape.attention_width()
 
     s = PRESET_SHAPES[preset]
     return 4 * n_linear(preset) + 6 * seq * s.hidden_size * s.num_hidden_layers
@@ -437,7 +442,7 @@ def run_job_mode(args: argparse.Namespace) -> int:
     gpu = device.split()[-1].lower().replace("/", "-") if device != "none" else "cpu"
     date = time.strftime("%Y-%m-%d", time.gmtime())
     out = args.out or ROOT / "bench" / "results" / f"job-{gpu}-{date}.json"
-    presets = [p for p in args.presets.split(",") if p in job_bench.JOB_SHAPES]
+    presets = [p for p in args.presets.split(",") if job_bench.job_shape(p) is not None]
     result: dict[str, Any] = {
         **run_header(device),
         "settings": "LoRA r=16 alpha=32 on q,k,v,o,gate,up,down; bf16 base, fp32 adapters; fused AdamW; "
