@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.integrations import Integration, Integrations
 from service.job_status import JobStatus
@@ -336,12 +336,53 @@ class TextPart(Forbid):
     text: Text
 
 
+class FunctionDefinition(Forbid):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema object
+    strict: bool | None = None
+
+
+class ToolDefinition(Forbid):
+    """OpenAI's `tools` entry: a function the model may call."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionCall(BaseModel):
+    name: str = Field(max_length=64)
+    arguments: str = Field(max_length=1 << 20)  # a JSON object, as a string
+
+
+class ToolCall(BaseModel):
+    """A call an assistant message makes (OpenAI's `tool_calls` entry)."""
+
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChunkToolCall(ToolCall):
+    index: int  # its place in the message's calls
+
+
 class ChatMessage(Forbid):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = None  # only an assistant message with tool_calls may omit it
     name: str | None = Field(None, max_length=64)
+    tool_calls: list[ToolCall] | None = Field(None, max_length=128)  # an assistant's calls
+    tool_call_id: str | None = Field(None, max_length=256)  # a tool result: the call it answers
+
+    @model_validator(mode="after")
+    def _content_given(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs 'content'")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
@@ -350,7 +391,9 @@ class StreamOptions(Forbid):
 
 
 class ChatCompletionCreate(Forbid):
-    """OpenAI's request body; fields Loraq cannot honour (tools, n > 1) are refused."""
+    """OpenAI's request body; fields Loraq cannot honour (n > 1, a tool_choice that forces a call)
+    are refused. `tools` are rendered with the model's chat template and the calls it writes come
+    back as `tool_calls` (worker/engine/tool_calls.py); `tool_choice` "none" leaves them out."""
 
     model: str = Field(min_length=1, max_length=255)
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
@@ -368,6 +411,9 @@ class ChatCompletionCreate(Forbid):
     # at its position (log softmax of the model's logits, before temperature and top_p)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)  # OpenAI's bound; needs logprobs (chat.py)
+    tools: list[ToolDefinition] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: bool | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -392,14 +438,15 @@ class ChoiceLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # null when the answer is only tool calls
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
     logprobs: ChoiceLogprobs | None = None
 
 
@@ -426,12 +473,13 @@ class ChatCompletion(BaseModel):
 class ChunkDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ChunkToolCall] | None = None
 
 
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: ChunkDelta
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     logprobs: ChoiceLogprobs | None = None
 
 

@@ -49,11 +49,12 @@ from service.inference import (
 )
 from service.redis_client import REDIS_OUTAGE, redis_client
 from service.settings import Settings
+from worker.engine.tool_calls import parse_tool_calls
 from worker.engine.types import EngineError
 
 if TYPE_CHECKING:
     from worker.engine.data import Examples
-    from worker.engine.serving import Adapter, DecodeBatch, GenRequest, ServingModel, TokenLogprob
+    from worker.engine.serving import Adapter, DecodeBatch, GenRequest, GenResult, ServingModel, TokenLogprob
 
 log = logging.getLogger("loraq.inference")
 
@@ -379,7 +380,7 @@ class InferenceWorker:
                 return None
             sha256 = str(p.raw["adapter_sha256"])
             slot = model.adapter_slot(key, partial(self.read_adapter, key, sha256), keep=in_use)
-        ids = model.prompt_ids(p.raw["messages"])
+        ids = model.prompt_ids(p.raw["messages"], p.raw.get("tools"))
         max_tokens = p.raw.get("max_tokens") or max(1, model.max_context - len(ids))
         model.check_fits(len(ids), max_tokens)
         p.gen = GenRequest(
@@ -402,7 +403,7 @@ class InferenceWorker:
             if p.first_token_at is None:
                 p.first_token_at = time.time()
                 self.metrics.ttft.labels(base).observe(p.first_token_at - p.pushed_at)
-            if delta and p.raw.get("stream"):
+            if delta and p.raw.get("stream") and not p.raw.get("tools"):  # tools: answered whole
                 event: dict[str, Any] = {"type": "delta", "text": delta}
                 if p.raw.get("top_logprobs") is not None:  # the tokens whose text this delta ends
                     logprobs = rows[p].logprobs
@@ -437,6 +438,7 @@ class InferenceWorker:
                         if p.gen.top_logprobs is not None
                         else None
                     ),
+                    **tool_answer(model, p.raw, result),
                 },
             )
             self.metrics.requests.labels("ok").inc()
@@ -584,3 +586,19 @@ def _logprob_json(model: ServingModel, t: TokenLogprob) -> dict[str, Any]:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
     return {**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}
+
+
+def tool_answer(model: ServingModel, raw: dict[str, Any], result: GenResult) -> dict[str, Any]:
+    """What a request with tools gets instead of the plain text: the calls the answer makes, in
+    the model's tool-call format (worker/engine/tool_calls.py), the rest as its content, and
+    finish_reason "tool_calls" when it made some. Its text was not streamed (`buffered`)."""
+    tools = raw.get("tools")
+    if not tools or model.tool_format is None:
+        return {}
+    content, calls = parse_tool_calls(result.text, model.tool_format, tools)
+    return {
+        "text": content,
+        "tool_calls": calls,
+        "finish_reason": "tool_calls" if calls else result.finish_reason,
+        "buffered": bool(raw.get("stream")),
+    }

@@ -32,10 +32,12 @@ from service.schemas import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionCreate,
+    ChatMessage,
     Choice,
     ChoiceLogprobs,
     ChunkChoice,
     ChunkDelta,
+    ChunkToolCall,
     TokenLogprobPublic,
     Usage,
     error_responses,
@@ -60,11 +62,13 @@ def worker_request(body: ChatCompletionCreate, target: inference.Target, request
         "base": target.base,
         "adapter_key": target.adapter_key,
         "adapter_sha256": target.adapter_sha256,
-        # "developer" is OpenAI's newer name for the system role; templates know "system"
-        "messages": [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in body.messages
-        ],
+        "messages": [worker_message(m) for m in body.messages],
+        # rendered by the model's chat template; the answer's calls come back as tool_calls
+        "tools": (
+            [t.model_dump(exclude_none=True) for t in body.tools]
+            if body.tools and body.tool_choice != "none"
+            else None
+        ),
         "max_tokens": body.max_completion_tokens or body.max_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,
@@ -74,6 +78,28 @@ def worker_request(body: ChatCompletionCreate, target: inference.Target, request
         # None: no logprobs; k: each token's and the k most likely (worker.engine.serving)
         "top_logprobs": (body.top_logprobs or 0) if body.logprobs else None,
     }
+
+
+def worker_message(m: ChatMessage) -> dict[str, Any]:
+    # "developer" is OpenAI's newer name for the system role; templates know "system"
+    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    if m.tool_calls:
+        out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def answer_deltas(event: dict[str, Any]) -> list[ChunkDelta]:
+    """A request with tools is answered whole at its end (only then can a call be told from
+    text): its content, then its tool calls, as a stream's deltas."""
+    deltas = []
+    if event.get("buffered") and event.get("text"):
+        deltas.append(ChunkDelta(content=event["text"]))
+    if event.get("tool_calls"):
+        calls = [ChunkToolCall(index=i, **call) for i, call in enumerate(event["tool_calls"])]
+        deltas.append(ChunkDelta(tool_calls=calls))
+    return deltas
 
 
 @dataclass(frozen=True)
@@ -151,7 +177,7 @@ async def create_chat_completion(body: ChatCompletionCreate, tenant: CurrentTena
         model=body.model,
         choices=[
             Choice(
-                message=AssistantMessage(content=done["text"]),
+                message=AssistantMessage(content=done["text"], tool_calls=done.get("tool_calls") or None),
                 finish_reason=done["finish_reason"],
                 logprobs=_logprobs(done),
             )
@@ -197,6 +223,8 @@ async def sse_chunks(
                 sent += len(logprobs.content or []) if logprobs else 0
                 yield chunk([ChunkChoice(delta=ChunkDelta(content=event["text"]), logprobs=logprobs)])
             elif event["type"] == "done":
+                for delta in answer_deltas(event):
+                    yield chunk([ChunkChoice(delta=delta)])
                 # tokens whose text never came (held back, or decoding to nothing) end the stream
                 rest = {"logprobs": event["logprobs"][sent:]} if event.get("logprobs") is not None else {}
                 last = _logprobs(rest) if rest.get("logprobs") else None

@@ -369,7 +369,10 @@ def prompt_ids(
             check_conversation(messages, tools, needs_assistant=False)  # ids answered, names offered
         text = prompt_text(messages, tools or None, _renderer(tokenizer))
     except LineProblem as exc:
-        raise RequestError("tools" if tools and "tool" in str(exc) else "messages", str(exc)) from exc
+        at_tools = str(exc).startswith(
+            ("field 'tools'", "tools[", "the model's chat template does not render 'tools'")
+        )
+        raise RequestError("tools" if at_tools else "messages", str(exc)) from exc
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
