@@ -8,7 +8,11 @@ from tests.engine.conftest import loaded_after
 
 
 def test_catalog_and_cli_models_import_no_torch() -> None:
-    code = "import worker.engine.catalog, worker.engine.pull, service.cli_models"
+    # the Hub look-up too: the API runs it at submit (service/hub_models.py)
+    code = (
+        "import worker.engine.catalog, worker.engine.pull, worker.engine.hub, service.hub_models, "
+        "service.cli_models"
+    )
     assert loaded_after(code, ("torch", "transformers", "tokenizers")) == []
 
 
