@@ -238,7 +238,7 @@ def test_openapi_documents_typed_bodies_and_error_bodies() -> None:
     operations = {
         path: ops["get"] for path, ops in spec["paths"].items() if path.startswith("/dashboard/api/")
     }
-    assert len(operations) == 7
+    assert len(operations) == 8
     error_body = {"$ref": "#/components/schemas/ErrorResponse"}
     for path, op in operations.items():
         for status in ("400", "401", "404"):

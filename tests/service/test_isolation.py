@@ -13,6 +13,8 @@ from tests.service.test_api_files import assert_error
 from tests.service.test_api_jobs import run_job_to_success
 from tests.service.test_auth import v1_routes
 
+WEBHOOK_URL = "https://93.184.215.14/hook"  # a public address: no DNS lookup
+
 
 def test_other_tenant_gets_404_on_every_route_taking_an_id(api: ApiClient) -> None:
     b = api.other
@@ -27,6 +29,7 @@ def test_other_tenant_gets_404_on_every_route_taking_an_id(api: ApiClient) -> No
         "fine_tuning_job_id": job["id"],
         "checkpoint_id": ckpt.id,
         "model": api.get(f"/v1/fine_tuning/jobs/{job['id']}").json()["fine_tuned_model"],
+        "endpoint_id": api.post("/v1/webhook_endpoints", json={"url": WEBHOOK_URL}).json()["id"],
     }
     walked = 0
     for method, path in v1_routes(api):
