@@ -9,9 +9,11 @@ the Hub answers them, so Loraq's pull runs the real client against it (`HF_ENDPO
                                                       X-Repo-Commit, Content-Length, Accept-Ranges
     GET  /{owner}/{name}/resolve/{rev}/{file}         the bytes; `Range: bytes=N-` answers 206
 
-A gated repository answers 401 (no token) or 403 (another token) with `X-Error-Code: GatedRepo`
-unless the request carries `Authorization: Bearer <its token>`; a missing one 404 with
-`X-Error-Code: RepoNotFound`, a missing revision `RevisionNotFound`. Every request is recorded
+A `cdn` repository answers for its weights as the Hub does for LFS files: a 302 to a CDN on
+another host (a second server) with X-Linked-Etag and X-Linked-Size. A gated repository answers
+401 (no token) or 403 (another token) with `X-Error-Code: GatedRepo` unless the request carries
+`Authorization: Bearer <its token>`; a missing one 404 with `X-Error-Code: RepoNotFound`, a
+missing revision `RevisionNotFound`. Every request is recorded
 (method, path, Authorization, Range) for the tests to check what the client sent. Files are
 streamed in CHUNK-byte pieces, `delay` seconds apart (or held after the first until a test
 releases them), so a test can stop a pull part-way or start another beside it.
@@ -46,6 +48,7 @@ class FakeRepo:
     delay: float = 0.0  # seconds between CHUNK-byte pieces of a download
     # while set and not released, a download sends its first piece and then waits
     hold: threading.Event | None = None
+    cdn: bool = False  # weights answered as the Hub answers LFS files: a 302 to the CDN
 
     def sibling(self, name: str) -> dict[str, Any]:
         data = self.files[name]
@@ -74,6 +77,7 @@ class FakeHub:
     seen: list[Seen] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     url: str = ""
+    cdn_url: str = ""  # another host (port): where `cdn` repositories' weights redirect
 
     def publish_dir(self, repo_id: str, directory: Path, **options: Any) -> FakeRepo:
         """Serve every file of `directory` as repository `repo_id` (its commit: a digest of them)."""
@@ -89,13 +93,16 @@ class FakeHub:
         return repo
 
     def downloads(self, repo_id: str, name: str) -> list[Seen]:
-        """The GETs of one file (HEADs and the API's look-ups left out)."""
+        """The GETs of one file (HEADs and the API's look-ups left out; from the CDN for `cdn`)."""
+        repo = self.repos[repo_id]
+        cdn = f"/cdn/{repo.etag(name)}" if repo.cdn and name.endswith(LFS_SUFFIXES) else None
         path = f"/{repo_id}/resolve/"
         with self.lock:
             return [
                 s
                 for s in self.seen
-                if s.method == "GET" and s.path.startswith(path) and s.path.endswith(name)
+                if s.method == "GET"
+                and (s.path == cdn or (s.path.startswith(path) and s.path.endswith(name)))
             ]
 
 
@@ -110,8 +117,8 @@ def _error(status: int, code: str, message: str) -> Response:
     )
 
 
-def create_app(hub: FakeHub) -> FastAPI:
-    app = FastAPI()
+def _record(app: FastAPI, hub: FakeHub) -> None:
+    """Every request the app answers goes into `hub.seen`."""
 
     @app.middleware("http")
     async def record(request: Request, call_next: Any) -> Response:
@@ -125,6 +132,11 @@ def create_app(hub: FakeHub) -> FastAPI:
             hub.seen.append(seen)
         response: Response = await call_next(request)
         return response
+
+
+def create_app(hub: FakeHub) -> FastAPI:
+    app = FastAPI()
+    _record(app, hub)
 
     def find(repo_id: str, revision: str, request: Request) -> FakeRepo | Response:
         repo = hub.repos.get(repo_id)
@@ -163,24 +175,50 @@ def create_app(hub: FakeHub) -> FastAPI:
             return found
         if filename not in found.files:
             return _error(404, "EntryNotFound", "Entry not found")
-        data = found.files[filename]
-        headers = {
-            "ETag": f'"{found.etag(filename)}"',
-            "X-Repo-Commit": found.commit,
-            "Accept-Ranges": "bytes",
-        }
-        start, status = 0, 200
-        asked = request.headers.get("range")
-        if asked and asked.startswith("bytes=") and asked.endswith("-"):
-            start, status = int(asked[len("bytes=") : -1]), 206
-            headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
-        headers["Content-Length"] = str(len(data) - start)
-        if request.method == "HEAD":
-            return Response(status_code=status, headers=headers)
-        pieces = _pieces(data[start:], found.delay, found.hold)
-        return StreamingResponse(pieces, status_code=status, headers=headers)
+        data, etag = found.files[filename], found.etag(filename)
+        if found.cdn and filename.endswith(LFS_SUFFIXES):
+            # the Hub's LFS answer: a redirect to a CDN on another host, the file's etag and size
+            # in X-Linked-* headers (the client drops the token when it follows it)
+            linked = {
+                "X-Linked-Etag": f'"{etag}"',
+                "X-Linked-Size": str(len(data)),
+                "X-Repo-Commit": found.commit,
+            }
+            return Response(status_code=302, headers={"Location": f"{hub.cdn_url}/cdn/{etag}", **linked})
+        return _serve(data, {"ETag": f'"{etag}"', "X-Repo-Commit": found.commit}, request, found)
 
     return app
+
+
+def create_cdn_app(hub: FakeHub) -> FastAPI:
+    """The CDN a `cdn` repository's weights redirect to: any GET of a known sha256, no token."""
+    app = FastAPI()
+    _record(app, hub)
+
+    @app.api_route("/cdn/{sha256}", methods=["GET", "HEAD"])
+    def blob(sha256: str, request: Request) -> Response:
+        for repo in hub.repos.values():
+            for name, data in repo.files.items():
+                if name.endswith(LFS_SUFFIXES) and hashlib.sha256(data).hexdigest() == sha256:
+                    return _serve(data, {"ETag": f'"{sha256}"'}, request, repo)
+        return Response(status_code=404)
+
+    return app
+
+
+def _serve(data: bytes, headers: dict[str, str], request: Request, repo: FakeRepo) -> Response:
+    """`data` whole (200) or from `Range: bytes=N-` (206), in pieces as the repository says."""
+    headers = {**headers, "Accept-Ranges": "bytes"}
+    start, status = 0, 200
+    asked = request.headers.get("range")
+    if asked and asked.startswith("bytes=") and asked.endswith("-"):
+        start, status = int(asked[len("bytes=") : -1]), 206
+        headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
+    headers["Content-Length"] = str(len(data) - start)
+    if request.method == "HEAD":
+        return Response(status_code=status, headers=headers)
+    pieces = _pieces(data[start:], repo.delay, repo.hold)
+    return StreamingResponse(pieces, status_code=status, headers=headers)
 
 
 async def _pieces(data: bytes, delay: float, hold: threading.Event | None) -> AsyncIterator[bytes]:
@@ -196,8 +234,8 @@ async def _pieces(data: bytes, delay: float, hold: threading.Event | None) -> As
 def running_hub() -> Iterator[FakeHub]:
     """A FakeHub served on a free port until the block ends (`hub.url` is its HF_ENDPOINT)."""
     hub = FakeHub()
-    with serve(create_app(hub)) as url:
-        hub.url = url
+    with serve(create_app(hub)) as url, serve(create_cdn_app(hub)) as cdn_url:
+        hub.url, hub.cdn_url = url, cdn_url
         yield hub
 
 

@@ -147,6 +147,27 @@ def test_hf_token_is_sent_as_a_bearer_token_and_opens_a_gated_repository(
     assert {s.authorization for s in sent[-13:]} == {"Bearer hf_allowed"}  # look-up + HEAD/GET of 6 files
 
 
+def test_weights_redirected_to_a_cdn_are_fetched_there_without_the_token(
+    fake_hub: FakeHub, tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As on the Hub: an LFS file's resolve answers 302 to a CDN on another host (X-Linked-Etag,
+    X-Linked-Size); the token goes to the Hub, never to the CDN."""
+    repo = "meta-like/cdn-tiny"
+    fake_hub.publish_dir(repo, tiny_dir, gated_token="hf_allowed", cdn=True)
+    monkeypatch.setenv("HF_TOKEN", "hf_allowed")
+    store = tmp_path / "models"
+    pull_model(repo, store)
+    assert (hub_dir(repo, store) / WEIGHTS).read_bytes() == fake_hub.repos[repo].files[WEIGHTS]
+    (cdn,) = fake_hub.downloads(repo, WEIGHTS)
+    assert cdn.path.startswith("/cdn/") and cdn.authorization is None
+    head = [
+        s
+        for s in fake_hub.seen
+        if s.method == "HEAD" and s.path.endswith(f"/resolve/{fake_hub.repos[repo].commit}/{WEIGHTS}")
+    ]
+    assert [s.authorization for s in head] == ["Bearer hf_allowed"]
+
+
 def test_a_repository_with_only_pickles_is_refused_before_any_download(
     fake_hub: FakeHub, tiny_dir: Path, tmp_path: Path
 ) -> None:
