@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import httpx
-from sqlalchemy import or_, select, update
+from sqlalchemy import ColumnElement, or_, select, update
 from sqlalchemy.orm import Session
 
 from service.db.models import WebhookAttempt, WebhookDelivery, WebhookEndpoint, now_s
@@ -92,7 +92,7 @@ def next_attempt_at(
 # ---------------------------------------------------------------- claim
 
 
-def _claimable(now: float) -> list[object]:
+def _claimable(now: float) -> list[ColumnElement[bool]]:
     return [
         WebhookDelivery.state == "pending",
         WebhookDelivery.next_attempt_at <= now,
@@ -105,7 +105,7 @@ def claim_due(session: Session, *, now: float, limit: int) -> list[Due]:
     lease_until = now + get_settings().webhook_timeout_seconds + LEASE_MARGIN_S
     ids = session.scalars(
         select(WebhookDelivery.id)
-        .where(*_claimable(now))  # type: ignore[arg-type]
+        .where(*_claimable(now))
         .order_by(WebhookDelivery.next_attempt_at)
         .limit(limit)
     ).all()
@@ -114,7 +114,7 @@ def claim_due(session: Session, *, now: float, limit: int) -> list[Due]:
         token = secrets.token_hex(16)
         stmt = (
             update(WebhookDelivery)
-            .where(WebhookDelivery.id == delivery_id, *_claimable(now))  # type: ignore[arg-type]
+            .where(WebhookDelivery.id == delivery_id, *_claimable(now))
             .values(lease_until=lease_until, lease_token=token, attempts=WebhookDelivery.attempts + 1)
             .execution_options(synchronize_session=False)
         )
@@ -190,25 +190,32 @@ def send(due: Due) -> Outcome:
         return outcome(None, f"cannot sign: {e}")
     address = f"[{target.address}]" if ":" in target.address else target.address
     default_port = 443 if target.scheme == "https" else 80
-    host = target.host if target.port == default_port else f"{target.host}:{target.port}"
+    named = f"[{target.host}]" if ":" in target.host else target.host  # an IPv6 literal
+    host = named if target.port == default_port else f"{named}:{target.port}"
     settings = get_settings()
+    client = httpx.Client(
+        timeout=settings.webhook_timeout_seconds,
+        follow_redirects=False,
+        trust_env=False,  # no proxy from the environment: we connect to the address we checked
+        verify=_tls(),
+    )
     try:
-        with httpx.Client(
-            timeout=settings.webhook_timeout_seconds,
-            follow_redirects=False,
-            trust_env=False,  # no proxy from the environment: we connect to the address we checked
-            verify=_tls(),
-        ) as client:
-            response = client.post(
+        # streamed and closed unread: only the status and headers count, and a receiver's endless
+        # body costs no memory
+        with (
+            client,
+            client.stream(
+                "POST",
                 f"{target.scheme}://{address}:{target.port}{target.path}",
                 content=due.body.encode(),
                 headers={**headers, "host": host, "user-agent": USER_AGENT},
                 extensions={"sni_hostname": target.host} if target.scheme == "https" else {},
-            )
+            ) as response,
+        ):
+            status, retry_after = response.status_code, response.headers.get("retry-after")
     except httpx.HTTPError as e:
         return outcome(None, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
-    error = None if 200 <= response.status_code < 300 else f"HTTP {response.status_code}"
-    return outcome(response.status_code, error, _retry_after(response.headers.get("retry-after")))
+    return outcome(status, None if 200 <= status < 300 else f"HTTP {status}", _retry_after(retry_after))
 
 
 def _retry_after(value: str | None) -> float | None:

@@ -1,7 +1,7 @@
 """A webhook receiver as a user would write one, run as its own process by the webhook tests:
 
     python -m tests.webhook_receiver --port P --secret whsec_… --dir D [--hang-after-processing]
-                                     [--status CODE] [--tls CERT KEY]
+                                     [--status CODE] [--tls CERT KEY] [--endless-body]
 
 Each POST is checked with OpenAI's client (`client.webhooks.unwrap`: Standard Webhooks'
 signature and timestamp, then the event parsed as OpenAI's type), logged to `D/received.jsonl`,
@@ -12,11 +12,13 @@ a delivery repeated after a crash between processing and answering is harmless.
 `--hang-after-processing`: after processing its first event, never answer (the test kills the
 process mid-delivery). `--status`: answer every request with CODE (after logging it, processing
 nothing). A bad signature is answered 400. `--tls`: serve https with this certificate and key.
+`--endless-body`: a 200's body never ends (a sender must not read it).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import ssl
@@ -49,6 +51,7 @@ def main() -> None:
     parser.add_argument("--hang-after-processing", action="store_true")
     parser.add_argument("--status", type=int, default=None)
     parser.add_argument("--tls", nargs=2, metavar=("CERT", "KEY"), default=None)
+    parser.add_argument("--endless-body", action="store_true")
     args = parser.parse_args()
     client = OpenAI(api_key="unused", webhook_secret=args.secret)
     received, processed = args.dir / "received.jsonl", args.dir / "processed.jsonl"
@@ -92,6 +95,11 @@ def main() -> None:
 
         def _answer(self, status: int) -> None:
             self.send_response(status)
+            if args.endless_body and status == 200:
+                self.end_headers()  # no length: the body ends when the connection does
+                with contextlib.suppress(OSError):
+                    while True:
+                        self.wfile.write(b"x" * 65536)
             self.send_header("content-length", "0")
             self.end_headers()
 

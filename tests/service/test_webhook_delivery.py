@@ -329,3 +329,16 @@ def test_the_operators_endpoint_receives_every_tenants_events(
     assert sorted(a["job_id"] for a in arrivals) == sorted(jobs)
     assert {a["type"] for a in arrivals} == {"fine_tuning.job.cancelled"}
     assert api.get(f"/dashboard/api/jobs/{jobs[0]}/webhook_deliveries").json()["data"] == []
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_body_that_never_ends_is_not_read(sending: None, api: ApiClient, tmp_path: Path) -> None:
+    """Only the status counts: a receiver answering 200 with an endless body is delivered at once."""
+    port = free_port()
+    endpoint = register(api, f"http://127.0.0.1:{port}/hook")
+    job_id = api.create_job(api.upload(DATASET))["id"]
+    with receiver(port, endpoint["secret"], tmp_path, "--endless-body"):
+        api.post(f"/v1/fine_tuning/jobs/{job_id}/cancel")
+        (delivery,) = all_delivered(api, endpoint["id"], 1)
+    assert [a["status_code"] for a in delivery["attempts"]] == [200]
+    assert delivery["attempts"][0]["duration_ms"] < 5000
