@@ -59,7 +59,7 @@ async function uploadAndCheck(kind, input) {
   form.append("file", file, file.name);
   try {
     const stored = await loraq.json("/v1/files", { method: "POST", body: form });
-    const model = document.getElementById("model").value;
+    const model = chosenModel();
     const summary = await loraq.json(
       `/dashboard/api/files/${encodeURIComponent(stored.id)}/summary?model=${encodeURIComponent(model)}`);
     uploaded[kind] = { file: stored, summary };
@@ -92,7 +92,9 @@ function showError(message) {
 // Marks the control of the field a 400 names (opening Advanced if it is there), or clears the mark.
 function markInvalid(param) {
   for (const el of document.querySelectorAll("[aria-invalid]")) el.removeAttribute("aria-invalid");
-  const id = (param || "").replace(/^hyperparameters\./, "").replace(".", "_");
+  // a 400 on `model` names the Hub id typed in, when one is
+  const id = param === "model" && typedHubModel() ? "hub_model"
+    : (param || "").replace(/^hyperparameters\./, "").replace(".", "_");
   const el = id && document.getElementById(id);
   if (!el || !el.closest("#newjob")) return;
   const section = el.closest("details");
@@ -130,7 +132,7 @@ function setOnly(fields) {
 // user set. JSON.stringify leaves out the undefined ones.
 function jobBody() {
   const body = {
-    model: document.getElementById("model").value,
+    model: chosenModel(),
     training_file: uploaded.train.file.id,
     hyperparameters: setOnly({
       n_epochs: numberField("n_epochs"),
@@ -328,6 +330,15 @@ async function submit(ev) {
     markInvalid(e.param);
     btn.disabled = false;
   }
+}
+
+// The base the job trains: a Hugging Face Hub id typed in (owner/name), else the model picked.
+function typedHubModel() {
+  return document.getElementById("hub_model").value.trim();
+}
+
+function chosenModel() {
+  return typedHubModel() || document.getElementById("model").value;
 }
 
 // Random-init models (tests, benchmarks) and models not downloaded yet are labelled as such (the
