@@ -113,7 +113,7 @@ def _loraq_step(preset: str, batch: int, seq: int, info: dict[str, Any]) -> tupl
 
     import gpu_kernels
     from service.settings import get_settings
-    from worker.engine.fused_llama import fuse_model
+    from worker.engine.fused_model import fuse_model
     from worker.engine.lora import apply_lora, trainable_parameters
     from worker.engine.models import load_base_model
     from worker.engine.train_step import CapturedTrainStep

@@ -24,7 +24,7 @@ from transformers import LlamaForCausalLM
 
 from gpu_kernels.dispatch import KernelStatus
 from tests.engine.recipe_helpers import Recorder
-from worker.engine import fused_llama
+from worker.engine import fused_model
 from worker.engine.data import IGNORE_INDEX, BatchSampler, load_dataset, read_valid_examples
 from worker.engine.lora import apply_lora, remove_lora, trainable_parameters
 from worker.engine.models import LoadedModel, load_base_model
@@ -157,10 +157,10 @@ def test_captured_step_objective_equals_the_formula(
     cu_seqlens, gathered loss positions, static buffers) with PreferenceObjective: one step of 6
     pairs in 2 micro-batches, loss and gradients (max_grad_norm out of the way, lr 0) equal the
     formula's."""
-    monkeypatch.setattr(fused_llama.gpu_kernels, "available", lambda: KernelStatus(True, "forced for a test"))
+    monkeypatch.setattr(fused_model.gpu_kernels, "available", lambda: KernelStatus(True, "forced for a test"))
     model = copy.deepcopy(tiny_fp64.model)
-    fused_llama.fuse_model(model)
-    assert fused_llama.fused_stack(model.model)
+    fused_model.fuse_model(model)
+    assert fused_model.fused_stack(model.model)
     data = load_dataset(write_pairs(tmp_path / "p.jsonl", 6), tiny_fp64.tokenizer, 128, pack=True)
     table = reference_table(model, data, 1, lambda b: batch_logps(model, b, no_autocast))
     sampler = BatchSampler(data, 1, seed=0, shuffle=False)

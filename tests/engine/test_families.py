@@ -34,7 +34,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 import worker.engine.recipe as recipe_module
 from gpu_kernels.dispatch import KernelStatus
 from tests.engine.tiny_families import SHAPE, WINDOW, build_tiny_family, save_tiny_family
-from worker.engine import fused_llama
+from worker.engine import fused_model
 from worker.engine.catalog import model_family, register_local_model
 from worker.engine.data import IGNORE_INDEX, Batch
 from worker.engine.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
@@ -530,11 +530,11 @@ def test_models_add_takes_exactly_the_described_families(store: Path, tmp_path: 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_fused_path_takes_every_family(architecture: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """What the fused modules compute per family: tests/engine/test_fused_families.py."""
-    monkeypatch.setattr(fused_llama.gpu_kernels, "available", lambda: KernelStatus(True, "forced for a test"))
+    monkeypatch.setattr(fused_model.gpu_kernels, "available", lambda: KernelStatus(True, "forced for a test"))
     model = build_tiny_family(architecture)
     apply_lora(model, LORA)
-    report = fused_llama.fuse_model(model)
-    assert fused_llama.fused_stack(model.model) and not report.skipped
+    report = fused_model.fuse_model(model)
+    assert fused_model.fused_stack(model.model) and not report.skipped
 
 
 def test_fused_path_refuses_a_llama_config_it_does_not_cover() -> None:

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 
 from gpu_kernels.dispatch import KernelStatus
 from tests.engine.tiny_families import WINDOW, build_tiny_family
-from worker.engine import fused_llama
+from worker.engine import fused_model
 from worker.engine.families import FAMILIES, layer_attention
 from worker.engine.lora import apply_lora, lora_state_dict, trainable_parameters
 from worker.engine.types import LoraConfig
@@ -41,9 +41,9 @@ def base(request: pytest.FixtureRequest) -> PreTrainedModel:
 
 @pytest.fixture
 def fused(base: PreTrainedModel, monkeypatch: pytest.MonkeyPatch) -> PreTrainedModel:
-    monkeypatch.setattr(fused_llama.gpu_kernels, "available", lambda: KernelStatus(True, "forced for a test"))
+    monkeypatch.setattr(fused_model.gpu_kernels, "available", lambda: KernelStatus(True, "forced for a test"))
     model = copy.deepcopy(base)
-    report = fused_llama.fuse_model(model)
+    report = fused_model.fuse_model(model)
     family = FAMILIES[type(model).__name__]
     layers = model.config.num_hidden_layers
     norms = (4 if family.norm == "sandwich" else 2) * layers + 1  # q/k norms run inside the rope op
@@ -54,7 +54,7 @@ def fused(base: PreTrainedModel, monkeypatch: pytest.MonkeyPatch) -> PreTrainedM
         layers,
         layers,
     )
-    assert fused_llama.fused_stack(model.model)
+    assert fused_model.fused_stack(model.model)
     assert sorted(lora_state_dict(model)) == sorted(lora_state_dict(base))
     return model
 
@@ -75,7 +75,7 @@ def test_each_layer_reads_its_family_and_config(fused: PreTrainedModel) -> None:
     layers = layer_attention(family, fused.config.to_dict())
     attns = [layer.self_attn for layer in fused.model.layers]
     assert [a.window for a in attns] == [layer.window for layer in layers]
-    assert all(isinstance(a, fused_llama.FusedAttention) for a in attns)
+    assert all(isinstance(a, fused_model.FusedAttention) for a in attns)
     if family.windows != "none" and fused.config.sliding_window is not None:
         assert WINDOW in {a.window for a in attns}  # the tiny configs' windows bind
     keys = {a.rope_key for a in attns}
@@ -94,14 +94,14 @@ def test_fused_loss_and_grads_equal_the_plain_model(base: PreTrainedModel, fused
     labels[:, :5] = -100
     logits = plain(input_ids=ids, use_cache=False).logits[:, :-1]  # float64 (its .loss is float32)
     expect = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels[:, 1:])
-    got = fused_llama.causal_lm_loss(fused, ids, labels)
+    got = fused_model.causal_lm_loss(fused, ids, labels)
     torch.testing.assert_close(got, expect, rtol=1e-6, atol=1e-8)
     expect.backward()
     got.backward()
     _close(_grads(fused), _grads(plain), 1e-5)
 
 
-def packed_row(examples: list[torch.Tensor], loss_dtype: torch.dtype) -> fused_llama.PackedInputs:
+def packed_row(examples: list[torch.Tensor], loss_dtype: torch.dtype) -> fused_model.PackedInputs:
     """One micro-batch of one row holding the examples back to back (positions restart at each),
     every next token of an example a loss target, scale 1."""
     device = examples[0].device
@@ -109,7 +109,7 @@ def packed_row(examples: list[torch.Tensor], loss_dtype: torch.dtype) -> fused_l
     starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
     index = torch.tensor([t for a, b in pairwise(starts) for t in range(a, b - 1)], device=device)
     ids = torch.cat(examples).view(1, 1, -1)
-    return fused_llama.PackedInputs(
+    return fused_model.PackedInputs(
         input_ids=ids,
         position_ids=torch.cat([torch.arange(n, device=device) for n in lengths]).view(1, 1, -1),
         cu_seqlens=torch.tensor([starts], dtype=torch.int32, device=device),
@@ -139,7 +139,7 @@ def test_packed_row_equals_each_example_alone(base: PreTrainedModel, fused: PreT
     example's loss and gradient through the plain model run on it alone."""
     g = torch.Generator().manual_seed(5)
     examples = [torch.randint(3, 500, (n,), generator=g) for n in LENGTHS]
-    got = fused_llama.packed_lm_loss(fused, packed_row(examples, torch.float64), 0)
+    got = fused_model.packed_lm_loss(fused, packed_row(examples, torch.float64), 0)
     got.backward()
     plain = copy.deepcopy(base)
     want = examples_alone(plain, examples)

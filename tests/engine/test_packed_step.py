@@ -1,6 +1,6 @@
 """The job path's packed step, on the CPU in float64 through gpu_kernels' reference ops.
 
-`fuse_model` is forced on (as in tests/gpu_kernels/test_fused_llama.py), so the fused modules,
+`fuse_model` is forced on (as in tests/gpu_kernels/test_fused_model.py), so the fused modules,
 variable-length attention over cu_seqlens and the gathered loss run exactly as on the GPU, with
 the reference twin of every kernel. The oracle is the plain (unfused) Hugging Face model run on
 one example at a time.
@@ -17,7 +17,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from gpu_kernels.dispatch import KernelStatus
-from worker.engine import fused_llama
+from worker.engine import fused_model
 from worker.engine.data import IGNORE_INDEX, Row, collate
 from worker.engine.lora import apply_lora, trainable_parameters
 from worker.engine.models import load_base_model
@@ -42,10 +42,10 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> LlamaForCausalLM:
 
 @pytest.fixture
 def fused(base: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch) -> LlamaForCausalLM:
-    monkeypatch.setattr(fused_llama.gpu_kernels, "available", lambda: KernelStatus(True, "forced for a test"))
+    monkeypatch.setattr(fused_model.gpu_kernels, "available", lambda: KernelStatus(True, "forced for a test"))
     model = copy.deepcopy(base)
-    fused_llama.fuse_model(model)
-    assert fused_llama.fused_stack(model.model)
+    fused_model.fuse_model(model)
+    assert fused_model.fused_stack(model.model)
     return model
 
 
@@ -86,7 +86,7 @@ def only_example(host: HostStep, row: Row, which: int) -> HostStep:
 
 def loss_and_grads(model: torch.nn.Module, host: HostStep) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Σ CE of the step (scale 1) and the adapters' gradients, through packed_lm_loss."""
-    inputs = fused_llama.PackedInputs(
+    inputs = fused_model.PackedInputs(
         host.input_ids,
         host.position_ids,
         host.cu_seqlens,
@@ -97,7 +97,7 @@ def loss_and_grads(model: torch.nn.Module, host: HostStep) -> tuple[torch.Tensor
     )
     params = trainable_parameters(model)
     model.zero_grad(set_to_none=True)
-    loss = fused_llama.packed_lm_loss(model, inputs, 0)
+    loss = fused_model.packed_lm_loss(model, inputs, 0)
     loss.backward()
     return loss.detach(), [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
 

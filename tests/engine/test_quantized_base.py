@@ -26,7 +26,7 @@ from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 from gpu_kernels import KernelStatus
 from gpu_kernels.quant import StackedWeight
 from tests.engine.recipe_helpers import Recorder, tiny_config
-from worker.engine import fused_llama
+from worker.engine import fused_model
 from worker.engine.export import load_adapter
 from worker.engine.lora import apply_lora, merge_lora, trainable_parameters
 from worker.engine.models import LoadedModel, load_base_model
@@ -255,9 +255,9 @@ def test_the_fused_stack_groups_quantized_projections_without_copying_them(
     grouped op, here with the reference ops) and train as the fused dequantized model does."""
     dense = copy.deepcopy(tiny64)
     quantize_model(tiny64, "nf4")
-    monkeypatch.setattr(fused_llama.gpu_kernels, "available", lambda: KernelStatus(True, "forced for a test"))
+    monkeypatch.setattr(fused_model.gpu_kernels, "available", lambda: KernelStatus(True, "forced for a test"))
     # fuse_model (fuse_llama before the families rework): the same surgery under either name
-    fuse = getattr(fused_llama, "fuse_model", None) or getattr(fused_llama, "fuse_llama")  # noqa: B009
+    fuse = getattr(fused_model, "fuse_model", None) or getattr(fused_model, "fuse_llama")  # noqa: B009
     reports = []
     oracle = dense_twin(tiny64, dense)
     loss, grads = loss_and_grads(tiny64, then=lambda m: reports.append(fuse(m)))

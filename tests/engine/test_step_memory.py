@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from gpu_kernels import KernelStatus
 from tests.engine.recipe_helpers import Recorder, tiny_config
-from worker.engine import fused_llama
+from worker.engine import fused_model
 from worker.engine.data import IGNORE_INDEX, Batch
 from worker.engine.lora import apply_lora, trainable_parameters
 from worker.engine.memory_plan import MemoryChoice
@@ -116,7 +116,7 @@ def test_the_packed_captured_step_obeys_the_plan(tmp_path: Path, monkeypatch: py
     """The captured step's machinery (fused modules with the reference ops, static buffers) on the
     CPU: split into 1-row passes (k·4 micro-batches of 1 row in the static shape) the loss is the
     same to rounding; with full checkpointing it is the same bit for bit."""
-    monkeypatch.setattr(fused_llama.gpu_kernels, "available", lambda: KernelStatus(True, "forced for a test"))
+    monkeypatch.setattr(fused_model.gpu_kernels, "available", lambda: KernelStatus(True, "forced for a test"))
 
     def run(name: str, memory: MemoryChoice | None) -> Recorder:
         recorder = Recorder()

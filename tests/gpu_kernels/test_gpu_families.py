@@ -92,7 +92,7 @@ def test_family_fused_packed_loss_matches_the_plain_model(architecture: str, rec
     plain model run on each example alone, in bf16 on the same GPU."""
     import gpu_kernels
     from tests.engine.test_fused_families import examples_alone, packed_row
-    from worker.engine import fused_llama
+    from worker.engine import fused_model
     from worker.engine.lora import apply_lora, trainable_parameters
 
     torch.manual_seed(0)
@@ -105,10 +105,10 @@ def test_family_fused_packed_loss_matches_the_plain_model(architecture: str, rec
         p.data = p.data.float()  # adapters in fp32, as the recipe keeps them
     assert gpu_kernels.available().compiled
     fused = copy.deepcopy(model)
-    report = fused_llama.fuse_model(fused)
-    assert fused_llama.fused_stack(fused.model) and not report.skipped, report.skipped
+    report = fused_model.fuse_model(fused)
+    assert fused_model.fused_stack(fused.model) and not report.skipped, report.skipped
     examples = [torch.randint(3, 500, (n,), device="cuda") for n in (23, 40, 9)]
-    got = fused_llama.packed_lm_loss(fused, packed_row(examples, torch.float32), 0)
+    got = fused_model.packed_lm_loss(fused, packed_row(examples, torch.float32), 0)
     got.backward()
     want = examples_alone(model, examples)
     grads = [

@@ -78,7 +78,7 @@ def train_tiny(steps: int, dtype: torch.dtype) -> dict[str, Any]:
     reference path on the same GPU; returns both loss curves."""
     import tempfile
 
-    from worker.engine.fused_llama import fuse_model
+    from worker.engine.fused_model import fuse_model
     from worker.engine.lora import apply_lora, trainable_parameters
     from worker.engine.models import load_base_model
     from worker.engine.train_step import CapturedTrainStep
@@ -281,7 +281,7 @@ def packed_check(small: bool = False) -> dict[str, Any]:
     import tempfile
 
     from worker.engine.data import IGNORE_INDEX, Row, collate
-    from worker.engine.fused_llama import PackedInputs, fuse_model, packed_lm_loss
+    from worker.engine.fused_model import PackedInputs, fuse_model, packed_lm_loss
     from worker.engine.lora import apply_lora, trainable_parameters
     from worker.engine.models import load_base_model
     from worker.engine.train_step import StepShape, host_step

@@ -24,7 +24,7 @@ import gpu_kernels
 from worker.engine import distributed
 from worker.engine.data import IGNORE_INDEX, Batch, BatchSampler, TokenizedDataset, pair_slots
 from worker.engine.dataset_rules import PREFERENCE_FORMAT
-from worker.engine.fused_llama import PackedInputs
+from worker.engine.fused_model import PackedInputs
 from worker.engine.preference import (
     READINGS,
     PreferenceObjective,

@@ -216,7 +216,7 @@ def layer_attention(family: Family, config: Mapping[str, Any]) -> list[LayerAtte
 
 
 def fused_path_gap(family: Family, config: Mapping[str, Any]) -> str | None:
-    """Why the GPU fused step (worker/engine/fused_llama.py) does not cover a model of `family`
+    """Why the GPU fused step (worker/engine/fused_model.py) does not cover a model of `family`
     with `config` (None: it does). It covers every field of every family here; what it cannot
     take is a RoPE whose table depends on the sequence (one static cos/sin table per layer type)."""
     layers = layer_attention(family, config)

@@ -46,7 +46,7 @@ class LoRALinear(nn.Module):
     is then a gpu_kernels.quant.FrozenWeight, which the LoRA op multiplies by tiles."""
 
     # (casts, i): op i of a model-wide AdapterCasts holds this layer's factors in the activation
-    # dtype during a training step (worker.engine.fused_llama.attach_adapter_casts)
+    # dtype during a training step (worker.engine.fused_model.attach_adapter_casts)
     cast_slot: tuple[gpu_kernels.AdapterCasts, int] | None = None
 
     def __init__(self, base: nn.Linear | QuantizedLinear, r: int, scale: float, dropout: float = 0.0) -> None:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.engine.data import IGNORE_INDEX, Batch, BatchSampler, TokenizedDataset, pair_slots
-from worker.engine.fused_llama import PackedInputs, packed_loss_states
+from worker.engine.fused_model import PackedInputs, packed_loss_states
 from worker.engine.lora import lora_modules
 from worker.engine.types import PreferenceMetrics, StopRequested
 

@@ -48,7 +48,7 @@ from worker.engine.data import (
 )
 from worker.engine.dataset_rules import PREFERENCE_FORMAT
 from worker.engine.export import export_adapter
-from worker.engine.fused_llama import FuseReport, fuse_model, fused_stack, lm_loss_sum
+from worker.engine.fused_model import FuseReport, fuse_model, fused_stack, lm_loss_sum
 from worker.engine.health import Finding, HealthMonitor
 from worker.engine.holdout import holdout_sentence
 from worker.engine.lora import apply_lora, lora_modules, remove_lora, trainable_parameters
@@ -467,7 +467,7 @@ class LoRAFinetuneRecipe:
             targets = batch.labels[:, 1:]  # (B, T-1): label t+1 is predicted at position t
             keep = targets != IGNORE_INDEX
             selected = hidden[:, :-1][keep]  # (N, H)
-        # head + CE; on the compiled path chunked and fused (no (N, V) logits), see fused_llama
+        # head + CE; on the compiled path chunked and fused (no (N, V) logits), see fused_model
         return lm_loss_sum(selected, head, targets[keep])
 
     def _train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,7 +36,7 @@ from torch import nn
 
 import gpu_kernels
 from worker.engine.data import IGNORE_INDEX, Batch
-from worker.engine.fused_llama import PackedInputs, attach_adapter_casts, causal_lm_loss, packed_lm_loss
+from worker.engine.fused_model import PackedInputs, attach_adapter_casts, causal_lm_loss, packed_lm_loss
 
 if TYPE_CHECKING:
     from worker.engine.preference import HostPairs

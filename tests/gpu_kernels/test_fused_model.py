@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
 from gpu_kernels.dispatch import KernelStatus
-from worker.engine import fused_llama
+from worker.engine import fused_model
 from worker.engine.lora import apply_lora, lora_state_dict, remove_lora, trainable_parameters
 from worker.engine.models import load_base_model
 from worker.engine.train_step import CapturedTrainStep
@@ -35,29 +35,29 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> LlamaForCausalLM:
 
 @pytest.fixture
 def force_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fused_llama.gpu_kernels, "available", lambda: KernelStatus(True, "forced for a test"))
+    monkeypatch.setattr(fused_model.gpu_kernels, "available", lambda: KernelStatus(True, "forced for a test"))
 
 
 def test_not_compiled_means_untouched(base: LlamaForCausalLM) -> None:
     model = copy.deepcopy(base)
-    report = fused_llama.fuse_model(model)
+    report = fused_model.fuse_model(model)
     assert report.rms_norms == report.qkv_groups == report.attentions == report.mlps == 0
     assert "compiled kernels not in use" in report.skipped[0]
 
 
 def test_fused_model_computes_the_same_loss_and_grads(base: LlamaForCausalLM, force_compiled: None) -> None:
     plain, fused = copy.deepcopy(base), copy.deepcopy(base)
-    report = fused_llama.fuse_model(fused)
+    report = fused_model.fuse_model(fused)
     layers = fused.config.num_hidden_layers
     counts = (report.rms_norms, report.qkv_groups, report.attentions, report.mlps)
     assert counts == (2 * layers + 1, layers, layers, layers)
-    assert all(isinstance(layer.self_attn, fused_llama.FusedAttention) for layer in fused.model.layers)
+    assert all(isinstance(layer.self_attn, fused_model.FusedAttention) for layer in fused.model.layers)
     assert sorted(lora_state_dict(fused)) == sorted(lora_state_dict(plain))
     ids = torch.randint(0, 400, (2, 16), generator=torch.Generator().manual_seed(3))
     labels = ids.clone()
     labels[:, :4] = -100
     expect = plain(input_ids=ids, labels=labels).loss
-    got = fused_llama.causal_lm_loss(fused, ids, labels)
+    got = fused_model.causal_lm_loss(fused, ids, labels)
     torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-6)
     expect.backward()
     got.backward()
@@ -70,7 +70,7 @@ def test_grouped_weights_are_views_and_unwrapping_still_runs(
     base: LlamaForCausalLM, force_compiled: None
 ) -> None:
     model = copy.deepcopy(base)
-    fused_llama.fuse_model(model)
+    fused_model.fuse_model(model)
     attn = model.model.layers[0].self_attn
     group = attn.q_proj.group
     assert attn.k_proj.base.weight.untyped_storage().data_ptr() == group.weight.untyped_storage().data_ptr()
@@ -86,7 +86,7 @@ def test_lm_loss_sum_is_the_plain_sum_on_cpu() -> None:
     h = torch.randn(5, 8)
     t = torch.randint(0, 13, (5,))
     assert torch.equal(
-        fused_llama.lm_loss_sum(h, head, t), F.cross_entropy(head(h).float(), t, reduction="sum")
+        fused_model.lm_loss_sum(h, head, t), F.cross_entropy(head(h).float(), t, reduction="sum")
     )
 
 
@@ -110,15 +110,15 @@ def test_fused_attention_takes_the_rope_path_and_falls_back_with_a_mask(
     base: LlamaForCausalLM, force_compiled: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     plain, fused = copy.deepcopy(base), copy.deepcopy(base)
-    fused_llama.fuse_model(fused)
+    fused_model.fuse_model(fused)
     calls: list[tuple[int, ...]] = []
-    rope = fused_llama.gpu_kernels.rope_qkv
+    rope = fused_model.gpu_kernels.rope_qkv
 
     def counting_rope(qkv: torch.Tensor, *args: object) -> tuple[torch.Tensor, ...]:
         calls.append(tuple(qkv.shape))
         return rope(qkv, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(fused_llama.gpu_kernels, "rope_qkv", counting_rope)
+    monkeypatch.setattr(fused_model.gpu_kernels, "rope_qkv", counting_rope)
     ids = torch.randint(0, 400, (2, 12), generator=torch.Generator().manual_seed(6))
     torch.testing.assert_close(
         fused(input_ids=ids, use_cache=False).logits, plain(input_ids=ids).logits, rtol=1e-5, atol=1e-5
@@ -127,7 +127,7 @@ def test_fused_attention_takes_the_rope_path_and_falls_back_with_a_mask(
     # the training loss runs the stack without transformers' mask construction, same loss
     calls.clear()
     labels = ids.clone()
-    got = fused_llama.causal_lm_loss(fused, ids, labels)
+    got = fused_model.causal_lm_loss(fused, ids, labels)
     torch.testing.assert_close(got, plain(input_ids=ids, labels=labels).loss, rtol=1e-5, atol=1e-6)
     assert len(calls) == fused.config.num_hidden_layers
     # a padding mask is not the fast path's business: Hugging Face's forward runs, same result
@@ -150,7 +150,7 @@ def test_generation_with_a_kv_cache_matches_the_unwrapped_model(
     transformers passes it (`cache` from 5.24, `past_key_values` before): the fused attention must
     hand every cached step to Hugging Face's forward, or it would attend to the new token alone."""
     plain, fused = copy.deepcopy(base).eval(), copy.deepcopy(base).eval()
-    assert fused_llama.fuse_model(fused).attentions == fused.config.num_hidden_layers
+    assert fused_model.fuse_model(fused).attentions == fused.config.num_hidden_layers
     prompt = torch.randint(0, 400, (2, 7), generator=torch.Generator().manual_seed(8))
     settings = {"max_new_tokens": 6, "do_sample": False, "use_cache": True, "pad_token_id": 0}
     with torch.no_grad():
@@ -161,14 +161,14 @@ def test_generation_with_a_kv_cache_matches_the_unwrapped_model(
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", fused_llama.KV_CACHE_ARGS)
+@pytest.mark.parametrize("name", fused_model.KV_CACHE_ARGS)
 def test_a_cache_under_any_name_leaves_the_fast_path(
     base: LlamaForCausalLM, force_compiled: None, name: str
 ) -> None:
     from transformers.cache_utils import DynamicCache
 
     model = copy.deepcopy(base)
-    fused_llama.fuse_model(model)
+    fused_model.fuse_model(model)
     attn = model.model.layers[0].self_attn
     assert attn._fast_qkv(None, {}) is not None
     assert attn._fast_qkv(None, {name: DynamicCache()}) is None
@@ -180,5 +180,5 @@ def test_an_attention_without_the_keywords_is_left_unfused() -> None:
         def forward(self, x: torch.Tensor, cos_sin: object, mask: object) -> torch.Tensor:
             return x
 
-    reason = fused_llama.hf_attention_signature_ok(OddAttention())
+    reason = fused_model.hf_attention_signature_ok(OddAttention())
     assert reason is not None and "hidden_states" in reason
