@@ -257,3 +257,28 @@ def test_a_function_calling_line_is_a_chat_example() -> None:
         line({"messages": [ASK, *TOOL_TURNS, ANSWER], "tools": [WEATHER], "parallel_tool_calls": False})
     )
     assert (parsed.format, parsed.messages, parsed.assistant_messages) == ("chat", 4, 2)
+
+
+# A training template whose assistant text is marked with `{% generation %}` (TRL's kind): the
+# markers change nothing rendered, so the spans are found as for any template, and the counter
+# renders them as transformers does.
+MARKED = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant\n"
+    "{% generation %}{{ m['content'] }}<|im_end|>\n{% endgeneration %}"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_with_generation_markers(tmp_path: Path) -> None:
+    tok = family_tokenizer("Qwen2ForCausalLM")
+    tok.chat_template = MARKED
+    record = {"messages": [SYSTEM, *GREETING, ASK, ANSWER]}
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    examples, report = read_examples(path, tok, max_seq_len=4096)
+    assert report.ok, report.errors
+    trained = [t for t, label in zip(examples[0].input_ids, examples[0].labels, strict=True) if label != -100]
+    assert tok.decode(trained) == "Hello!<|im_end|>\nIt is 22 C and sunny.<|im_end|>\n"
+    counter = TokenCounter(tok.backend_tokenizer, tok.chat_template, tok.eos_token, tok.bos_token)
+    assert counter.count("chat", record) == len(examples[0].input_ids)

@@ -147,11 +147,26 @@ def _raise(message: str) -> None:
 
 @lru_cache(maxsize=8)
 def _template(source: str) -> Any:
-    # As transformers compiles chat templates: sandboxed, trim_blocks and lstrip_blocks.
-    from jinja2.ext import loopcontrols
+    # As transformers compiles chat templates: sandboxed, trim_blocks and lstrip_blocks, and a
+    # `{% generation %}` block (training templates mark assistant text with it) renders its body.
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    class Generation(Extension):
+        tags = {"generation"}  # noqa: RUF012  (jinja2 declares it a set)
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return str(caller())
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, Generation]
+    )
     env.filters["tojson"] = lambda x, indent=None: json.dumps(x, indent=indent, ensure_ascii=False)
     return env.from_string(source)
 
