@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,8 +119,8 @@ class Service:
             self.procs["inference"] = start_inference_worker(self.env, self.logs["inference"])
 
 
-def start_worker(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    return _start_logged(["worker", "--loglevel", "INFO"], env, log, b" ready.", "celery worker")
+def start_worker(env: dict[str, str], log: Path, prefix: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+    return _start_logged(["worker", "--loglevel", "INFO"], env, log, b" ready.", "celery worker", prefix)
 
 
 def start_inference_worker(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -128,13 +128,14 @@ def start_inference_worker(env: dict[str, str], log: Path) -> subprocess.Popen[b
 
 
 def _start_logged(
-    args: list[str], env: dict[str, str], log: Path, ready_line: bytes, what: str
+    args: list[str], env: dict[str, str], log: Path, ready_line: bytes, what: str, prefix: Sequence[str] = ()
 ) -> subprocess.Popen[bytes]:
-    """`loraq <args>` with its output appended to `log`; returns once `ready_line` appears there."""
+    """`loraq <args>` (run under `prefix`: another network namespace, tests/netns.py) with its
+    output appended to `log`; returns once `ready_line` appears there."""
     start = log.stat().st_size if log.exists() else 0
     out = log.open("ab")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", *args],
+        [*prefix, sys.executable, "-m", "service.cli", *args],
         env=env,
         cwd=ROOT,
         stdout=out,

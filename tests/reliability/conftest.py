@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,9 +59,10 @@ class Stack:
         stop_process(self.redis, signal.SIGKILL)
         self.redis = None
 
-    def start_worker(self, **extra_env: str) -> subprocess.Popen[bytes]:
+    def start_worker(self, prefix: Sequence[str] = (), **extra_env: str) -> subprocess.Popen[bytes]:
+        """A worker with `extra_env` over the stack's settings, run under `prefix` (tests/netns.py)."""
         log = self.tmp / f"worker-{len(self.workers)}.log"
-        proc = start_worker({**self.env, **extra_env}, log)
+        proc = start_worker({**self.env, **extra_env}, log, prefix)
         self.workers.append((proc, log))
         return proc
 
