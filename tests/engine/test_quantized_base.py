@@ -168,7 +168,10 @@ def gguf_reference_weights(path: Path, config: object) -> dict[str, np.ndarray]:
     )
     out = {}
     for tensor in GGUFReader(path).tensors:
-        _, layer, gguf_name, _ = tensor.name.split(".")
+        parts = tensor.name.split(".")  # blk.N.attn_q.weight; embeddings and norms are not linears
+        if len(parts) != 4 or parts[2] not in GGUF_LLAMA_LINEARS:
+            continue
+        _, layer, gguf_name, _ = parts
         dense = quants.dequantize(tensor.data, tensor.tensor_type)
         out[f"model.layers.{layer}.{GGUF_LLAMA_LINEARS[gguf_name]}"] = processor.process(
             dense, tensor.name
@@ -270,3 +273,38 @@ def test_the_fused_stack_groups_quantized_projections_without_copying_them(
     torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
     for g, ref in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, ref, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.slow
+def test_the_pulled_smollm2_trains_on_its_own_q4_1_blocks(pulled_store: Path) -> None:
+    """The real SmolLM2-135M-Instruct Q4_1 file: every decoder linear keeps its file's blocks (210
+    layers, 5 bits a weight, the file's bytes), each equal to what transformers' GGUF loader
+    computes; on its first 3 layers (for time), loss and LoRA gradients equal the dense model's
+    with those weights."""
+    loaded = load_base_model("smollm2-135m-instruct", store=pulled_store, quantization="gguf")
+    model: Any = loaded.model
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert len(layers) == 210 and quantization_of(model) == "Q4_1"
+    path = pulled_store / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    assert sum(m.qweight.nbytes for m in layers.values()) == sum(
+        n for name, n in sizes.items() if name.split(".")[2:3] and name.split(".")[2] in GGUF_LLAMA_LINEARS
+    )
+    del model.model.layers[3:]  # the first 3 decoder layers: a CPU forward/backward of seconds
+    model.config.num_hidden_layers = 3
+    reference = {
+        k: v for k, v in gguf_reference_weights(path, model.config).items() if int(k.split(".")[2]) < 3
+    }
+    twin = copy.deepcopy(model)
+    for name, weight in reference.items():
+        layer = model.get_submodule(name)
+        np.testing.assert_array_equal(layer.qweight.dequantize(torch.float32).numpy(), weight)
+        dense = nn.Linear(layer.in_features, layer.out_features, bias=False)
+        dense.weight.data = torch.from_numpy(weight)
+        parent, _, leaf = name.rpartition(".")
+        setattr(twin.get_submodule(parent), leaf, dense)
+    loss, grads = loss_and_grads(model)
+    ref_loss, ref_grads = loss_and_grads(twin)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    for g, ref in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, ref, rtol=1e-3, atol=1e-6)
