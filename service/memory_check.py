@@ -20,7 +20,8 @@ from typing import Any
 from service.errors import InvalidRequestError
 from service.schemas import JobCreate
 from service.settings import get_settings
-from worker.engine.memory_plan import MemoryPlan, ModelDims, catalog_dims, plan_memory, refusal
+from worker.engine.catalog import PRETRAINED
+from worker.engine.memory_plan import GGUF_BITS, MemoryPlan, ModelDims, catalog_dims, plan_memory, refusal
 from worker.engine.training_config import AUTO_BATCH_SIZE
 
 log = logging.getLogger("loraq.memory")
@@ -77,6 +78,9 @@ def plans(spec: JobCreate, gpu_bytes: dict[int, int], *, rows: int, seq: int) ->
     dims = _dims(spec.model)
     if dims is None:
         return []
+    gguf_bits = None
+    if spec.quantization == "gguf" and spec.model in PRETRAINED:  # its file's block type: X.Q4_1.gguf
+        gguf_bits = GGUF_BITS.get(PRETRAINED[spec.model].filename.split(".")[-2])
     return [
         GpuPlan(
             size,
@@ -89,6 +93,7 @@ def plans(spec: JobCreate, gpu_bytes: dict[int, int], *, rows: int, seq: int) ->
                 seq=seq,
                 gpu_bytes=size,
                 quantization=spec.quantization,
+                gguf_bits=gguf_bits,
             ),
         )
         for size, count in sorted(gpu_bytes.items())
@@ -123,8 +128,6 @@ def check_fits(
 def check_quantization(spec: JobCreate) -> None:
     """400 naming `quantization` when "gguf" (keep a GGUF file's blocks) names a base that is
     not a GGUF file."""
-    from worker.engine.catalog import PRETRAINED
-
     if spec.quantization == "gguf" and spec.model not in PRETRAINED:
         raise InvalidRequestError(
             f'invalid quantization: "gguf" keeps a GGUF base\'s own blocks, and model {spec.model!r} '

@@ -259,8 +259,7 @@ def test_the_fused_stack_groups_quantized_projections_without_copying_them(
     dense = copy.deepcopy(tiny64)
     quantize_model(tiny64, "nf4")
     monkeypatch.setattr(fused_model.gpu_kernels, "available", lambda: KernelStatus(True, "forced for a test"))
-    # fuse_model (fuse_llama before the families rework): the same surgery under either name
-    fuse = getattr(fused_model, "fuse_model", None) or getattr(fused_model, "fuse_llama")  # noqa: B009
+    fuse = fused_model.fuse_model
     reports = []
     oracle = dense_twin(tiny64, dense)
     loss, grads = loss_and_grads(tiny64, then=lambda m: reports.append(fuse(m)))

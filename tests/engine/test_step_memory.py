@@ -15,9 +15,10 @@ from safetensors.torch import load_file
 from gpu_kernels import KernelStatus
 from tests.engine.recipe_helpers import Recorder, tiny_config
 from worker.engine import fused_model
+from worker.engine.catalog import PRESET_SHAPES
 from worker.engine.data import IGNORE_INDEX, Batch
 from worker.engine.lora import apply_lora, trainable_parameters
-from worker.engine.memory_plan import MemoryChoice
+from worker.engine.memory_plan import MemoryChoice, ModelDims, predict_peak
 from worker.engine.models import LoadedModel
 from worker.engine.recipe import train
 from worker.engine.step_memory import apply_checkpointing, offloaded, remove_checkpointing, split_rows
@@ -134,3 +135,54 @@ def test_the_packed_captured_step_obeys_the_plan(tmp_path: Path, monkeypatch: py
         assert a.train_loss == pytest.approx(b.train_loss, rel=1e-6)
     assert [m.train_loss for m in full.steps] == [m.train_loss for m in plain.steps]
     assert [m.grad_norm for m in full.steps] == [m.grad_norm for m in plain.steps]
+
+
+def _gpu_budgets() -> dict[str, int]:
+    """GPU bytes that make tiny-llama's step (4 rows of 64 tokens, r=8) fit whole, fit only with
+    checkpointing, or not at all (the plan keeps 90 % of them)."""
+    dims = ModelDims.from_config(PRESET_SHAPES["tiny-llama"].config_kwargs())
+
+    def peak(choice: MemoryChoice, rows: int) -> int:
+        return predict_peak(dims, rank=8, targets="all-linear", micro_tokens=rows * 64, choice=choice)[
+            "total"
+        ]
+
+    # between one row recomputed and one row kept: no split alone fits, checkpointing does
+    one_kept, one_recomputed = peak(MemoryChoice(1), 1), peak(MemoryChoice(1, "selective"), 1)
+    return {
+        "fits": int(peak(MemoryChoice(), 4) / 0.9) + 1,
+        "checkpointing": int((one_kept + one_recomputed) / 2 / 0.9),
+        "no": 100 << 20,
+    }
+
+
+@pytest.mark.parametrize(
+    ("budget", "level", "words"),
+    [
+        ("fits", "info", "whole micro-batches, no activation checkpointing"),
+        ("checkpointing", "warn", "(fits only with activation checkpointing)"),
+        ("no", "warn", "does not fit"),
+    ],
+)
+def test_on_a_gpu_the_plan_comes_from_its_free_memory_and_is_announced(
+    tiny: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: str, level: str, words: str
+) -> None:
+    """`obey` on a CUDA device without a configured choice plans for the GPU's free memory plus
+    what the process holds (both faked here), says so once, and applies the choice."""
+    from worker.engine import step_memory
+
+    free = _gpu_budgets()[budget]
+    monkeypatch.setattr(step_memory.torch.cuda, "mem_get_info", lambda device: (free - (1 << 20), 80 << 30))
+    monkeypatch.setattr(step_memory.torch.cuda, "memory_allocated", lambda device: 1 << 20)
+    events: list[tuple[str, str]] = []
+    model = copy.deepcopy(tiny.model)
+    cfg = tiny_config(tmp_path, batch_size=4, max_seq_len=64, lora=LoraConfig(r=8, alpha=16.0))
+    choice = step_memory.obey(
+        cfg, model, torch.device("cuda"), rows=4, seq=64, announce=lambda *e: events.append(e)
+    )
+    ((got_level, message),) = events
+    assert got_level == level and message.startswith("Memory plan: ") and words in message, message
+    assert (choice == MemoryChoice()) == (budget == "fits")
+    patched = any("forward" in m.__dict__ for m in model.modules())
+    assert patched == (choice.checkpointing != "none")
+    remove_checkpointing(model)
