@@ -161,12 +161,21 @@ def get_job(session: Session, *, tenant_id: str, job_id: str, param: str = "fine
 
 
 def list_jobs(
-    session: Session, *, tenant_id: str, after: str | None, limit: int, status: str | None = None
+    session: Session,
+    *,
+    tenant_id: str,
+    after: str | None,
+    limit: int,
+    status: str | None = None,
+    metadata: dict[str, str] | None = None,
 ) -> tuple[list[Job], bool]:
-    """Newest first, of one status where given; `after` is the id of the last job of the previous page."""
+    """Newest first, of one status where given, whose metadata holds every pair of `metadata`;
+    `after` is the id of the last job of the previous page."""
     query = select(Job).where(Job.tenant_id == tenant_id)
     if status is not None:
         query = query.where(Job.status == status)
+    for key, value in (metadata or {}).items():
+        query = query.where(Job.metadata_[key].as_string() == value)
     if after is not None:
         query = query.where(Job.seq < _seq_of(session, Job, tenant_id, after, "after"))
     rows = list(session.scalars(query.order_by(Job.seq.desc()).limit(limit + 1)))

@@ -23,7 +23,7 @@ from service.auth import (
 )
 from service.db.models import Checkpoint, Job, JobEvent
 from service.db.session import SessionDep
-from service.errors import is_database_unavailable
+from service.errors import InvalidRequestError, is_database_unavailable
 from service.queue import enqueue_job, job_queue
 from service.schemas import (
     DATABASE_UNAVAILABLE,
@@ -193,14 +193,40 @@ def create_job(
     return job_public(job)
 
 
-@router.get("", response_model=JobsPublic)
+# OpenAI's `metadata[k]=v` filter: a query parameter per key (the openai client's `metadata=`)
+METADATA_FILTER = {
+    "name": "metadata",
+    "in": "query",
+    "required": False,
+    "style": "deepObject",
+    "explode": True,
+    "schema": {"type": "object", "additionalProperties": {"type": "string"}},
+    "description": "metadata[k]=v: only jobs whose metadata has every given pair",
+}
+
+
+def metadata_filter(request: Request) -> dict[str, str]:
+    """The `metadata[k]=v` pairs of the request's query."""
+    found: dict[str, str] = {}
+    for name, value in request.query_params.multi_items():
+        if name.startswith("metadata[") and name.endswith("]"):
+            if "\x00" in name or "\x00" in value:  # PostgreSQL's text holds no NUL: nothing to match
+                raise InvalidRequestError("a metadata filter may not contain NUL characters", param=name)
+            found[name[len("metadata[") : -1]] = value
+    return found
+
+
+@router.get("", response_model=JobsPublic, openapi_extra={"parameters": [METADATA_FILTER]})
 def list_jobs(
+    request: Request,
     tenant: CurrentTenant,
     session: SessionDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> JobsPublic:
-    rows, has_more = jobs.list_jobs(session, tenant_id=tenant.id, after=after, limit=limit)
+    rows, has_more = jobs.list_jobs(
+        session, tenant_id=tenant.id, after=after, limit=limit, metadata=metadata_filter(request)
+    )
     return JobsPublic(data=[job_public(j) for j in rows], has_more=has_more)
 
 

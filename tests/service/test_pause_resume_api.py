@@ -81,6 +81,19 @@ async def pause_resume_flow(api: ApiClient) -> None:
         with pytest.raises(openai.NotFoundError):
             await client.fine_tuning.jobs.pause("ftjob-nope")
 
+        # OpenAI's metadata filter on the list (`metadata[k]=v`, every pair must match)
+        other = await client.fine_tuning.jobs.create(
+            model="tiny-llama", training_file=f.id, metadata={"team": "navy", "key0": "0"}
+        )
+        assert [j.id async for j in client.fine_tuning.jobs.list(metadata={"team": "pirates"})] == [job.id]
+        both = {j.id async for j in client.fine_tuning.jobs.list(metadata={"key0": "0"})}
+        assert both == {job.id, other.id}
+        none = [j.id async for j in client.fine_tuning.jobs.list(metadata={"team": "navy", "key1": "1"})]
+        assert none == []
+        with pytest.raises(openai.BadRequestError) as nul:
+            await client.fine_tuning.jobs.list(metadata={"team": "pi\x00rates"})
+        assert nul.value.param == "metadata[team]"
+
         # metadata past OpenAI's limits: 17 keys, or a value over 512 characters
         for bad, param in (({**METADATA, "one-more": "x"}, "metadata"), ({"k": "v" * 513}, "metadata.k")):
             with pytest.raises(openai.BadRequestError) as refused:
