@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from service.integrations import Integration, Integrations
 from service.job_status import JobStatus
@@ -369,16 +369,11 @@ class ChunkToolCall(ToolCall):
 
 class ChatMessage(Forbid):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart] | None = None  # only an assistant message with tool_calls may omit it
+    # an assistant message that makes tool_calls may leave it out (the worker checks the rest)
+    content: Text | list[TextPart] | None = None
     name: str | None = Field(None, max_length=64)
     tool_calls: list[ToolCall] | None = Field(None, max_length=128)  # an assistant's calls
     tool_call_id: str | None = Field(None, max_length=256)  # a tool result: the call it answers
-
-    @model_validator(mode="after")
-    def _content_given(self) -> ChatMessage:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"a {self.role} message needs 'content'")
-        return self
 
     def text(self) -> str:
         if self.content is None:

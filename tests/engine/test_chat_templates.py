@@ -282,3 +282,16 @@ def test_a_template_with_generation_markers(tmp_path: Path) -> None:
     assert tok.decode(trained) == "Hello!<|im_end|>\nIt is 22 C and sunny.<|im_end|>\n"
     counter = TokenCounter(tok.backend_tokenizer, tok.chat_template, tok.eos_token, tok.bos_token)
     assert counter.count("chat", record) == len(examples[0].input_ids)
+
+
+@pytest.mark.parametrize("architecture", list(CHATS))
+def test_serving_stops_at_the_templates_end_of_turn(architecture: str) -> None:
+    """Gemma's and Phi-3's EOS ends a whole text, not a turn: a model trained on their templates
+    ends a turn with '<end_of_turn>' / '<|end|>', so serving stops there too."""
+    from worker.engine.data import turn_end_ids
+
+    tok = family_tokenizer(architecture)
+    turn_end = {"Gemma3ForCausalLM": "<end_of_turn>", "Phi3ForCausalLM": "<|end|>"}.get(
+        architecture, tok.eos_token
+    )
+    assert turn_end_ids(tok) == {tok.eos_token_id, tok.convert_tokens_to_ids(turn_end)}

@@ -356,6 +356,24 @@ def _end_of_turn(tokenizer: PreTrainedTokenizerBase, template: str) -> str:
     return end_of_turn(_renderer(tokenizer), offsets)
 
 
+def turn_end_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """The token ids that end an assistant turn when serving: EOS, and the chat template's
+    end-of-turn token where it is a special token of its own (Gemma's '<end_of_turn>', Phi-3's
+    '<|end|>': their EOS ends a whole text, and a model trained on the template stops at the
+    turn's end)."""
+    ids = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
+    if not tokenizer.chat_template:
+        return ids
+    try:
+        eot = _end_of_turn(tokenizer, tokenizer.chat_template)
+    except ModelError:  # a template that cannot end a turn: chat requests say so when rendered
+        return ids
+    first = tokenizer(eot, add_special_tokens=False)["input_ids"][:1]
+    if first and first[0] in tokenizer.all_special_ids:
+        ids.add(int(first[0]))
+    return ids
+
+
 def prompt_ids(
     messages: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, tools: list[Any] | None = None
 ) -> list[int]:

@@ -44,8 +44,8 @@ from transformers.cache_utils import DynamicLayer
 import gpu_kernels
 from worker.engine.kv_decode import KVCache, LlamaDecoder
 from worker.engine.lora import PEFT_PREFIX
-from worker.engine.quantize import decoder_linear_paths
 from worker.engine.models import LoadedModel
+from worker.engine.quantize import decoder_linear_paths
 from worker.engine.tool_calls import ToolCallFormat, tool_call_format
 from worker.engine.types import RequestError
 
@@ -271,6 +271,9 @@ class ServingModel:
         self._slots: OrderedDict[str, int] = OrderedDict()  # adapter key -> slot, oldest first
         self._free = list(range(max_adapters, 0, -1))
         self.max_context = int(getattr(self.model.config, "max_position_embeddings", 2048))
+        from worker.engine.data import turn_end_ids
+
+        self.stop_ids = turn_end_ids(self.tokenizer)  # EOS, and the template's end-of-turn token
         # Llama-shaped bases decode over our own KV cache (see the module docstring)
         self.decoder = (
             LlamaDecoder(self.model, self._set_slots, graphs=cuda_graphs)
@@ -428,7 +431,7 @@ class ServingModel:
         """Sample one token for every row of `batch`, end the rows that are done (returned, by
         key), and run the others one position further (KV cache) for the next step."""
         emit = on_text or (lambda _k, _t: None)
-        eos = self.tokenizer.eos_token_id
+        stops = self.stop_ids | {self.tokenizer.eos_token_id}
         assert batch.logits is not None
         tokens = sample(batch.logits, [r.req for r in batch.rows], [r.gen for r in batch.rows])
         wanted = [r.req.top_logprobs is not None for r in batch.rows]
@@ -437,7 +440,7 @@ class ServingModel:
         done: dict[Any, GenResult] = {}
         keep: list[int] = []
         for i, (row, tok) in enumerate(zip(batch.rows, tokens, strict=True)):
-            if tok == eos and not row.req.ignore_eos:
+            if tok in stops and not row.req.ignore_eos:
                 reason = "stop"
                 emit(row.key, row.stream.finish())
             else:
