@@ -160,6 +160,7 @@ def job_cell(
         "mem_bytes": mem,
         "loss_first_last": [round(rec.steps[0].train_loss, 4), round(result.final_train_loss, 4)],
         "loss_curve": [m.train_loss for m in rec.steps],
+        "step_seconds": [round(m.step_seconds, 4) for m in rec.steps],
         "checkpoints": len(result.checkpoints),
         "events": [m for level, m in rec.events if "Training step" in m or level != "info"],
         "run_wall_s": round(wall, 1),

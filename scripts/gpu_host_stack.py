@@ -52,7 +52,6 @@ def log(message: str) -> None:
 
 def start_stack(data_dir: Path, port: int, logs: Path) -> subprocess.Popen[bytes]:
     env = dict(os.environ, LORAQ_DATA_DIR=str(data_dir), LORAQ_PORT=str(port), LORAQ_API_KEY=API_KEY)
-    env.pop("LORAQ_REDIS_URL", None) if not os.environ.get("LORAQ_REDIS_URL") else None
     return subprocess.Popen(
         [sys.executable, "-m", "service.cli", "up"],
         cwd=ROOT,
@@ -107,6 +106,12 @@ def step_metrics(client: Any, job_id: str) -> list[dict[str, Any]]:
             break
         after = page.data[-1].id
     return sorted(rows, key=lambda r: r["step"])
+
+
+def job_messages(client: Any, job_id: str) -> list[str]:
+    """The job's event messages, oldest first."""
+    page = client.fine_tuning.jobs.list_events(job_id, limit=500)
+    return [event.message for event in reversed(page.data)]
 
 
 def chat(client: Any, model: str, prompts: list[str]) -> list[str]:
@@ -190,6 +195,9 @@ def bench_job(client: Any, shape: Shape, timings: dict[str, float], warmup: int)
         "steps_timed": len(timed),
         "tok_s": round(tokens / seconds) if seconds else None,
         "loss_first_last": [steps[0]["train_loss"], steps[-1]["train_loss"]] if steps else None,
+        # per step (step, tokens, seconds): where the job's time goes, next to recipe.train's steps
+        "step_seconds": [[r["step"], r["tokens"], round(r["step_seconds"], 4)] for r in steps],
+        "events": [e for e in job_messages(client, job.id) if not e.startswith("Step ")],
     }
 
 
@@ -229,6 +237,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--skip-quickstart", action="store_true")
+    parser.add_argument("--commit", default="", help="the commit measured, where the tree has no .git")
     parser.add_argument("--bench-model", default=Shape.model, help="a smoke run off a GPU: tiny-llama")
     parser.add_argument("--bench-rows", type=int, default=Shape.rows)
     parser.add_argument("--bench-seq", type=int, default=Shape.seq)
@@ -251,7 +260,7 @@ def main() -> None:
         "what": "the whole stack on a GPU host: loraq up + jobs through the official openai client",
         "command": "python scripts/gpu_host_stack.py --out DIR",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "commit": os.environ.get("LORAQ_COMMIT") or git_head(),
+        "commit": args.commit or git_head(),
         "device": device(),
         "bench_shape": {**asdict(shape), "warmup_steps": JOB_WARMUP},
         "timings": timings,

