@@ -78,7 +78,18 @@ def wait_ready(base: str, proc: subprocess.Popen[bytes], timeout: float) -> floa
     raise SystemExit(f"the API at {base} was not ready in {timeout:.0f} s")
 
 
-def wait_job(client: Any, job_id: str, timeout: float) -> Any:
+def threads_snapshot() -> list[str]:
+    """The busiest threads on the host for a second (top -H): who shares the CPU with a step."""
+    out = subprocess.run(
+        ["top", "-b", "-H", "-n", "2", "-d", "1", "-w", "160"], capture_output=True, text=True
+    )
+    second = out.stdout.split("\ntop - ")[-1].splitlines()
+    return [line.rstrip() for line in second[6:26]]
+
+
+def wait_job(client: Any, job_id: str, timeout: float, snapshot: list[str] | None = None) -> Any:
+    """Poll until the job ends; with `snapshot`, fill it with threads_snapshot() once it has run
+    a few steps."""
     t0, last = time.time(), ""
     while time.time() - t0 < timeout:
         job = client.fine_tuning.jobs.retrieve(job_id)
@@ -89,7 +100,15 @@ def wait_job(client: Any, job_id: str, timeout: float) -> Any:
             last = line
         if job.status in ("succeeded", "failed", "cancelled"):
             return job
-        time.sleep(2)
+        if (
+            snapshot is not None
+            and not snapshot
+            and job.status == "running"
+            and ((progress or {}).get("step") or 0) > 10
+        ):
+            snapshot.extend(threads_snapshot())
+            continue
+        time.sleep(0.5 if snapshot is not None and not snapshot else 2)
     raise SystemExit(f"{job_id} did not finish in {timeout:.0f} s")
 
 
@@ -181,7 +200,8 @@ def bench_job(client: Any, shape: Shape, timings: dict[str, float], warmup: int)
             },
         },
     )
-    job = wait_job(client, job.id, timeout=1800)
+    snapshot: list[str] = []
+    job = wait_job(client, job.id, timeout=1800, snapshot=snapshot)
     timings["bench_job_s"] = round(time.time() - t0, 1)
     steps = step_metrics(client, job.id)
     timed = steps[warmup:]
@@ -198,6 +218,7 @@ def bench_job(client: Any, shape: Shape, timings: dict[str, float], warmup: int)
         # per step (step, tokens, seconds): where the job's time goes, next to recipe.train's steps
         "step_seconds": [[r["step"], r["tokens"], round(r["step_seconds"], 4)] for r in steps],
         "events": [e for e in job_messages(client, job.id) if not e.startswith("Step ")],
+        "threads_while_training": snapshot,
     }
 
 
