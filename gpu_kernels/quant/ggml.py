@@ -20,6 +20,7 @@ for bit. Layouts (d, dmin, m: fp16; qs, qh: packed codes; sizes in bytes):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -34,7 +35,9 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).float()
 
 
+@functools.cache
 def _shifts(*bits: int, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Bit shifts on `device`, made once (no host-to-device copy inside a CUDA graph's capture)."""
     return torch.tensor(bits, dtype=torch.uint8, device=device).view(shape)
 
 

@@ -16,6 +16,8 @@ uses its dynamic 8-bit map here, so double-quantized tensors are ours, not bitsa
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from gpu_kernels.quant.frozen import FrozenWeight
@@ -42,7 +44,10 @@ NF4_BLOCK = 64
 DQ_GROUP = 256  # absmaxes per second-level group (QLoRA's choice)
 
 
+@functools.cache
 def _code(device: torch.device) -> torch.Tensor:
+    """The code table on `device`, made once: a host-to-device copy cannot run inside a CUDA
+    graph's capture (the first, eager step makes it)."""
     return torch.tensor(NF4_CODE, dtype=torch.float32, device=device)
 
 
