@@ -386,7 +386,12 @@ def put_checkpoint(store: Store, directory: Path, key: str, *, step: int) -> Sto
     size. A writer killed before the manifest leaves a checkpoint nobody reads."""
     stored = store.put_dir_zip(directory, key)
     manifest = {"object": stored.key, "sha256": stored.sha256, "bytes": stored.size, "step": step}
-    store.put_bytes(manifest_key(key), json.dumps(manifest, sort_keys=True).encode())
+    try:
+        store.put_bytes(manifest_key(key), json.dumps(manifest, sort_keys=True).encode())
+    except Exception:  # a full disk, a store gone: the zip nobody will trust goes too, if it can
+        with contextlib.suppress(Exception):
+            store.delete(key)
+        raise
     return stored
 
 

@@ -95,13 +95,14 @@ def checkpoints(job_id: str) -> list[Checkpoint]:
 
 def assert_nothing_partial(fs: SmallFs, job_id: str) -> None:
     """On the disk: no temp file or directory, no scratch space of the attempt, and of the job's
-    objects in the store exactly its registered checkpoints, each whole."""
+    objects in the store exactly its registered checkpoints and their manifests, each whole."""
     files = fs.files()
     temporary = [f for f in files if f.endswith(".part") or "/." in f or f.startswith("var/store/tmp")]
     assert temporary == [], temporary
     assert [f for f in files if f.startswith("var/jobs/")] == []
     job_objects = {f for f in files if f.startswith(f"var/store/jobs/{job_id}/")}
-    assert job_objects == {f"var/store/{c.storage_key}" for c in checkpoints(job_id)}
+    keys = [k for c in checkpoints(job_id) for k in (c.storage_key, storage.manifest_key(c.storage_key))]
+    assert job_objects == {f"var/store/{k}" for k in keys}
     for c in checkpoints(job_id):
         assert c.sha256 == sha256_of(c.storage_key)
 
