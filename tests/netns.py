@@ -20,10 +20,7 @@ from functools import partial
 
 import pytest
 
-from tests.servers import PACKAGES, require_binary, stop, wait_until
-
-PACKAGES.setdefault("ip", "iproute2")
-PACKAGES.setdefault("socat", "socat")
+from tests.servers import require_binary, stop, wait_until
 
 
 def require_netns() -> None:

@@ -48,6 +48,8 @@ PACKAGES = {
     "chromium": "chromium",
     "prometheus": "prometheus",
     "promtool": "prometheus",
+    "ip": "iproute2",  # tests/netns.py: a worker "host" in a network namespace of its own
+    "socat": "socat",
 }
 POSTGRES_BIN_GLOB = "/usr/lib/postgresql/*/bin"
 

@@ -26,6 +26,8 @@ BINARIES_OF_PACKAGE = {
     "postgresql": ["initdb", "postgres"],
     "chromium": ["chromium"],
     "prometheus": ["prometheus", "promtool"],
+    "iproute2": ["ip"],
+    "socat": ["socat"],
 }
 EXPECTED_PACKAGES = {binary: package for package, bins in BINARIES_OF_PACKAGE.items() for binary in bins}
 
