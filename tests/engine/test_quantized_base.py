@@ -93,7 +93,8 @@ def test_loss_and_lora_grads_on_a_quantized_base_equal_the_dequantized_model(
     tiny64: Any, method: str, double_quant: bool
 ) -> None:
     quantized = copy.deepcopy(tiny64)
-    assert quantize_model(quantized, method, double_quant=double_quant) == 14  # type: ignore[arg-type]
+    report = quantize_model(quantized, method, double_quant=double_quant)  # type: ignore[arg-type]
+    assert report.layers == 14  # 7 projections in 2 layers
     assert quantization_of(quantized) == method
     head = quantized.get_output_embeddings()
     assert isinstance(head, nn.Linear)  # the LM head stays dense
@@ -103,6 +104,13 @@ def test_loss_and_lora_grads_on_a_quantized_base_equal_the_dequantized_model(
     d = tiny64.get_submodule("model.layers.0.mlp.down_proj")
     assert isinstance(q, nn.Linear) and isinstance(d, nn.Linear)
     assert 0 < (q.weight - d.weight).abs().max() < 0.2 * d.weight.abs().max()
+    # the stated error is the relative Frobenius error over every quantized layer
+    names = [n for n, m in quantized.named_modules() if isinstance(m, QuantizedLinear)]
+    diffs = [oracle.get_submodule(n).weight - tiny64.get_submodule(n).weight for n in names]
+    err = sum(float(x.square().sum()) for x in diffs)
+    ref = sum(float(tiny64.get_submodule(n).weight.square().sum()) for n in names)
+    assert report.rel_error == pytest.approx((err / ref) ** 0.5, rel=1e-6)
+    assert 0 < report.rel_error < (0.2 if method == "nf4" else 0.02)
     assert_same_training(quantized, oracle)
 
 
@@ -222,6 +230,8 @@ def test_a_job_on_an_nf4_base_trains_and_its_adapter_loads_in_peft_on_the_dense_
     recorder = Recorder()
     result = train(tiny_config(tmp_path, quantization="nf4", max_steps=3, learning_rate=2e-2), recorder)
     assert result.steps == 3
+    (note,) = [m for _, m in recorder.events if m.startswith("Base quantized to nf4 as it loaded: 14 linear")]
+    assert "weight error" in note
     config = json.loads((result.adapter_dir / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == "tiny-llama"
     # PEFT on the dense base computes what our layers compute with the same adapter on it

@@ -40,6 +40,7 @@ class LoadedModel:
     name: str
     is_random: bool
     quantization: QuantizationName | None = None  # how its frozen linear layers are stored
+    note: str | None = None  # what quantizing it did, in words (a job's event)
 
 
 def load_base_model(
@@ -71,7 +72,8 @@ def load_base_model(
         assert info.path is not None
         loaded = _load_local(name, Path(info.path), device, dtype, quantization)
     if quantization in ("nf4", "int8") and loaded.quantization is None:
-        quantize_model(loaded.model, quantization, device=device, dtype=dtype)
+        report = quantize_model(loaded.model, quantization, device=device, dtype=dtype)
+        loaded.note = report.sentence(quantization)
     loaded.quantization = quantization
     loaded.model.eval()
     _ensure_pad_token(loaded.tokenizer)
@@ -136,9 +138,13 @@ def _load_pretrained(
     write_tokenizer_files(tokenizer, directory)  # a store pulled before the API counted tokens
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=source.filename, dtype=dtype)
     _drop_gguf_marks(model)
-    if keep_blocks:  # the linear layers take the file's blocks (before the move: dense ones go)
-        use_gguf_blocks(model, directory / source.filename, device=device, dtype=dtype)
-    return LoadedModel(_move(model, device), tokenizer, name, is_random=False)
+    if not keep_blocks:
+        return LoadedModel(_move(model, device), tokenizer, name, is_random=False)
+    # the linear layers take the file's blocks (before the move: their dense copies go)
+    counts = use_gguf_blocks(model, directory / source.filename, device=device, dtype=dtype)
+    kept = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
+    note = f"Base keeps its GGUF file's blocks as frozen linear weights ({kept}): nothing re-quantized"
+    return LoadedModel(_move(model, device), tokenizer, name, False, "gguf", note)
 
 
 def _drop_gguf_marks(model: PreTrainedModel) -> None:
@@ -176,8 +182,10 @@ def _load_local(
     if quantization in ("nf4", "int8"):
         # on the device, one layer at a time, before the rest moves: a GPU never holds the
         # dense model
-        quantize_model(model, quantization, device=device, dtype=dtype)
-        return LoadedModel(_move(model, device), tokenizer, name, is_random=False, quantization=quantization)
+        report = quantize_model(model, quantization, device=device, dtype=dtype)
+        return LoadedModel(
+            _move(model, device), tokenizer, name, False, quantization, report.sentence(quantization)
+        )
     return LoadedModel(_move(model, device), tokenizer, name, is_random=False)
 
 

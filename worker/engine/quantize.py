@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -99,6 +100,18 @@ def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
     setattr(parent, leaf, module)
 
 
+@dataclass(frozen=True)
+class QuantizeReport:
+    layers: int  # decoder linears quantized
+    rel_error: float  # ‖Ŵ − W‖ / ‖W‖ over all of them (Frobenius), W as it was loaded
+
+    def sentence(self, method: str) -> str:
+        return (
+            f"Base quantized to {method} as it loaded: {self.layers} linear layers, weight error "
+            f"‖Ŵ − W‖ / ‖W‖ = {self.rel_error:.2%} (embeddings, norms and LM head stay dense)"
+        )
+
+
 @torch.no_grad()
 def quantize_model(
     model: nn.Module,
@@ -107,12 +120,14 @@ def quantize_model(
     device: torch.device | None = None,
     dtype: torch.dtype | None = None,
     double_quant: bool = False,
-) -> int:
+) -> QuantizeReport:
     """Replace every decoder nn.Linear of `model` by a QuantizedLinear of `method`, quantized on
     `device` (default: where the layer is) one layer at a time: the dense weight is dropped as its
-    replacement lands, so a GPU holds at most one dense layer beside the quantized ones. Returns
-    how many layers were quantized. `dtype`: the dtype they compute in (default: the weight's)."""
+    replacement lands, so a GPU holds at most one dense layer beside the quantized ones. Reports
+    how many layers were quantized and the conversion's error. `dtype`: the dtype they compute in
+    (default: the weight's)."""
     count = 0
+    err = ref = torch.zeros((), dtype=torch.float64)
     for path in decoder_linear_paths(model):
         linear = model.get_submodule(path)
         if not isinstance(linear, nn.Linear):
@@ -124,11 +139,15 @@ def quantize_model(
             frozen = quantize_int8(w, dtype=dtype or w.dtype)
         else:
             raise ConfigError("quantization", f"quantization must be one of nf4, int8, gguf; got {method!r}")
+        for start, stop in frozen.tiles():  # the error a tile at a time, as the step dequantizes
+            rows = w[start:stop].float()
+            err = err + (rows - frozen.dequant_rows(start, stop)).double().square().sum().cpu()
+            ref = ref + rows.double().square().sum().cpu()
         bias = linear.bias.to(frozen.device, frozen.dtype) if linear.bias is not None else None
         _replace(model, path, QuantizedLinear(frozen, bias))
         del w, linear
         count += 1
-    return count
+    return QuantizeReport(count, float((err / ref.clamp_min(1e-300)).sqrt()) if count else 0.0)
 
 
 def _llama_permuted(blocks: torch.Tensor, n_head: int) -> torch.Tensor:

@@ -174,6 +174,8 @@ class LoRAFinetuneRecipe:
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         self.loaded = self._base_model(dtype)
+        if self.loaded.note:  # a quantized base: what quantizing it did (its weight error)
+            self.callbacks.on_event("info", self.loaded.note)
         model = self.model
         tokenizer = self.loaded.tokenizer
 
