@@ -25,7 +25,7 @@ from worker.engine.serving import Adapter, GenRequest, load_serving_model
 from worker.engine.tool_calls import parse_tool_calls, tool_call_format
 from worker.engine.types import LoraConfig, NullCallbacks, RequestError, TrainConfig
 
-CITIES = ["Paris", "Oslo", "Rome"]
+CITIES = ["Paris", "Oslo"]
 
 
 def question(city: str) -> list[dict[str, Any]]:
@@ -71,8 +71,9 @@ def one_thread() -> Iterator[None]:
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_thread")
 def test_a_tiny_model_trained_on_tool_calls_calls_the_tool(tmp_path: Path) -> None:
-    """Three questions, each answered by a call with its city: 120 steps learn them (90 did not
-    tell Paris from Lima), about 45 s on a loaded 2-core machine."""
+    """Two questions, each answered by a call with its city: 100 steps learn them (3 cities took
+    120 steps, 36 to 58 s; 90 steps did not tell Paris from Lima): 5 s on the idle 2-core
+    machine, about 20 s at a load of 8."""
     store = tmp_path / "models"
     register_local_model("tiny-qwen3-tools", tiny_qwen3(tmp_path / "qwen3"), store)
     train_file = tmp_path / "tools.jsonl"
@@ -85,7 +86,7 @@ def test_a_tiny_model_trained_on_tool_calls_calls_the_tool(tmp_path: Path) -> No
         lora=LoraConfig(r=16, alpha=32.0),
         max_seq_len=1024,
         batch_size=len(CITIES),
-        max_steps=120,
+        max_steps=100,
         learning_rate=1e-2,
         seed=0,
         device="cpu",
