@@ -5,8 +5,9 @@ For the GPUs of the live workers that consume a job's Celery queue, `plans` runs
 torch-free memory plan (worker/engine/memory_plan.py) for a micro-batch of the job's rows of
 max_seq_len tokens; `check_fits` refuses at submit (400 `insufficient_gpu_memory`, naming what to
 change) a job that fits none of them even split into 1-row micro-batches with full activation
-checkpointing and offload. With no live GPU worker (CPU workers, or a registry that cannot be
-read) nothing is refused: nothing is known.
+checkpointing (offload is left out: the captured GPU step, which most runs take, cannot use it).
+With no live GPU worker (CPU workers, or a registry that cannot be read) nothing is refused:
+nothing is known.
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ def plans(spec: JobCreate, gpu_bytes: dict[int, int], *, rows: int, seq: int) ->
                 gpu_bytes=size,
                 quantization=spec.quantization,
                 gguf_bits=gguf_bits,
+                # the captured GPU step (most runs) keeps its saved tensors on the GPU: no offload
+                allow_offload=False,
             ),
         )
         for size, count in sorted(gpu_bytes.items())

@@ -18,11 +18,11 @@ from worker.engine import fused_model
 from worker.engine.catalog import PRESET_SHAPES
 from worker.engine.data import IGNORE_INDEX, Batch
 from worker.engine.lora import apply_lora, trainable_parameters
-from worker.engine.memory_plan import MemoryChoice, ModelDims, predict_peak
+from worker.engine.memory_plan import MemoryChoice, ModelDims, plan_memory, predict_peak
 from worker.engine.models import LoadedModel
 from worker.engine.recipe import train
-from worker.engine.step_memory import apply_checkpointing, offloaded, remove_checkpointing, split_rows
-from worker.engine.types import LoraConfig
+from worker.engine.step_memory import apply_checkpointing, obey, offloaded, remove_checkpointing, split_rows
+from worker.engine.types import ConfigError, LoraConfig
 
 CHOICES = {
     "full": MemoryChoice(None, "full"),
@@ -186,3 +186,27 @@ def test_on_a_gpu_the_plan_comes_from_its_free_memory_and_is_announced(
     patched = any("forward" in m.__dict__ for m in model.modules())
     assert patched == (choice.checkpointing != "none")
     remove_checkpointing(model)
+
+
+def test_offload_is_for_the_eager_step_only(tiny: LoadedModel, tmp_path: Path) -> None:
+    """The captured step keeps its saved tensors on the GPU: a config asking for offload there is
+    refused naming `memory`, and a plan made for it never offloads."""
+    cfg = tiny_config(tmp_path, memory=MemoryChoice(None, "full", offload=True))
+    with pytest.raises(ConfigError) as err:
+        obey(
+            cfg,
+            copy.deepcopy(tiny.model),
+            torch.device("cpu"),
+            rows=4,
+            seq=64,
+            announce=print,
+            allow_offload=False,
+        )
+    assert err.value.param == "memory"
+    dims = ModelDims.from_config(PRESET_SHAPES["llama-8b"].config_kwargs())
+    tight = plan_memory(dims, rank=16, targets="all-linear", rows=8, seq=8192, gpu_bytes=20 << 30)
+    assert tight.choice.offload  # the eager step would offload here
+    captured = plan_memory(
+        dims, rank=16, targets="all-linear", rows=8, seq=8192, gpu_bytes=20 << 30, allow_offload=False
+    )
+    assert not captured.choice.offload and captured.choice.checkpointing == "full"

@@ -236,6 +236,7 @@ def plan_memory(
     quantization: str | None = None,
     gguf_bits: float | None = None,
     share: float = DEFAULT_SHARE,
+    allow_offload: bool = True,
 ) -> MemoryPlan:
     """The cheapest choice (micro-batch rows × checkpointing × offload) whose predicted peak stays
     under share × gpu_bytes for micro-batches of `rows` rows of `seq` tokens (per GPU); when
@@ -243,7 +244,8 @@ def plan_memory(
     limit = int(share * gpu_bytes)
     sizes = sorted({rows, *(-(-rows // 2**j) for j in range(1, 12))}, reverse=True)
     modes = [MemoryChoice(None, "none"), MemoryChoice(None, "selective"), MemoryChoice(None, "full")]
-    modes.append(MemoryChoice(None, "full", offload=True))
+    if allow_offload:  # the eager step's saved-tensor hooks; the captured step keeps them on the GPU
+        modes.append(MemoryChoice(None, "full", offload=True))
     candidates = []
     for micro in sizes:
         for mode in modes:

@@ -255,15 +255,6 @@ class LoRAFinetuneRecipe:
         # GPU fast path: fused RMSNorm/SwiGLU modules, grouped q/k/v and gate/up LoRA.
         # A no-op unless gpu_kernels' compiled path is active, so CPU runs are unchanged.
         report = fuse_model(model)
-        # micro-batch rows, activation checkpointing, offload: the plan for this GPU, or the config's
-        self.memory = obey(
-            cfg,
-            model,
-            self.device,
-            rows=-(-cfg.batch_size // self.dist.world_size),
-            seq=self.train_data.max_seq_len,
-            announce=self.callbacks.on_event,
-        )
         self.params = trainable_parameters(model)
         # Multi-GPU: the gradients live in one flat buffer that a step all-reduces once.
         self.grads = (
@@ -275,6 +266,17 @@ class LoRAFinetuneRecipe:
         # Hugging Face step on the CPU and as the fallback.
         self.eager_reason = self._eager_reason(report)
         captured = self.eager_reason is None
+        # micro-batch rows, activation checkpointing, offload (eager step only): the plan for this
+        # GPU, or the config's
+        self.memory = obey(
+            cfg,
+            model,
+            self.device,
+            rows=-(-cfg.batch_size // self.dist.world_size),
+            seq=self.train_data.max_seq_len,
+            announce=self.callbacks.on_event,
+            allow_offload=not captured,
+        )
         self.optimizer = torch.optim.AdamW(
             self.params,
             lr=cfg.learning_rate,

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from worker.engine.data import Batch
 from worker.engine.memory_plan import Checkpointing, MemoryChoice, ModelDims, plan_memory
+from worker.engine.types import ConfigError
 
 _PATCHED = "_loraq_checkpointed"
 
@@ -108,6 +109,7 @@ def plan_on_device(
     rows: int,
     seq: int,
     quantization: str | None,
+    allow_offload: bool = True,
 ) -> tuple[MemoryChoice, str]:
     """The plan for this GPU as it is now: its free memory plus what this process holds already
     (the base is loaded: the plan counts its weights). Returns (choice, sentence)."""
@@ -115,18 +117,38 @@ def plan_on_device(
     budget = free + torch.cuda.memory_allocated(device)
     dims = ModelDims.from_config(getattr(model, "config").to_dict())  # noqa: B009 (a PreTrainedModel)
     plan = plan_memory(
-        dims, rank=rank, targets=targets, rows=rows, seq=seq, gpu_bytes=budget, quantization=quantization
+        dims,
+        rank=rank,
+        targets=targets,
+        rows=rows,
+        seq=seq,
+        gpu_bytes=budget,
+        quantization=quantization,
+        allow_offload=allow_offload,
     )
     return plan.choice, plan.sentence()
 
 
 def obey(
-    config: Any, model: nn.Module, device: torch.device, *, rows: int, seq: int, announce: Callable[..., None]
+    config: Any,
+    model: nn.Module,
+    device: torch.device,
+    *,
+    rows: int,
+    seq: int,
+    announce: Callable[..., None],
+    allow_offload: bool = True,
 ) -> MemoryChoice:
     """The run's MemoryChoice: `config.memory` where set, else the plan for this GPU (on the CPU:
     nothing split or recomputed); checkpointing applied to `model`; `announce(level, message)`
-    says the plan once (a warning where it needs checkpointing or does not fit)."""
+    says the plan once (a warning where it needs checkpointing or does not fit). Offload runs on
+    the eager step only (the captured step's saved tensors stay on the GPU): without
+    `allow_offload` the plan does without it, and a config asking for it is an error."""
     choice: MemoryChoice | None = config.memory
+    if choice is not None and choice.offload and not allow_offload:
+        raise ConfigError(
+            "memory", "offloading activations needs the eager step; this run takes the captured one"
+        )
     if choice is None and device.type == "cuda":
         choice, sentence = plan_on_device(
             model,
@@ -136,6 +158,7 @@ def obey(
             rows=rows,
             seq=seq,
             quantization=config.quantization,
+            allow_offload=allow_offload,
         )
         fits = not sentence.startswith("does not fit")
         needs = choice.checkpointing != "none" or choice.offload
