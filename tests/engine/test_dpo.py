@@ -242,3 +242,35 @@ def test_dpo_run_reports_its_curves_and_refuses_supervised_data(tmp_path: Path, 
         train(
             TrainConfig(**{**config.__dict__, "train_file": chats, "output_dir": tmp_path / "o2"}), Recorder()
         )
+
+
+def test_memory_plan_passes_train_like_whole_micro_batches(tmp_path: Path, tiny: LoadedModel) -> None:
+    """A DPO step in the memory plan's passes of one row (each pair alone, activations offloaded)
+    trains like the whole micro-batch: the step's loss divides by the step's pairs either way."""
+    from worker.engine.memory_plan import MemoryChoice
+
+    def losses(memory: MemoryChoice | None, out: str) -> list[float]:
+        rec = Recorder()
+        config = TrainConfig(
+            model="tiny-llama",
+            train_file=write_pairs(tmp_path / "pairs.jsonl", 6),
+            output_dir=tmp_path / out,
+            model_store=tmp_path / "models",
+            lora=LoraConfig(r=4, alpha=8.0),
+            max_seq_len=128,
+            batch_size=3,
+            max_steps=2,
+            learning_rate=1e-2,
+            seed=2,
+            device="cpu",
+            pack=False,
+            method=DpoTraining(beta=0.2),
+            memory=memory,
+        )
+        train(config, rec, loaded=tiny)
+        return [s.train_loss for s in rec.steps]
+
+    whole = losses(None, "whole")
+    passes = losses(MemoryChoice(micro_rows=1, offload=True), "passes")
+    assert whole[0] == pytest.approx(LOG2, abs=1e-6)
+    assert passes == pytest.approx(whole, rel=1e-5)

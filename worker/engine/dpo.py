@@ -40,6 +40,7 @@ from worker.engine.preference import (
     token_logps,
 )
 from worker.engine.recipe import LoRAFinetuneRecipe
+from worker.engine.step_memory import offloaded
 from worker.engine.train_step import HostStep, StepObjective, StepShape, host_step, segment_count
 from worker.engine.training_config import DpoTraining
 from worker.engine.types import ConfigError, PreferenceMetrics, StepMetrics
@@ -88,9 +89,9 @@ class DpoRecipe(LoRAFinetuneRecipe):
         host = super()._host_step(micro)
         assert self.step_fn is not None and self.step_fn.shape is not None
         shape = self.step_fn.shape
-        shards = [s for s in (distributed.shard_rows(b, self.dist) for b in micro) if s is not None]
+        parts = self._rank_parts(micro)  # as super() laid them out
         host.pairs = host_pairs(
-            shards, host.loss_index, shape.micro_batches, shape.pairs, shape.rows, shape.seq, self.reference
+            parts, host.loss_index, shape.micro_batches, shape.pairs, shape.rows, shape.seq, self.reference
         )
         host.pairs.pairs = sum(pair_slots(b)[1] for b in micro)  # the whole step's, on all ranks
         return host
@@ -102,12 +103,10 @@ class DpoRecipe(LoRAFinetuneRecipe):
         values = torch.zeros(1 + READINGS, device=self.device)
         if self.grads is not None:
             self.grads.zero_()
-        for batch in micro_batches:
-            shard = distributed.shard_rows(batch, self.dist)
-            if shard is None:
-                continue
-            policy = self._sequence_logps(shard)
-            loss, readings = eager_loss(policy, self.reference.for_batch(shard), self.beta, step_pairs)
+        for part in self._rank_parts(micro_batches):  # this rank's rows, in the memory plan's passes
+            with offloaded(self.memory.offload, self.device):
+                policy = self._sequence_logps(part)
+                loss, readings = eager_loss(policy, self.reference.for_batch(part), self.beta, step_pairs)
             loss.backward()
             values += torch.cat([loss.detach().reshape(1), readings]).float()
         if self.grads is not None:

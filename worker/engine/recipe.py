@@ -394,7 +394,9 @@ class LoRAFinetuneRecipe:
         micro = self.memory.micro_rows
         if micro is not None and micro < rows:  # the memory plan's passes of at most `micro` rows
             passes, loss_tokens = -(-rows // micro), min(micro * seq, loss_tokens)
-            return StepShape(cfg.grad_accum * passes, micro, seq, max(most_segments, micro), loss_tokens)
+            return StepShape(
+                cfg.grad_accum * passes, micro, seq, max(most_segments, micro), loss_tokens, pairs
+            )
         return StepShape(cfg.grad_accum, rows, seq, max(most_segments, rows), loss_tokens, pairs)
 
     def _captured_step(self) -> CapturedTrainStep:
@@ -578,11 +580,15 @@ class LoRAFinetuneRecipe:
         """This rank's rows of the step, laid out for the captured step; the loss divides by the
         trainable tokens of the whole step on all ranks."""
         assert self.step_fn is not None and self.step_fn.shape is not None
-        shards = [s for s in (distributed.shard_rows(b, self.dist) for b in micro) if s is not None]
-        shards = [part for s in shards for part in split_rows(s, self.memory.micro_rows)]
-        host = host_step(shards, self.step_fn.shape)
+        host = host_step(self._rank_parts(micro), self.step_fn.shape)
         host.trainable_tokens = sum(b.num_trainable_tokens for b in micro)
         return host
+
+    def _rank_parts(self, micro: list[Batch]) -> list[Batch]:
+        """This rank's rows of the step's micro-batches, in the memory plan's passes: what the
+        captured step lays out, one part a micro-batch of its shape."""
+        shards = [s for s in (distributed.shard_rows(b, self.dist) for b in micro) if s is not None]
+        return [part for s in shards for part in split_rows(s, self.memory.micro_rows)]
 
     def _current_lr(self, steps_ahead: int = 0) -> float:
         """The learning rate of the next step (`steps_ahead` later: of a step queued before the
