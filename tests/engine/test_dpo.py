@@ -274,3 +274,32 @@ def test_memory_plan_passes_train_like_whole_micro_batches(tmp_path: Path, tiny:
     passes = losses(MemoryChoice(micro_rows=1, offload=True), "passes")
     assert whole[0] == pytest.approx(LOG2, abs=1e-6)
     assert passes == pytest.approx(whole, rel=1e-5)
+
+
+def test_a_checkpoint_resumes_only_its_own_method(tmp_path: Path) -> None:
+    """A DPO checkpoint never resumes a supervised run (nor one of another beta); a checkpoint
+    written before the method was recorded is a supervised run's."""
+    from worker.engine.checkpoint import TRAINER_STATE, TRAINING_STATE, check_resumable
+    from worker.engine.export import ADAPTER_WEIGHTS
+
+    def checkpoint(config: dict[str, Any]) -> Path:
+        path = tmp_path / f"ckpt-{len(list(tmp_path.iterdir()))}"
+        path.mkdir()
+        (path / ADAPTER_WEIGHTS).write_bytes(b"")
+        (path / TRAINING_STATE).write_bytes(b"")
+        (path / TRAINER_STATE).write_text(json.dumps({"config": config}))
+        return path
+
+    sft = TrainConfig(model="tiny-llama", train_file=tmp_path, output_dir=tmp_path, model_store=tmp_path)
+    dpo = TrainConfig(**{**sft.__dict__, "method": DpoTraining(beta=0.1)})
+    check_resumable(checkpoint(dpo.to_dict()), dpo)
+    with pytest.raises(ConfigError, match="method was"):
+        check_resumable(checkpoint(dpo.to_dict()), sft)
+    with pytest.raises(ConfigError, match="method was"):
+        check_resumable(
+            checkpoint(dpo.to_dict()), TrainConfig(**{**sft.__dict__, "method": DpoTraining(beta=0.2)})
+        )
+    older = {k: v for k, v in sft.to_dict().items() if k != "method"}
+    check_resumable(checkpoint(older), sft)
+    with pytest.raises(ConfigError, match="method was"):
+        check_resumable(checkpoint(older), dpo)

@@ -48,7 +48,10 @@ RESUME_MUST_MATCH = (
     "pack",
     "row_tokens",
     "lora",
+    "method",  # a DPO checkpoint never resumes a supervised run (nor another beta)
 )
+# what a checkpoint written before a key existed held: its run's value then
+RESUME_DEFAULTS: dict[str, Any] = {"method": {"type": "supervised"}}
 
 
 @dataclass
@@ -140,7 +143,7 @@ def check_resumable(checkpoint: Path, config: TrainConfig) -> None:
     saved = json.loads((checkpoint / TRAINER_STATE).read_text())["config"]
     current = config.to_dict()
     for key in RESUME_MUST_MATCH:
-        if saved.get(key) != current.get(key):
+        if saved.get(key, RESUME_DEFAULTS.get(key)) != current.get(key):
             raise ConfigError(
                 key,
                 f"cannot resume from {checkpoint}: {key} was {saved.get(key)!r} there, "
