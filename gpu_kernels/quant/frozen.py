@@ -23,9 +23,11 @@ from typing import Any
 
 import torch
 
-# One tile dequantizes at most this many weight elements (8 MiB in bf16): large enough that the
-# GEMMs stay efficient, small enough that a layer's dense copy never exists at once.
-TILE_ELEMENTS = 1 << 22
+# One tile dequantizes at most this many weight elements (4 MiB in bf16; its fp32 temporaries
+# 8-16 MiB): large enough that the GEMMs stay efficient (256 rows of an 8192-wide layer), small
+# enough that a layer's dense copy never exists at once (an 8192 x 8192 NF4 layer's fwd + bwd
+# measured 70+ MiB above its inputs on an H100 with 2^22 and int64 code indices).
+TILE_ELEMENTS = 1 << 21
 
 
 class FrozenWeight(ABC):

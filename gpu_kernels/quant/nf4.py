@@ -45,6 +45,15 @@ DQ_GROUP = 256  # absmaxes per second-level group (QLoRA's choice)
 
 
 @functools.cache
+def _pair_code(device: torch.device) -> torch.Tensor:
+    """(256, 2) fp32: the two code values a packed byte holds (high nibble first), made once."""
+    byte = torch.arange(256)
+    return torch.tensor(NF4_CODE, dtype=torch.float32)[torch.stack([byte >> 4, byte & 0x0F], dim=-1)].to(
+        device
+    )
+
+
+@functools.cache
 def _code(device: torch.device) -> torch.Tensor:
     """The code table on `device`, made once: a host-to-device copy cannot run inside a CUDA
     graph's capture (the first, eager step makes it)."""
@@ -104,10 +113,11 @@ class NF4Weight(FrozenWeight):
 
     def dequant_rows(self, start: int, stop: int) -> torch.Tensor:
         packed = self.packed[start:stop]  # (rows, in / 2)
-        q = torch.stack([packed >> 4, packed & 0x0F], dim=-1).view(stop - start, -1)  # (rows, in)
-        values = _code(packed.device)[q.long()]  # (rows, in) in [-1, 1]
-        blocks = values.view(stop - start, -1, self.block) * self.block_absmax(start, stop).unsqueeze(-1)
-        return blocks.view(stop - start, self.in_features)
+        # each byte looks up its two values at once: (rows, in / 2) int32 -> (rows, in / 2, 2) fp32,
+        # the tile's only temporaries besides the result (no int64 index per weight)
+        values = torch.index_select(_pair_code(packed.device), 0, packed.reshape(-1).int())
+        blocks = values.view(stop - start, -1, self.block)
+        return blocks.mul_(self.block_absmax(start, stop).unsqueeze(-1)).view(stop - start, self.in_features)
 
 
 def quantize_nf4(
