@@ -188,26 +188,6 @@ class Settings(BaseSettings):
     storage_presign_downloads: bool = False
     storage_presign_seconds: int = Field(3600, ge=1, le=7 * 24 * 3600)
 
-    # Where datasets, checkpoints, adapters and results live (service/storage.py, README "Object
-    # storage"): unset, the directory <data_dir>/store; `s3://bucket/prefix`, an S3-compatible
-    # bucket. Endpoint, region and credentials: these settings, else boto3's own (AWS_ENDPOINT_URL,
-    # AWS_DEFAULT_REGION, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, profiles, instance roles).
-    storage_url: str | None = Field(None, pattern=r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$")
-    s3_endpoint_url: str | None = None
-    s3_region: str | None = None
-    s3_access_key_id: str | None = None
-    s3_secret_access_key: str | None = None
-    s3_addressing_style: Literal["auto", "path", "virtual"] = "auto"  # path: MinIO and most others
-    # An upload is sent in parts of this size (one part in memory at a time); S3 wants >= 5 MiB.
-    storage_part_bytes: int = Field(8 << 20, ge=64 << 10)
-    # A host's local copies of S3 objects (datasets a worker tokenizes, checkpoints it resumes
-    # from) under <data_dir>/cache/store, least recently used evicted past this size.
-    storage_cache_bytes: int = Field(20 << 30, ge=0)
-    # Downloads of files and adapters from S3: a redirect (307) to a presigned URL valid this
-    # long, instead of the bytes through the API.
-    storage_presign_downloads: bool = False
-    storage_presign_seconds: int = Field(3600, ge=1, le=7 * 24 * 3600)
-
     @property
     def redis_timeouts(self) -> dict[str, float]:
         """The connect and socket timeouts of every Redis client (service/redis_client.py)."""

@@ -123,7 +123,7 @@ def default_client() -> Any:
     return _default[1]
 
 
-_served: tuple[float, set[str] | None] = (float("-inf"), None)
+_served: tuple[float, dict[str, set[str]] | None] = (float("-inf"), None)
 _served_lock = threading.Lock()
 
 

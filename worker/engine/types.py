@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from worker.engine.memory_plan import MemoryChoice
 from worker.engine.training_config import (
     AUTO_BATCH_SIZE,
     AUTO_LEARNING_RATE_MULTIPLIER,
@@ -24,7 +25,6 @@ from worker.engine.training_config import (
     TrainingMethod,
     plan_auto,
 )
-from worker.engine.memory_plan import MemoryChoice
 from worker.engine.training_config import LoraConfig as LoraConfig  # re-exported for the engine
 from worker.engine.training_config import QuantizationName as QuantizationName
 from worker.engine.training_config import SchedulerName as SchedulerName
