@@ -25,7 +25,23 @@ from pydantic import BaseModel, ConfigDict
 from worker.engine.types import StepMetrics
 
 
-class StepRow(BaseModel):
+class PreferenceReadings(BaseModel):
+    """DPO only (worker/engine/preference.py): the step's rewards β·(log π - log π_ref) of the
+    chosen and rejected answers, their margin and the share of pairs ranked right; the validation
+    pass's margin and accuracy on the steps that ran one. None on supervised steps."""
+
+    chosen_reward: float | None = None
+    rejected_reward: float | None = None
+    reward_margin: float | None = None
+    reward_accuracy: float | None = None
+    valid_reward_margin: float | None = None
+    valid_reward_accuracy: float | None = None
+
+
+PREFERENCE_FIELDS = tuple(PreferenceReadings.model_fields)
+
+
+class StepRow(PreferenceReadings):
     """One stored step (a `job_metrics` row)."""
 
     model_config = ConfigDict(from_attributes=True)  # read straight from a `JobMetric` row
@@ -38,30 +54,11 @@ class StepRow(BaseModel):
     tokens: int  # tokens in this step (all micro-batches)
     tokens_per_s: float
     step_seconds: float
-    # DPO only (worker/engine/preference.py): the step's rewards β·(log π - log π_ref) of the chosen
-    # and rejected answers, their margin and the share of pairs ranked right; the validation
-    # pass's margin and accuracy on the steps that ran one
-    chosen_reward: float | None = None
-    rejected_reward: float | None = None
-    reward_margin: float | None = None
-    reward_accuracy: float | None = None
-    valid_reward_margin: float | None = None
-    valid_reward_accuracy: float | None = None
 
     @classmethod
     def from_metrics(cls, m: StepMetrics) -> StepRow:
         plain = {name: getattr(m, name) for name in cls.model_fields if hasattr(m, name)}
         return cls(**plain, **preference_fields(m))
-
-
-PREFERENCE_FIELDS = (
-    "chosen_reward",
-    "rejected_reward",
-    "reward_margin",
-    "reward_accuracy",
-    "valid_reward_margin",
-    "valid_reward_accuracy",
-)
 
 
 def preference_fields(m: StepMetrics) -> dict[str, float]:
@@ -83,7 +80,7 @@ def preference_fields(m: StepMetrics) -> dict[str, float]:
     return out
 
 
-class StepData(BaseModel):
+class StepData(PreferenceReadings):
     """A step with its progress: a `metrics` event's data and the live gauges' values."""
 
     step: int
@@ -100,13 +97,6 @@ class StepData(BaseModel):
     padding_fraction: float | None  # share of the step's token slots that were padding
     step_seconds: float | None
     eta_seconds: float | None
-    # DPO only: as in StepRow
-    chosen_reward: float | None = None
-    rejected_reward: float | None = None
-    reward_margin: float | None = None
-    reward_accuracy: float | None = None
-    valid_reward_margin: float | None = None
-    valid_reward_accuracy: float | None = None
 
     @classmethod
     def from_metrics(cls, m: StepMetrics) -> StepData:
