@@ -308,3 +308,20 @@ def test_a_checkpoint_resumes_only_its_own_method(tmp_path: Path) -> None:
     check_resumable(checkpoint(older), sft)
     with pytest.raises(ConfigError, match="method was"):
         check_resumable(checkpoint(older), dpo)
+
+
+def test_a_local_run_takes_the_method_from_its_config_file(tmp_path: Path) -> None:
+    """`loraq train` YAML: `method: {type: dpo, beta: ...}` reaches the engine's config typed; a bad
+    beta or type is an error naming the field."""
+    from worker.engine.config_file import config_from_mapping
+
+    base = {"model": "tiny-llama", "train_file": "p.jsonl", "output_dir": "out", "model_store": "m"}
+    config = config_from_mapping({**base, "method": {"type": "dpo", "beta": 0.25}}, base_dir=tmp_path)
+    assert config.method == DpoTraining(beta=0.25)
+    assert config_from_mapping(base, base_dir=tmp_path).method.type == "supervised"
+    with pytest.raises(ConfigError) as bad:
+        config_from_mapping({**base, "method": {"type": "dpo", "beta": -1}}, base_dir=tmp_path)
+    assert bad.value.field.startswith("method")
+    with pytest.raises(ConfigError) as unknown:
+        config_from_mapping({**base, "method": {"type": "reinforcement"}}, base_dir=tmp_path)
+    assert unknown.value.field.startswith("method")
