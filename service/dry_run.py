@@ -46,6 +46,10 @@ def worker_request(session: Session, *, tenant_id: str, spec: JobCreate) -> dict
         session, tenant_id=tenant_id, spec=spec, refuse_invalid=False
     )
     requested = jobs.requested_training(spec)  # refuses hyperparameters given twice
+    # a file in another format than the method's is refused as a submit refuses it
+    jobs.check_file_format(training, requested.method, "training_file")
+    if validation is not None:
+        jobs.check_file_format(validation, requested.method, "validation_file")
     return {
         "kind": "dry_run",
         "id": inference.new_request_id(),

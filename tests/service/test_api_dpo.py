@@ -107,6 +107,9 @@ def test_file_format_must_match_the_method_at_submit(api: ApiClient) -> None:
     assert pairs in str(err["message"]) and "dpo" in str(err["message"])
     body = dpo_body(pairs, method={"type": "dpo"}, validation_file=sft)
     assert_error(api.post("/v1/fine_tuning/jobs", json=body), 400, "validation_file")
+    # a dry run refuses it as the submit does, before asking a worker to plan
+    dry = dpo_body(sft, method={"type": "dpo"}, dry_run=True)
+    assert_error(api.post("/v1/fine_tuning/jobs", json=dry), 400, "training_file")
 
 
 def test_bad_preference_lines_are_named_at_upload(api: ApiClient) -> None:
