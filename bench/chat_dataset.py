@@ -71,16 +71,21 @@ def generate(n: int, seed: int) -> list[ChatRow]:
             have = len(_render(tokenizer, prompt, answer))
             if abs(have - total) <= 3 or (have < total and total <= MIN_TOKENS):
                 break
-            words = answer.split()
-            delta = round((total - have) / per_word)
-            if delta < 0:
-                answer = " ".join(words[: max(1, len(words) + delta)])
-            else:
-                answer = answer + " " + _words(rng, vocab, delta)
+            answer = resize(answer, total - have, per_word, rng, vocab)
         rows.append(
             {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]}
         )
     return rows
+
+
+def resize(text: str, tokens: int, per_word: float, rng: random.Random, vocab: list[str]) -> str:
+    """`text` about `tokens` tokens longer (more random words) or shorter (words cut off the end;
+    one word at least)."""
+    words = text.split()
+    delta = round(tokens / per_word)
+    if delta < 0:
+        return " ".join(words[: max(1, len(words) + delta)])
+    return text + " " + _words(rng, vocab, delta)
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, prompt: str, answer: str) -> list[int]:

@@ -38,7 +38,10 @@ import random
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from worker.engine.types import DeviceName
 
 ROOT = Path(__file__).resolve().parents[1]
 DATASET = ROOT / "bench" / "data" / "chat-longtail.jsonl"
@@ -91,9 +94,23 @@ def job_shape(preset: str) -> tuple[int, int, int, int] | None:
     return JOB_SHAPES.get(preset) or (FAMILY_SHAPES[preset].job if preset in FAMILY_SHAPES else None)
 
 
-def job_config(preset: str, batch: int, seq: int, steps: int, tmp: Path, pack: bool = True) -> Any:
-    """The job's TrainConfig (warm-up steps + `steps` timed ones), its files under `tmp`."""
+def job_config(
+    preset: str,
+    batch: int,
+    seq: int,
+    steps: int,
+    tmp: Path,
+    pack: bool = True,
+    *,
+    train_file: Path = DATASET,
+    warmup: int = JOB_WARMUP,
+    device: DeviceName = "cuda",
+    method: Any = None,
+) -> Any:
+    """The job's TrainConfig (`warmup` steps + `steps` timed ones), its files under `tmp`;
+    `method` a worker.engine.training_config method (None: supervised)."""
     from bench.family_shapes import FAMILY_SHAPES
+    from worker.engine.training_config import SupervisedTraining
     from worker.engine.types import LoraConfig, TrainConfig
 
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -101,18 +118,19 @@ def job_config(preset: str, batch: int, seq: int, steps: int, tmp: Path, pack: b
         targets = FAMILY_SHAPES[preset].targets()
     return TrainConfig(
         model=preset,
-        train_file=DATASET,
+        train_file=train_file,
         output_dir=tmp / "out",
         model_store=tmp / "models",
         lora=LoraConfig(r=16, alpha=32, dropout=0.0, target_modules=targets),
         max_seq_len=seq,
         batch_size=batch,
-        max_steps=JOB_WARMUP + steps,
+        max_steps=warmup + steps,
         learning_rate=1e-4,
         lr_scheduler="cosine",
         checkpoint_every=CHECKPOINT_EVERY,
         pack=pack,
-        device="cuda",
+        device=device,
+        method=method or SupervisedTraining(),
     )
 
 
@@ -140,20 +158,33 @@ def job_cell(
     else:  # the ranks are torchrun's processes: this one measures no GPU memory
         result = run_torchrun(config, rec, n_gpus=n_gpus, workdir=tmp / "torchrun")
     wall = time.time() - t0
-    timed = rec.steps[JOB_WARMUP:]
-    seconds = sum(m.step_seconds for m in timed)
-    tokens = sum(m.tokens for m in timed)
     data, _ = _rows(preset, seq)
     mem = torch.cuda.max_memory_allocated() if n_gpus == 1 else None
+    readings = job_readings(rec, result, JOB_WARMUP, data.trainable_tokens / data.tokens, mem)
     return {
         "model": preset,
         "variant": ("job" if pack else "job_unpacked") + (f"_x{n_gpus}" if n_gpus > 1 else ""),
         "n_gpus": n_gpus,
         "batch": batch,
         "seq": seq,
+        **readings,
+        "run_wall_s": round(wall, 1),
+    }
+
+
+def job_readings(
+    rec: StepCollector, result: Any, warmup: int, trainable_share: float, mem: int | None
+) -> dict[str, Any]:
+    """A job run's row: tokens/s over the steps after `warmup` (the job's own per-step tokens
+    and step seconds), the trainable-token rate by the dataset's share, peak memory (bytes or
+    None), the loss curve, step times, checkpoints and the events worth keeping."""
+    timed = rec.steps[warmup:]
+    seconds = sum(m.step_seconds for m in timed)
+    tokens = sum(m.tokens for m in timed)
+    return {
         "steps_timed": len(timed),
         "tok_s": round(tokens / seconds),
-        "trainable_tok_s": round(tokens / seconds * data.trainable_tokens / data.tokens),
+        "trainable_tok_s": round(tokens / seconds * trainable_share),
         "step_ms": round(1e3 * seconds / len(timed), 2),
         "padding_fraction": round(sum(m.padding_fraction for m in timed) / len(timed), 4),
         "mem_gib": round(mem / 2**30, 2) if mem is not None else None,
@@ -163,7 +194,6 @@ def job_cell(
         "step_seconds": [round(m.step_seconds, 4) for m in rec.steps],
         "checkpoints": len(result.checkpoints),
         "events": [m for level, m in rec.events if "Training step" in m or level != "info"],
-        "run_wall_s": round(wall, 1),
     }
 
 

@@ -13,8 +13,9 @@ from typing import Any
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def peft_peer_model(preset: str, max_positions: int) -> tuple[Any, list[Any], Any]:
-    """(peft_model, trainable params, optimizer) for `preset`, positions up to `max_positions`."""
+def peft_peer_model(preset: str, max_positions: int, device: str = "cuda") -> tuple[Any, list[Any], Any]:
+    """(peft_model, trainable params, optimizer) for `preset`, positions up to `max_positions`
+    (a catalog preset on `device`; family shapes are built on the GPU)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -31,7 +32,7 @@ def peft_peer_model(preset: str, max_positions: int) -> tuple[Any, list[Any], An
     cfg.max_position_embeddings = max_positions
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = LlamaForCausalLM(cfg)
     torch.set_default_dtype(torch.float32)
     return _with_lora(model, TARGETS)

@@ -331,7 +331,32 @@ def main() -> int:
         "bench/results/multi-gpu-<gpu>-<date>.json (multi-gpu-x<N>-... for N > 2)",
     )
     parser.add_argument("--job-cell", nargs=6, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--dpo",
+        action="store_true",
+        help="benchmark the DPO job path (recipe.train, method dpo) against TRL's DPOTrainer + PEFT on "
+        "the committed preference pairs (bench/dpo_bench.py); --presets defaults to llama-1b, "
+        "--steps/--warmup to its shape; --out defaults to bench/results/dpo-<gpu>-<date>.json",
+    )
+    parser.add_argument("--dpo-data", default=str(ROOT / "bench" / "data" / "preference-longtail.jsonl"))
+    parser.add_argument("--dpo-cell", nargs=8, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.dpo_cell:
+        from bench import dpo_bench
+
+        try:
+            row = dpo_bench.run_dpo_cell(args.dpo_cell)
+        except Exception as exc:
+            import traceback
+
+            traceback.print_exc()
+            row = {"model": args.dpo_cell[0], "variant": args.dpo_cell[1], "error": repr(exc)[:800]}
+        print("ROW " + json.dumps(row), flush=True)
+        return 0
+    if args.dpo:
+        from bench import dpo_bench
+
+        return dpo_bench.run_dpo_mode(args)
     if args.job_cell or args.cell or args.peak:  # a cell's process: LORAQ_RANK_UPDATE etc. apply
         from worker.kernels import configure_kernels
 
