@@ -155,7 +155,7 @@ def trl_cell(
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     model, _, opt = peft_peer_model(preset, max_positions=seq, device=device)
-    counted = {"tokens": 0, "trainable": 0, "steps": 0}
+    counted = {"tokens": 0, "trainable": 0, "slots": 0, "steps": 0}
     pairs = examples * (warmup + steps)
     marks: list[float] = []
 
@@ -164,6 +164,7 @@ def trl_cell(
             if counted["steps"] >= warmup:  # the timed steps' real tokens (prompt twice a pair)
                 counted["tokens"] += int(inputs["attention_mask"].sum())
                 counted["trainable"] += int(inputs["completion_mask"].sum())
+                counted["slots"] += inputs["attention_mask"].numel()  # (2E, longest) padded
             counted["steps"] += 1
             return super().training_step(model, inputs, *args, **kwargs)
 
@@ -213,6 +214,7 @@ def trl_cell(
         "tok_s": round(counted["tokens"] / seconds),
         "trainable_tok_s": round(counted["trainable"] / seconds),
         "step_ms": round(1e3 * seconds / (len(marks) - warmup), 2),
+        "padding_fraction": round(1 - counted["tokens"] / counted["slots"], 4),
         "mem_gib": round(m / 2**30, 2) if (m := _memory(device)) is not None else None,
         "mem_bytes": _memory(device),
         "losses_first": [round(x, 5) for x in losses[:5]],

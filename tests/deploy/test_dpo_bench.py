@@ -64,6 +64,7 @@ def test_one_invocation_runs_both_cells_and_writes_the_result(tmp_path: Path) ->
         assert row["losses_first"][0] == pytest.approx(math.log(2), abs=1e-4), row
         assert row["mem_bytes"] is None  # no GPU: no peak memory to read
     assert rows["dpo_job"]["padding_fraction"] == 0.0 and rows["trl_padded"]["pairs"] == 4
+    assert 0 < rows["trl_padded"]["padding_fraction"] < 1  # two sequences of unequal length a step
     ratio = result["ratios"]["tiny-llama"]["tok_s_vs_trl_padded"]
     assert ratio == round(rows["dpo_job"]["tok_s"] / rows["trl_padded"]["tok_s"], 2)
     assert result["goals"]["tiny-llama"]["met"] is False  # no memory reading: the goal cannot hold
