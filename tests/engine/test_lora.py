@@ -39,8 +39,10 @@ def _layer(in_f: int = 16, out_f: int = 24, r: int = 4, scale: float = 2.0, bias
 def test_forward_matches_dense_reference(bias: bool) -> None:
     layer = _layer(bias=bias)
     x = torch.randn(3, 5, 16)
-    w = layer.base.weight + layer.scale * layer.lora_B @ layer.lora_A  # (out, in)
-    expected = x @ w.T + (layer.base.bias if bias else 0)
+    base = layer.base
+    assert isinstance(base, nn.Linear)  # a dense base here (a quantized one is a FrozenWeight)
+    w = base.weight + layer.scale * layer.lora_B @ layer.lora_A  # (out, in)
+    expected = x @ w.T + (base.bias if base.bias is not None else 0)
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
 
 
