@@ -22,8 +22,10 @@ row nearest in parameters, within SCALE_LIMIT× of it (N parameters, W = hidden_
     weights            = N × 2 bytes
     activations/token  = the row's · W / W_row
 
-and says so in `basis`. Every row is a Llama model: another family's `basis` says that what it
-adds to the step (q/k norms, sandwich norms, windows, a larger vocabulary's logits) is not measured.
+and says so in `basis`. A row of the model's own family (`FAMILY_TABLES`: the real shapes of
+bench/family_shapes.py, random weights, measured by `train_bench.py --job --presets ...`) is taken
+first; else the nearest Llama row, and the `basis` says that what the family adds to the step (q/k
+norms, sandwich norms, windows, a larger vocabulary's logits) is not measured.
 
 Pure Python: the API computes these.
 """
@@ -61,6 +63,42 @@ TABLES: dict[str, dict[str, BenchRow]] = {
     },
 }  # fmt: skip
 SHAPE_OF = SHAPE_OF_PRETRAINED
+
+
+@dataclass(frozen=True)
+class FamilyRow:
+    """A benchmark row of one family's published shape (bench/family_shapes.py), with the shape's
+    figures the scaling needs (the service cannot import bench/)."""
+
+    architecture: str
+    parameters: int
+    width_depth: int  # hidden_size × layers
+    row: BenchRow
+
+
+FAMILIES_FILE = "families-h100-2026-11-27.json"
+
+
+def _measured(
+    architecture: str, parameters: int, width_depth: int, rows: int, tok_s: int, gib: float
+) -> FamilyRow:
+    """A FAMILIES_FILE row: `rows` rows of 2,048 tokens a step."""
+    return FamilyRow(architecture, parameters, width_depth, BenchRow(FAMILIES_FILE, rows, 2048, tok_s, gib))
+
+
+# worker class -> family shape name -> row (the job path, packed, on the long-tail chat set)
+FAMILY_TABLES: dict[str, dict[str, FamilyRow]] = {
+    "h100": {
+        "llama-3.1-8b": _measured("LlamaForCausalLM", 8030261248, 131072, 2, 16856, 32.93),
+        "qwen3-8b": _measured("Qwen3ForCausalLM", 8190735360, 147456, 2, 16597, 35.36),
+        "mistral-7b": _measured("MistralForCausalLM", 7241732096, 131072, 2, 17433, 31.47),
+        "gemma-3-4b": _measured("Gemma3ForCausalLM", 3880263168, 87040, 2, 29379, 22.59),
+        "phi-4-mini": _measured("Phi3ForCausalLM", 3836021760, 98304, 2, 29766, 18.76),
+        "llama-3.2-1b": _measured("LlamaForCausalLM", 1235814400, 32768, 4, 88926, 12.13),
+        "qwen3-1.7b": _measured("Qwen3ForCausalLM", 1720574976, 57344, 4, 60170, 19.58),
+        "gemma-3-1b": _measured("Gemma3ForCausalLM", 999885952, 29952, 4, 95933, 15.03),
+    },
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -107,6 +145,20 @@ def estimates(
             out.append(
                 _from_row(worker_class, rows[preset], preset, trained_tokens, batch_size * longest_row)
             )
+        elif (own := _nearest_family_row(worker_class, shape)) is not None:
+            assert shape is not None
+            name, family_row = own
+            out.append(
+                _scaled(
+                    worker_class,
+                    f"{name} row ({family_row.parameters / 1e9:.3g}B parameters, {shape.family.name})",
+                    family_row.row,
+                    (family_row.parameters, family_row.width_depth),
+                    shape,
+                    trained_tokens,
+                    batch_size * longest_row,
+                )
+            )
         else:
             nearest = _nearest_row(rows, shape)
             if nearest is None:
@@ -125,9 +177,20 @@ def estimates(
                 )
             else:
                 assert shape is not None
+                measured = PRESET_SHAPES[nearest]
+                params = measured.parameter_count()
+                label = f"{nearest} row ({params / 1e9:.3g}B parameters, Llama)"
+                basis_shape = (params, measured.hidden_size * measured.num_hidden_layers)
                 out.append(
                     _scaled(
-                        worker_class, nearest, rows[nearest], shape, trained_tokens, batch_size * longest_row
+                        worker_class,
+                        label,
+                        rows[nearest],
+                        basis_shape,
+                        shape,
+                        trained_tokens,
+                        batch_size * longest_row,
+                        unmeasured_family=shape.family.architecture != LLAMA.architecture,
                     )
                 )
     return out
@@ -142,27 +205,47 @@ def _nearest_row(rows: dict[str, BenchRow], shape: ModelShape | None) -> str | N
     return best if distance[best] <= math.log(SCALE_LIMIT) else None
 
 
+def _nearest_family_row(worker_class: str, shape: ModelShape | None) -> tuple[str, FamilyRow] | None:
+    """The benchmark row of `shape`'s own family nearest it in parameters, within SCALE_LIMIT×."""
+    if shape is None or not shape.parameters or not shape.width_depth:
+        return None
+    own = {
+        name: row
+        for name, row in FAMILY_TABLES.get(worker_class, {}).items()
+        if row.architecture == shape.family.architecture
+    }
+    if not own:
+        return None
+    params = shape.parameters
+    distance = {name: abs(math.log(row.parameters / params)) for name, row in own.items()}
+    best = min(distance, key=lambda name: distance[name])
+    return (best, own[best]) if distance[best] <= math.log(SCALE_LIMIT) else None
+
+
 def _scaled(
     worker_class: str,
-    preset: str,
+    label: str,
     row: BenchRow,
+    measured: tuple[int, int],
     shape: ModelShape,
     trained_tokens: int,
     step_tokens: int,
+    *,
+    unmeasured_family: bool = False,
 ) -> Estimate:
-    """`row` (measured on `preset`) scaled to a model of `shape`, as the module docstring says."""
+    """`row`, measured on a model of `measured` = (parameters, hidden size × layers), scaled to a
+    model of `shape` as the module docstring says."""
     assert shape.parameters is not None and shape.width_depth is not None
-    measured = PRESET_SHAPES[preset]
-    row_params = measured.parameter_count()
+    row_params, row_width_depth = measured
     row_weights = row_params * 2 / GIB
     per_token = max(row.mem_gib - row_weights, 0.0) / (row.batch * row.seq)
-    per_token *= shape.width_depth / (measured.hidden_size * measured.num_hidden_layers)
+    per_token *= shape.width_depth / row_width_depth
     tokens_per_s = row.tokens_per_s * row_params / shape.parameters
     basis = (
-        f"scaled from the {preset} row ({row_params / 1e9:.3g}B parameters, Llama) to "
-        f"{shape.parameters / 1e9:.3g}B parameters by parameters and hidden size × layers"
+        f"scaled from the {label} to {shape.parameters / 1e9:.3g}B parameters by parameters and "
+        "hidden size × layers"
     )
-    if shape.family.architecture != LLAMA.architecture:
+    if unmeasured_family:
         basis += f"; no {shape.family.name} row yet: what the family adds to Llama's step is not measured"
     return Estimate(
         worker_class=worker_class,

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from service.estimates import GIB, SHAPE_OF, TABLES, Estimate, estimates
+from bench.family_shapes import FAMILY_SHAPES
+from service.estimates import FAMILY_TABLES, GIB, SHAPE_OF, TABLES, Estimate, estimates
 from worker.engine.catalog import PRESET_SHAPES, TINY_LLAMA_SHAPE
 from worker.engine.model_shape import ModelShape, shape_of_config
 
@@ -27,6 +28,28 @@ def test_table_rows_are_the_committed_loraq_rows(worker_class: str, shape: str) 
     assert [(r["batch"], r["seq"], r["tok_s"], r["mem_gib"]) for r in measured] == [
         (row.batch, row.seq, row.tokens_per_s, row.mem_gib)
     ]
+
+
+@pytest.mark.parametrize("name", list(FAMILY_TABLES["h100"]))
+def test_family_rows_are_the_committed_job_rows_at_their_shapes(name: str) -> None:
+    family_row = FAMILY_TABLES["h100"][name]
+    row = family_row.row
+    measured = [
+        r
+        for r in json.loads((RESULTS / row.source).read_text())["rows"]
+        if r.get("variant") == "job" and r.get("model") == name
+    ]
+    assert [(r["batch"], r["seq"], r["tok_s"], r["mem_gib"]) for r in measured] == [
+        (row.batch, row.seq, row.tokens_per_s, row.mem_gib)
+    ]
+    bench = FAMILY_SHAPES[name]
+    config = {**bench.config, "architectures": [bench.architecture]}
+    shape = shape_of_config(config, name)
+    assert (family_row.architecture, family_row.parameters, family_row.width_depth) == (
+        bench.architecture,
+        shape.parameters,
+        shape.width_depth,
+    )
 
 
 def _one(model: str, shape: ModelShape | None = None, **job: int) -> list[Estimate]:
@@ -108,24 +131,39 @@ def test_every_family_is_estimated_from_the_nearest_row(architecture: str) -> No
     assert h100.unavailable is None and h100.peak_gpu_memory_gib and h100.wall_seconds, h100
     assert h100.peak_gpu_memory_gib > shape.parameters * 2 / GIB  # the weights, and activations
     n = shape.parameters
-    nearest = min(TABLES["h100"], key=lambda p: abs(math.log(PRESET_SHAPES[p].parameter_count() / n)))
-    assert h100.basis is not None and h100.basis.startswith(f"scaled from the {nearest} row")
-    assert h100.source == f"bench/results/{TABLES['h100'][nearest].source}"
+    # a row of the model's own family within 4× of its parameters, else the nearest Llama preset row
+    own = {k: r for k, r in FAMILY_TABLES["h100"].items() if r.architecture == architecture}
+    near_own = [k for k in own if abs(math.log(own[k].parameters / n)) <= math.log(4)]
+    if near_own:
+        nearest = min(near_own, key=lambda k: abs(math.log(own[k].parameters / n)))
+        source = own[nearest].row.source
+    else:
+        nearest = min(TABLES["h100"], key=lambda p: abs(math.log(PRESET_SHAPES[p].parameter_count() / n)))
+        source = TABLES["h100"][nearest].source
+    assert h100.basis is not None and h100.basis.startswith(f"scaled from the {nearest} row"), h100.basis
+    assert h100.source == f"bench/results/{source}"
     unmeasured = "row yet: what the family adds to Llama's step is not measured" in h100.basis
-    assert unmeasured == (architecture != "LlamaForCausalLM")
+    assert unmeasured == (not near_own and architecture != "LlamaForCausalLM")
+    assert near_own or architecture == "Qwen2ForCausalLM"  # every other family has a row of its own
 
 
 def test_a_model_of_a_rows_shape_under_another_name_gets_that_row() -> None:
-    row, preset = TABLES["h100"]["llama-1b"], PRESET_SHAPES["llama-1b"]
-    config = {"architectures": ["LlamaForCausalLM"], **preset.config_kwargs()}
-    shape = shape_of_config(config, "llama-1b copy")
+    # a preset's own name: its row as measured
+    row = TABLES["h100"]["llama-1b"]
     tokens = int(row.tokens_per_s * 100)
-    (scaled,) = _one(
-        "my-llama-1b", trained_tokens=tokens, batch_size=row.batch, longest_row=row.seq, shape=shape
-    )
     (own,) = _one("llama-1b", trained_tokens=tokens, batch_size=row.batch, longest_row=row.seq)
-    assert (scaled.peak_gpu_memory_gib, scaled.wall_seconds) == (own.peak_gpu_memory_gib, own.wall_seconds)
-    assert own.basis is None and scaled.basis is not None
+    assert (own.peak_gpu_memory_gib, own.wall_seconds, own.basis) == (row.mem_gib, 100.0, None)
+    # a Hub model of a family row's exact shape: that row's figures, scaled by nothing
+    family_row = FAMILY_TABLES["h100"]["qwen3-1.7b"]
+    bench = FAMILY_SHAPES["qwen3-1.7b"]
+    shape = shape_of_config({**bench.config, "architectures": [bench.architecture]}, "Qwen/Qwen3-1.7B")
+    fr = family_row.row
+    tokens = int(fr.tokens_per_s * 100)
+    (scaled,) = _one(
+        "Qwen/Qwen3-1.7B", trained_tokens=tokens, batch_size=fr.batch, longest_row=fr.seq, shape=shape
+    )
+    assert (scaled.peak_gpu_memory_gib, scaled.wall_seconds) == (fr.mem_gib, 100.0)
+    assert scaled.basis is not None and scaled.basis.startswith("scaled from the qwen3-1.7b row")
 
 
 def test_a_model_far_from_every_row_is_not_extrapolated() -> None:
