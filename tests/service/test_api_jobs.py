@@ -20,7 +20,7 @@ from tests.conftest import DATASET, ApiClient, LoraqEnv, job_body
 from tests.servers import shared_redis_url
 from tests.service.test_api_files import assert_error
 from tests.service.test_jobs_state import step
-from worker.engine.catalog import random_weights_warning
+from worker.engine.catalog import TINY_LLAMA_SHAPE, random_weights_warning
 
 OPENAI_JOB_FIELDS = {
     "id", "object", "created_at", "finished_at", "model", "fine_tuned_model", "organization_id", "status",
@@ -308,6 +308,11 @@ def test_finished_job_events_checkpoints_results_adapter_and_models(api: ApiClie
         "use": "tests",  # a fine-tune of the test-only base is test-only too
         "upstream": None,
         "warning": random_weights_warning("tiny-llama"),  # and says its base is random
+        # what a user picks a base by, the fine-tune carrying its base's (kind: bases only)
+        "kind": None,
+        "family": "Llama",
+        "parameters": TINY_LLAMA_SHAPE.parameter_count(),
+        "context_length": TINY_LLAMA_SHAPE.max_position_embeddings,
     }
     assert_error(api.get("/v1/models/ft:nope"), 404, "model")
     # another tenant sees only base models
