@@ -57,7 +57,11 @@ class Integration(Strict):
             "allOf": [
                 {
                     "if": {"properties": {"type": {"const": "wandb"}}},
-                    "then": {"required": ["wandb"], "properties": {"mlflow": {"type": "null"}}},
+                    # present and not null: {"type": "wandb", "wandb": null} is refused too
+                    "then": {
+                        "required": ["wandb"],
+                        "properties": {"wandb": {"type": "object"}, "mlflow": {"type": "null"}},
+                    },
                 },
                 {
                     "if": {"properties": {"type": {"const": "mlflow"}}},
