@@ -4,6 +4,7 @@ the worker registry in Redis, and the API's scrape-time metrics over the same da
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import uuid
@@ -174,8 +175,14 @@ def test_file_summary_reads_the_stored_file(env: dict[str, Any]) -> None:
     with session_scope() as s:
         tenant = s.scalar(select(Tenant).where(Tenant.name == "tenant-a"))
         assert tenant is not None
-        f = File(tenant_id=tenant.id, purpose="fine-tune", filename="d.jsonl", bytes=len(content),
-                 sha256="0" * 64, storage_key="")  # fmt: skip
+        f = File(
+            tenant_id=tenant.id,
+            purpose="fine-tune",
+            filename="d.jsonl",
+            bytes=len(content),
+            sha256=hashlib.sha256(content).hexdigest(),
+            storage_key="",
+        )  # fmt: skip (reads check it)
         s.add(f)
         s.flush()
         f.storage_key = storage.file_key(tenant.id, f.id)
