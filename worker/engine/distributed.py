@@ -56,11 +56,13 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from pydantic import TypeAdapter
 
 import gpu_kernels
 from worker.engine import types as engine_types
 from worker.engine.data import Batch
 from worker.engine.memory_plan import MemoryChoice
+from worker.engine.training_config import TrainingMethod
 from worker.engine.types import (
     CheckpointInfo,
     EngineError,
@@ -273,9 +275,13 @@ def config_to_json(config: TrainConfig) -> str:
     return json.dumps(config.to_dict())
 
 
+_METHOD: TypeAdapter[TrainingMethod] = TypeAdapter(TrainingMethod)
+
+
 def config_from_json(text: str) -> TrainConfig:
     d = json.loads(text)
     d["lora"] = LoraConfig(**d["lora"])
+    d["method"] = _METHOD.validate_python(d["method"])  # supervised or dpo, typed again
     d["auto"] = tuple(d["auto"])
     if d.get("memory") is not None:
         d["memory"] = MemoryChoice(**d["memory"])
