@@ -156,10 +156,15 @@ def test_new_job_page_sets_every_training_field(
     # default) it downloads it; with LORAQ_AUTO_PULL=0 (the server's listing says so,
     # tests/service/test_models_local.py) the job is refused until `loraq models pull`.
     smollm2 = page.locator("#model option[value='smollm2-135m-instruct']")
-    expect(smollm2).to_have_text("smollm2-135m-instruct (not local: downloaded on first use)")
+    expect(smollm2).to_have_text(
+        "smollm2-135m-instruct (Llama, 135M parameters, context 8192; not local: downloaded on first use)"
+    )
     page.route("**/v1/models", lambda route: route.fulfill(json=no_auto_pull(route.fetch().json())))
     page.reload()
-    expect(smollm2).to_have_text("smollm2-135m-instruct (not local: run `loraq models pull` first)")
+    expect(smollm2).to_have_text(
+        "smollm2-135m-instruct (Llama, 135M parameters, context 8192; "
+        "not local: run `loraq models pull` first)"
+    )
     page.unroute("**/v1/models")
     page.reload()
 
