@@ -75,7 +75,11 @@ def unfinished_zips(client: Any, bucket: str, prefix: str) -> list[dict[str, Any
 
 
 def parts_sent(client: Any, bucket: str, upload: dict[str, Any]) -> int:
-    listed = client.list_parts(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+    """Parts of `upload` in the store: 0 once it completed between the listing and this call."""
+    try:
+        listed = client.list_parts(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+    except client.exceptions.NoSuchUpload:  # finished (or aborted) meanwhile: look again
+        return 0
     return len(listed.get("Parts", []))
 
 
