@@ -21,7 +21,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from service import estimates, inference, jobs, memory_check
+from service import estimates, inference, jobs, memory_check, worker_registry
 from service.schemas import (
     DatasetSummary,
     DryRunError,
@@ -140,7 +140,7 @@ def plan(spec: JobCreate, request: dict[str, Any], done: dict[str, Any], setting
 
 def _memory(spec: JobCreate, batch_size: int, row_tokens: int, settings: Settings) -> list[MemoryPlanPublic]:
     """The plan of a micro-batch of this job's rows on each GPU size of its queue's live workers."""
-    workers = memory_check.live_workers_now()
+    workers = worker_registry.live_workers_now()
     if workers is None:
         return []
     from service.broker import celery_queue

@@ -47,7 +47,7 @@ from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased
 
-from service import integrations, memory_check, webhooks
+from service import integrations, memory_check, webhooks, worker_registry
 from service.auth import KEY_QUERY
 from service.db.models import Artifact, Checkpoint, File, Job, JobEvent, JobMetric, Tenant, is_id, now_s
 from service.db.session import decode_json_and_bools
@@ -649,7 +649,7 @@ def create_job(
         spec,
         batch_size=requested.batch_size,
         celery_queue=celery_queue(queue, spec.n_gpus),
-        workers=memory_check.live_workers_now(),
+        workers=worker_registry.live_workers_now(),
     )
 
     seed = job_seed(spec)

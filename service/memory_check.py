@@ -12,9 +12,6 @@ nothing is known.
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,9 +21,6 @@ from service.settings import get_settings
 from worker.engine.catalog import PRETRAINED
 from worker.engine.memory_plan import GGUF_BITS, MemoryPlan, ModelDims, catalog_dims, plan_memory, refusal
 from worker.engine.training_config import AUTO_BATCH_SIZE
-
-log = logging.getLogger("loraq.memory")
-CACHE_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -44,30 +38,6 @@ def queue_gpu_bytes(workers: list[dict[str, Any]], celery_queue: str) -> dict[in
         if str(w.get("queue")) == celery_queue and gpus and min(gpus) > 0:
             sizes[min(gpus)] = sizes.get(min(gpus), 0) + 1
     return sizes
-
-
-_cache: tuple[float, list[dict[str, Any]] | None] = (float("-inf"), None)
-_lock = threading.Lock()
-
-
-def live_workers_now() -> list[dict[str, Any]] | None:
-    """The registry's live worker entries (cached for CACHE_SECONDS); None when unreadable."""
-    global _cache
-    from service.queue import broker_paused
-    from service.worker_registry import default_client, list_workers
-
-    with _lock:
-        at, value = _cache
-        if time.monotonic() - at < CACHE_SECONDS:
-            return value
-        value = None
-        if not broker_paused():
-            try:
-                value = list_workers(default_client())
-            except Exception:
-                log.warning("worker registry unreadable; GPU memory is not checked", exc_info=True)
-        _cache = (time.monotonic(), value)
-        return value
 
 
 def _dims(model: str) -> ModelDims | None:

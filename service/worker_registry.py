@@ -22,7 +22,7 @@ log = logging.getLogger("loraq.registry")
 
 PREFIX = "loraq:workers:"
 JOB_SUFFIX = ":job"
-SERVED_CACHE_SECONDS = 2.0  # submits read the registry at most this often per API process
+LIVE_CACHE_SECONDS = 2.0  # submits read the registry at most this often per API process
 
 
 @dataclass
@@ -79,16 +79,12 @@ def list_workers(client: Any) -> list[dict[str, Any]]:
     return workers
 
 
-def served_queues(client: Any) -> set[str]:
-    """The Celery queues live workers consume (`h100`, `h100-x2`, ...)."""
-    return set(served_integrations(client))
-
-
-def served_integrations(client: Any) -> dict[str, set[str]]:
-    """Each Celery queue live workers consume → the integrations (service/integrations.py) that at
-    least one of them can log (a worker too old to say counts as able: nothing is refused on it)."""
+def served_integrations(workers: list[dict[str, Any]]) -> dict[str, set[str]]:
+    """Each Celery queue the `workers` (`list_workers`) consume → the integrations
+    (service/integrations.py) that at least one of them can log (a worker too old to say counts as
+    able: nothing is refused on it)."""
     served: dict[str, set[str]] = {}
-    for w in list_workers(client):
+    for w in workers:
         if w.get("queue"):
             can = w.get("integrations", ["wandb", "mlflow"])
             served.setdefault(str(w["queue"]), set()).update(str(i) for i in can)
@@ -123,31 +119,45 @@ def default_client() -> Any:
     return _default[1]
 
 
-_served: tuple[float, dict[str, set[str]] | None] = (float("-inf"), None)
-_served_lock = threading.Lock()
+_live: tuple[float, list[dict[str, Any]] | None] = (float("-inf"), None)
+_live_lock = threading.Lock()
+
+
+def live_workers_now() -> list[dict[str, Any]] | None:
+    """`list_workers` of the default client, cached for `LIVE_CACHE_SECONDS` (a submit's checks of
+    queues, integrations and GPU memory share one read); None when Redis cannot be read (then
+    nothing is known, and the caller must not refuse on it)."""
+    global _live
+    from service.queue import broker_paused
+
+    with _live_lock:
+        at, value = _live
+        if time.monotonic() - at < LIVE_CACHE_SECONDS:
+            return value
+        value = None
+        if not broker_paused():  # a publish just failed: do not wait on Redis again
+            try:
+                value = list_workers(default_client())
+            except Exception:
+                log.warning("worker registry unreadable; submits are not checked against it", exc_info=True)
+        _live = (time.monotonic(), value)
+        return value
+
+
+def forget_live_workers() -> None:
+    """The next `live_workers_now` reads the registry again (tests that just wrote an entry)."""
+    global _live
+    with _live_lock:
+        _live = (float("-inf"), None)
 
 
 def served_queues_now() -> set[str] | None:
-    """`served_queues` of the default client, cached for `SERVED_CACHE_SECONDS`; None when Redis
-    cannot be read (then nothing is known, and the caller must not refuse on it)."""
+    """The Celery queues live workers consume (`h100`, `h100-x2`, ...), as `live_workers_now`."""
     served = served_integrations_now()
     return None if served is None else set(served)
 
 
 def served_integrations_now() -> dict[str, set[str]] | None:
-    """`served_integrations` of the default client, cached as `served_queues_now` is."""
-    global _served
-    from service.queue import broker_paused
-
-    with _served_lock:
-        at, value = _served
-        if time.monotonic() - at < SERVED_CACHE_SECONDS:
-            return value
-        value = None
-        if not broker_paused():  # a publish just failed: do not wait on Redis again
-            try:
-                value = served_integrations(default_client())
-            except Exception:
-                log.warning("worker registry unreadable; submits are not checked against it", exc_info=True)
-        _served = (time.monotonic(), value)
-        return value
+    """`served_integrations` of `live_workers_now`."""
+    workers = live_workers_now()
+    return None if workers is None else served_integrations(workers)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 
-from service import dry_run, memory_check, worker_registry
+from service import dry_run, worker_registry
 from service.schemas import JobCreate
 from service.settings import get_settings
 from tests.conftest import DATASET, ApiClient, job_body
@@ -34,15 +34,13 @@ def gpu_worker() -> Iterator[Callable[[int], str]]:
         entry = {"node": node, "queue": queue, "pid": 1, "gpus": [gpu], "last_seen": time.time()}
         client.set(worker_registry.worker_key(node), json.dumps(entry), ex=60)
         nodes.append(node)
-        worker_registry._served = (float("-inf"), None)  # forget the last reads: the entry is new
-        memory_check._cache = (float("-inf"), None)
+        worker_registry.forget_live_workers()  # forget the last read: the entry is new
         return queue
 
     yield register
     for node in nodes:
         client.delete(worker_registry.worker_key(node))
-    worker_registry._served = (float("-inf"), None)
-    memory_check._cache = (float("-inf"), None)
+    worker_registry.forget_live_workers()
 
 
 def test_a_job_that_fits_no_gpu_of_its_queue_is_refused_naming_what_to_change(

@@ -46,12 +46,12 @@ def live_worker() -> Iterator[str]:
         "integrations": ["mlflow"],
     }  # fmt: skip
     client.set(worker_registry.worker_key(node), json.dumps(entry), ex=60)
-    worker_registry._served = (float("-inf"), None)  # forget the last read: the entry is new
+    worker_registry.forget_live_workers()  # forget the last read: the entry is new
     try:
         yield queue
     finally:
         client.delete(worker_registry.worker_key(node))
-        worker_registry._served = (float("-inf"), None)
+        worker_registry.forget_live_workers()
 
 
 def test_upload_names_bad_lines_and_a_job_on_it_is_refused(api: ApiClient) -> None:
