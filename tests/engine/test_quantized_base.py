@@ -10,10 +10,11 @@ convert_hf_to_gguf does) and reads its blocks from the mmap.
 from __future__ import annotations
 
 import copy
+import gc
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import peft
@@ -27,9 +28,10 @@ from gpu_kernels import KernelStatus
 from gpu_kernels.quant import StackedWeight
 from tests.engine.recipe_helpers import Recorder, tiny_config
 from worker.engine import fused_model
+from worker.engine.catalog import TINY_LLAMA_SHAPE, PresetShape
 from worker.engine.export import load_adapter
 from worker.engine.lora import apply_lora, merge_lora, trainable_parameters
-from worker.engine.models import LoadedModel, load_base_model
+from worker.engine.models import LoadedModel, load_base_model, load_random_shape
 from worker.engine.quantize import (
     GGUF_LLAMA_LINEARS,
     QuantizedLinear,
@@ -43,14 +45,18 @@ from worker.engine.types import ConfigError, LoraConfig
 LORA = LoraConfig(r=4, alpha=8.0)
 
 
-def dense_twin(quantized: nn.Module, dense: nn.Module) -> nn.Module:
-    """`dense` with each layer that is quantized in `quantized` holding the dequantized weight."""
-    twin = copy.deepcopy(dense)
-    for name, module in quantized.named_modules():
+def dequantized(quantized: nn.Module) -> nn.Module:
+    """A copy of `quantized` whose quantized layers are nn.Linear holding the dequantized weights
+    (fp64); everything else as it is."""
+    twin = copy.deepcopy(quantized)
+    for name, module in list(twin.named_modules()):
         if isinstance(module, QuantizedLinear):
-            linear = twin.get_submodule(name)
-            assert isinstance(linear, nn.Linear)
+            linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
             linear.weight.data = module.qweight.dequantize(torch.float64)
+            if module.bias is not None:
+                linear.bias.data = module.bias.data.double()
+            parent, _, leaf = name.rpartition(".")
+            setattr(twin.get_submodule(parent), leaf, linear)
     return twin
 
 
@@ -98,7 +104,7 @@ def test_loss_and_lora_grads_on_a_quantized_base_equal_the_dequantized_model(
     assert quantization_of(quantized) == method
     head = quantized.get_output_embeddings()
     assert isinstance(head, nn.Linear)  # the LM head stays dense
-    oracle = dense_twin(quantized, tiny64)
+    oracle = dequantized(quantized)
     # the quantization did change the weights (else this tests nothing), by a bounded error
     q = oracle.get_submodule("model.layers.0.mlp.down_proj")
     d = tiny64.get_submodule("model.layers.0.mlp.down_proj")
@@ -112,6 +118,78 @@ def test_loss_and_lora_grads_on_a_quantized_base_equal_the_dequantized_model(
     assert report.rel_error == pytest.approx((err / ref) ** 0.5, rel=1e-6)
     assert 0 < report.rel_error < (0.2 if method == "nf4" else 0.02)
     assert_same_training(quantized, oracle)
+
+
+@pytest.mark.parametrize("method", ["nf4", "int8"])
+def test_a_random_base_quantized_as_it_is_made_trains_as_its_dequantized_twin(
+    method: Literal["nf4", "int8"],
+) -> None:
+    """A random-init preset shape with quantization is made a decoder layer at a time
+    (models.random_quantized_llama); in fp64 its loss and LoRA gradients equal those of the same
+    model with the dequantized weights in plain nn.Linear layers."""
+    cpu = torch.device("cpu")
+    loaded = load_random_shape(TINY_LLAMA_SHAPE, "tiny", device=cpu, dtype=torch.float64, quantization=method)
+    model: Any = loaded.model
+    assert loaded.quantization == method and quantization_of(model) == method
+    assert len(model.model.layers) == model.config.num_hidden_layers == 2
+    assert loaded.note is not None and "14 linear layers" in loaded.note
+    head = model.get_output_embeddings()
+    assert isinstance(head, nn.Linear) and head.weight.dtype == torch.float64
+    q_proj = model.get_submodule("model.layers.1.self_attn.q_proj")
+    assert isinstance(q_proj, QuantizedLinear)
+    # HF's init, N(0, 0.02), survives the quantization
+    assert 0.015 < float(q_proj.qweight.dequantize(torch.float64).std()) < 0.025
+    again = load_random_shape(TINY_LLAMA_SHAPE, "tiny", device=cpu, dtype=torch.float64, quantization=method)
+    q_again = again.model.get_submodule("model.layers.1.self_attn.q_proj")
+    assert isinstance(q_again, QuantizedLinear)
+    assert torch.equal(q_again.qweight.dequantize(), q_proj.qweight.dequantize())  # seeded
+    assert_same_training(model, dequantized(model))
+
+
+def _live_cpu_tensor_bytes() -> int:
+    """Bytes of every CPU tensor storage alive in the process (each storage once)."""
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def test_a_random_base_is_never_held_dense_while_it_is_quantized(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tensor bytes alive whenever a decoder layer is about to be quantized stay within the
+    dense parts (embeddings, LM head, norms) + the quantized model + one dense layer: far from
+    the dense model (the 70B shape's 140 GB never exist on a GPU or in host memory)."""
+    from worker.engine import models
+
+    shape = PresetShape(
+        hidden_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=1024, vocab_size=512, tie_word_embeddings=False, max_position_embeddings=512,
+    )  # fmt: skip
+    before = _live_cpu_tensor_bytes()
+    marks: list[int] = []
+    quantize = models.quantize_model
+
+    def measured(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        marks.append(_live_cpu_tensor_bytes() - before)  # the dense layer allocated, not yet quantized
+        return quantize(layer, *args, **kwargs)
+
+    monkeypatch.setattr(models, "quantize_model", measured)
+    loaded = models.load_random_shape(
+        shape, "shape", device=torch.device("cpu"), dtype=torch.float32, quantization="nf4"
+    )
+    model: Any = loaded.model
+    layer_dense = 4 * sum(  # fp32 bytes of one decoder layer's linears and norms
+        p.numel() for n, p in models.LlamaDecoderLayer(model.config, 0).named_parameters()
+    )
+    quantized = sum(m.qweight.nbytes for m in model.modules() if isinstance(m, QuantizedLinear))
+    rest = sum(p.numel() * p.element_size() for p in model.parameters())  # embeddings, head, norms
+    dense_model = rest + shape.num_hidden_layers * layer_dense
+    assert len(marks) == shape.num_hidden_layers
+    for mark in marks:
+        assert mark <= rest + quantized + layer_dense + (64 << 10), (mark, rest, quantized, layer_dense)
+    assert max(marks) < dense_model / 2
+    assert quantized < shape.num_hidden_layers * layer_dense / 6  # 4.5 of 32 bits a weight
 
 
 def test_moving_a_quantized_layer_keeps_its_scales_and_sets_its_compute_dtype(tiny64: Any) -> None:
@@ -266,12 +344,11 @@ def test_the_fused_stack_groups_quantized_projections_without_copying_them(
 ) -> None:
     """q/k/v and gate/up of a quantized base become one StackedWeight each (the fused path's
     grouped op, here with the reference ops) and train as the fused dequantized model does."""
-    dense = copy.deepcopy(tiny64)
     quantize_model(tiny64, "nf4")
     monkeypatch.setattr(fused_model.gpu_kernels, "available", lambda: KernelStatus(True, "forced for a test"))
     fuse = fused_model.fuse_model
     reports = []
-    oracle = dense_twin(tiny64, dense)
+    oracle = dequantized(tiny64)
     loss, grads = loss_and_grads(tiny64, then=lambda m: reports.append(fuse(m)))
     ref_loss, ref_grads = loss_and_grads(oracle, then=lambda m: reports.append(fuse(m)))
     assert reports[0].qkv_groups == 2 and reports[0].mlps == 2

@@ -4,15 +4,19 @@
   (~30 s on a CPU; nothing is cached globally, so a caller that loads it repeatedly keeps the
   returned LoadedModel).
 - random presets (tiny-llama, llama-1b, llama-8b, smollm2-135m): seeded random init, created
-  directly on the target device (an 8B model never passes through host memory).
+  directly on the target device (an 8B model never passes through host memory); with nf4/int8
+  quantization, a decoder layer at a time, each quantized as it is made (a 70B shape fits one
+  80 GB GPU without ever existing in bf16).
 - local directories registered with `loraq models add`: safetensors only, never pickles.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Literal, cast
 
 import torch
 from transformers import (
@@ -23,10 +27,11 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from worker.engine.catalog import PRESET_SHAPES, PRETRAINED, get_model_info, validate_model_dir
+from worker.engine.catalog import PRESET_SHAPES, PRETRAINED, PresetShape, get_model_info, validate_model_dir
 from worker.engine.gguf_tokenizer import write_tokenizer_files
-from worker.engine.quantize import quantize_model, use_gguf_blocks
+from worker.engine.quantize import QuantizeReport, quantize_model, use_gguf_blocks
 from worker.engine.tiny import build_tiny_llama, build_tiny_tokenizer
 from worker.engine.types import ConfigError, ModelError, QuantizationName
 
@@ -65,7 +70,7 @@ def load_base_model(
         model, tokenizer = build_tiny_llama()
         loaded = LoadedModel(_move(model, device, dtype), tokenizer, name, is_random=True)
     elif info.kind == "random":
-        loaded = _load_preset(name, device, dtype)
+        loaded = _load_preset(name, device, dtype, quantization)
     elif info.kind == "pretrained":
         loaded = _load_pretrained(name, store, device, dtype, keep_blocks=quantization == "gguf")
     else:
@@ -101,15 +106,32 @@ def load_tokenizer(name: str, *, store: Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def _load_preset(name: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    """Random init directly on `device` (torch's device context), seeded; tokenizer from tiny-llama.
+def _load_preset(
+    name: str, device: torch.device, dtype: torch.dtype, quantization: QuantizationName | None = None
+) -> LoadedModel:
+    """Random init directly on `device`, seeded; tokenizer from tiny-llama.
 
     The ids of the tiny tokenizer (< 512) are valid in every preset's vocabulary, so benchmarks can
     feed real text.
     """
+    return load_random_shape(PRESET_SHAPES[name], name, device=device, dtype=dtype, quantization=quantization)
+
+
+def load_random_shape(
+    shape: PresetShape,
+    name: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    quantization: QuantizationName | None = None,
+) -> LoadedModel:
+    """A seeded random-init Llama of `shape` on `device`, named `name`, with tiny-llama's
+    tokenizer. Dense: the whole model built there at once (torch's device context). With nf4 or
+    int8: built a decoder layer at a time (`random_quantized_llama`), so a 70B shape, 140 GB in
+    bf16, never exists dense anywhere."""
     tokenizer = build_tiny_tokenizer()
     config = LlamaConfig(
-        **PRESET_SHAPES[name].config_kwargs(),
+        **shape.config_kwargs(),
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -117,14 +139,64 @@ def _load_preset(name: str, device: torch.device, dtype: torch.dtype) -> LoadedM
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(PRESET_SEED)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with device:
-                model = LlamaForCausalLM(config)
-        finally:
-            torch.set_default_dtype(previous)
+        if quantization in ("nf4", "int8"):
+            model, report = random_quantized_llama(config, quantization, device=device, dtype=dtype)
+            note = report.sentence(quantization) + " (random init, one decoder layer at a time)"
+            return LoadedModel(model, tokenizer, name, True, quantization, note)
+        with _default_dtype(dtype), device:
+            model = LlamaForCausalLM(config)
     return LoadedModel(model, tokenizer, name, is_random=True)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@torch.no_grad()
+def random_quantized_llama(
+    config: LlamaConfig,
+    method: Literal["nf4", "int8"],
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int = PRESET_SEED,
+) -> tuple[LlamaForCausalLM, QuantizeReport]:
+    """A random-init LlamaForCausalLM whose decoder linears are quantized as each layer is made:
+    the embeddings, final norm and LM head are built dense first (a model of no layers), then
+    each decoder layer in turn is allocated dense on `device` (empty, from the meta device), given
+    HF's init (linears N(0, initializer_range), norms 1; seeded `seed` + 1 + its index), quantized
+    linear by linear and appended. The device holds the quantized model so far plus one dense
+    layer (and one linear's quantization temporaries) at any time."""
+    layers = config.num_hidden_layers
+    config.num_hidden_layers = 0
+    try:
+        with _default_dtype(dtype), device:
+            model = LlamaForCausalLM(config)
+    finally:
+        config.num_hidden_layers = layers
+    report = QuantizeReport(0)
+    std = config.initializer_range
+    for index in range(layers):
+        with torch.device("meta"):
+            layer = LlamaDecoderLayer(config, layer_idx=index)
+        layer = layer.to(dtype=dtype).to_empty(device=device)
+        generator = torch.Generator(device=device).manual_seed(seed + 1 + index)
+        for name, param in layer.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:  # a linear's (out, in) weight
+                param.normal_(0.0, std, generator=generator)
+        report = report + quantize_model(layer, method, dtype=dtype)
+        model.model.layers.append(layer)
+    return model, report
 
 
 def _load_pretrained(

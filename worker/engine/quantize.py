@@ -103,7 +103,19 @@ def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
 @dataclass(frozen=True)
 class QuantizeReport:
     layers: int  # decoder linears quantized
-    rel_error: float  # ‖Ŵ − W‖ / ‖W‖ over all of them (Frobenius), W as it was loaded
+    error_sq: float = 0.0  # ‖Ŵ − W‖² summed over them (Frobenius), W as it was loaded
+    weight_sq: float = 0.0  # ‖W‖² summed over them
+
+    @property
+    def rel_error(self) -> float:
+        """‖Ŵ − W‖ / ‖W‖ over every quantized layer."""
+        return (self.error_sq / self.weight_sq) ** 0.5 if self.weight_sq > 0 else 0.0
+
+    def __add__(self, other: QuantizeReport) -> QuantizeReport:
+        """Two parts of one model quantized separately (a random base, layer by layer)."""
+        return QuantizeReport(
+            self.layers + other.layers, self.error_sq + other.error_sq, self.weight_sq + other.weight_sq
+        )
 
     def sentence(self, method: str) -> str:
         return (
@@ -147,7 +159,7 @@ def quantize_model(
         _replace(model, path, QuantizedLinear(frozen, bias))
         del w, linear
         count += 1
-    return QuantizeReport(count, float((err / ref.clamp_min(1e-300)).sqrt()) if count else 0.0)
+    return QuantizeReport(count, float(err), float(ref))
 
 
 def _llama_permuted(blocks: torch.Tensor, n_head: int) -> torch.Tensor:
