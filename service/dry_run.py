@@ -102,12 +102,14 @@ def plan(spec: JobCreate, request: dict[str, Any], done: dict[str, Any], setting
         + _step_limit_error(steps.steps, settings)
     )
     trained_tokens = n_epochs * trained.tokens
+    row_tokens = planned["row_tokens"] if planned else spec.max_seq_len
+    # what the worker plans: one GPU's rows of the micro-batch, of row_tokens each
+    step = memory_check.spec_step(spec, rows=memory_check.gpu_rows(batch_size, spec.n_gpus), seq=row_tokens)
     found = estimates.estimates(
         spec.model,
         trained_tokens=trained_tokens,
-        batch_size=batch_size,
-        longest_row=int(done["training"]["longest_row"]),
         queue=spec.queue or settings.worker_queue,
+        step=step,
         shape=model_shape(spec.model, settings.model_store),  # a model of no row: scaled from one
     )
     return DryRunPublic(
@@ -133,7 +135,7 @@ def plan(spec: JobCreate, request: dict[str, Any], done: dict[str, Any], setting
         steps=steps.steps,
         trained_tokens=trained_tokens,
         estimates=[EstimatePublic(**vars(e)) for e in found],
-        memory=_memory(spec, batch_size, planned["row_tokens"] if planned else spec.max_seq_len, settings),
+        memory=_memory(spec, batch_size, row_tokens, settings),
         errors=errors,
     )
 

@@ -1,31 +1,29 @@
-"""Pre-flight estimates of a job's peak GPU memory and wall time, from the benchmark tables.
+"""Pre-flight estimates of a job's peak GPU memory and wall time on each benchmarked worker class.
 
-Each worker class has rows measured by `bench/train_bench.py` (Loraq's own train step, LoRA r=16
-on every linear layer, bf16 base) and committed under bench/results/; `TABLES` copies the figures
-this module needs and names the file each comes from (tests/service/test_estimates.py checks they
-still match). From a row measured at `batch × seq` tokens per step:
+Peak memory is the memory plan's (worker/engine/memory_plan.py, through service/gpu_fit.py): the
+predicted peak of the job's step (its model's shape, the base's storage, LoRA's rank and targets,
+the rows of one GPU's micro-batch) on the class's GPU (`CLASS_GPUS`: h100 is an 80 GB H100), split
+into micro-batches and checkpointed as the worker will do there; `memory_plan` says how. It needs
+no benchmark row of the model, only its shape.
+
+Wall time comes from the benchmark tables: each worker class has rows measured by
+`bench/train_bench.py` (Loraq's own train step, LoRA r=16 on every linear layer, bf16 base)
+and committed under bench/results/; `TABLES` copies the figures this module needs and names the
+file each comes from (tests/service/test_estimates.py checks they still match):
 
     wall time  = trained tokens / the row's tokens per second
-    peak GiB   = weights + (row GiB − weights) · (job tokens per step / row tokens per step)
-
-where weights = parameters × 2 bytes (bf16) and a job's tokens per step is its batch size times
-its longest training row (a batch of the longest rows: the worst step). Activations grow about
-linearly with the tokens of a step; other ranks than 16 change the figures little (the adapters
-are a fraction of a percent of the weights). A class without a row for the model (tiny-llama on
-h100, any model on a class never benchmarked, such as the job's own `cpu` or `default` queue) gets
-an entry without figures that says so.
 
 A model with no row of its own (any family: a Hub model, a local directory) is scaled from the
-row nearest in parameters, within SCALE_LIMIT× of it (N parameters, W = hidden_size × layers):
+row nearest in parameters, within SCALE_LIMIT× of it (N parameters):
 
     tokens per second  = the row's · N_row / N          (a token's training FLOPs ≈ 6 N)
-    weights            = N × 2 bytes
-    activations/token  = the row's · W / W_row
 
 and says so in `basis`. A row of the model's own family (`FAMILY_TABLES`: the real shapes of
 bench/family_shapes.py, random weights, measured by `train_bench.py --job --presets ...`) is taken
 first; else the nearest Llama row, and the `basis` says that what the family adds to the step (q/k
-norms, sandwich norms, windows, a larger vocabulary's logits) is not measured.
+norms, sandwich norms, windows, a larger vocabulary's logits) is not measured. A class without a
+row for the model (tiny-llama on h100) has a peak and no wall time; a class never benchmarked (the
+job's own `cpu` or `default` queue) neither: its GPU is not known. `unavailable` says why.
 
 Pure Python: the API computes these.
 """
@@ -34,6 +32,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
+
+from service.gpu_fit import CLASS_GPUS, Step, plan_fields
 
 # the catalog's names (pure Python; the control plane imports from worker/ only the catalog)
 from worker.engine.catalog import LLAMA, PRESET_SHAPES, SHAPE_OF_PRETRAINED, ModelShape
@@ -68,35 +69,32 @@ SHAPE_OF = SHAPE_OF_PRETRAINED
 @dataclass(frozen=True)
 class FamilyRow:
     """A benchmark row of one family's published shape (bench/family_shapes.py), with the shape's
-    figures the scaling needs (the service cannot import bench/)."""
+    parameter count the scaling needs (the service cannot import bench/)."""
 
     architecture: str
     parameters: int
-    width_depth: int  # hidden_size × layers
     row: BenchRow
 
 
 FAMILIES_FILE = "families-h100-2026-11-27.json"
 
 
-def _measured(
-    architecture: str, parameters: int, width_depth: int, rows: int, tok_s: int, gib: float
-) -> FamilyRow:
+def _measured(architecture: str, parameters: int, rows: int, tok_s: int, gib: float) -> FamilyRow:
     """A FAMILIES_FILE row: `rows` rows of 2,048 tokens a step."""
-    return FamilyRow(architecture, parameters, width_depth, BenchRow(FAMILIES_FILE, rows, 2048, tok_s, gib))
+    return FamilyRow(architecture, parameters, BenchRow(FAMILIES_FILE, rows, 2048, tok_s, gib))
 
 
 # worker class -> family shape name -> row (the job path, packed, on the long-tail chat set)
 FAMILY_TABLES: dict[str, dict[str, FamilyRow]] = {
     "h100": {
-        "llama-3.1-8b": _measured("LlamaForCausalLM", 8030261248, 131072, 2, 16856, 32.93),
-        "qwen3-8b": _measured("Qwen3ForCausalLM", 8190735360, 147456, 2, 16597, 35.36),
-        "mistral-7b": _measured("MistralForCausalLM", 7241732096, 131072, 2, 17433, 31.47),
-        "gemma-3-4b": _measured("Gemma3ForCausalLM", 3880263168, 87040, 2, 29379, 22.59),
-        "phi-4-mini": _measured("Phi3ForCausalLM", 3836021760, 98304, 2, 29766, 18.76),
-        "llama-3.2-1b": _measured("LlamaForCausalLM", 1235814400, 32768, 4, 88926, 12.13),
-        "qwen3-1.7b": _measured("Qwen3ForCausalLM", 1720574976, 57344, 4, 60170, 19.58),
-        "gemma-3-1b": _measured("Gemma3ForCausalLM", 999885952, 29952, 4, 95933, 15.03),
+        "llama-3.1-8b": _measured("LlamaForCausalLM", 8030261248, 2, 16856, 32.93),
+        "qwen3-8b": _measured("Qwen3ForCausalLM", 8190735360, 2, 16597, 35.36),
+        "mistral-7b": _measured("MistralForCausalLM", 7241732096, 2, 17433, 31.47),
+        "gemma-3-4b": _measured("Gemma3ForCausalLM", 3880263168, 2, 29379, 22.59),
+        "phi-4-mini": _measured("Phi3ForCausalLM", 3836021760, 2, 29766, 18.76),
+        "llama-3.2-1b": _measured("LlamaForCausalLM", 1235814400, 4, 88926, 12.13),
+        "qwen3-1.7b": _measured("Qwen3ForCausalLM", 1720574976, 4, 60170, 19.58),
+        "gemma-3-1b": _measured("Gemma3ForCausalLM", 999885952, 4, 95933, 15.03),
     },
 }  # fmt: skip
 
@@ -104,11 +102,21 @@ FAMILY_TABLES: dict[str, dict[str, FamilyRow]] = {
 @dataclass(frozen=True)
 class Estimate:
     worker_class: str
-    peak_gpu_memory_gib: float | None  # None: no estimate, `unavailable` says why
+    peak_gpu_memory_gib: float | None  # the plan's predicted peak on the class's GPU
     wall_seconds: float | None
-    source: str | None
-    unavailable: str | None = None
-    basis: str | None = None  # how a figure was had from a row of another model (None: its own row)
+    source: str | None  # the benchmark result the wall time comes from
+    unavailable: str | None = None  # why a figure is null
+    basis: str | None = None  # how the wall time was had from a row of another model (None: its own row)
+    memory_plan: dict[str, Any] | None = None  # schemas.PlanPublic's fields
+
+
+@dataclass(frozen=True)
+class Speed:
+    """Where a class's tokens per second for the model come from."""
+
+    tokens_per_s: float
+    source: str
+    basis: str | None = None
 
 
 def worker_classes(queue: str) -> list[str]:
@@ -120,85 +128,78 @@ def estimates(
     model: str,
     *,
     trained_tokens: int,
-    batch_size: int,
-    longest_row: int,
     queue: str,
+    step: Step | None,
     shape: ModelShape | None = None,
 ) -> list[Estimate]:
-    """One entry per class of `worker_classes(queue)`: an estimate where the class has a benchmark
-    row for `model`'s shape, or one to scale from to `shape` (the model's, from the catalog), else
-    no figures and the reason (a user should not read a missing class as "fits anywhere")."""
-    preset = SHAPE_OF.get(model, model)
+    """One entry per class of `worker_classes(queue)`: the peak of `step` (the job's step, None
+    where the model's shape is not known) planned on the class's GPU, and the wall time from the
+    class's benchmark row for `model`'s shape or one to scale from to `shape` (the model's, from
+    the catalog); a figure that cannot be had is null and `unavailable` says why (a user should
+    not read a missing class as "fits anywhere")."""
     out = []
     for worker_class in worker_classes(queue):
         rows = TABLES.get(worker_class)
         if rows is None:
             benchmarked = ", ".join(sorted(TABLES))
-            out.append(
-                _unavailable(
-                    worker_class,
-                    f"no training benchmark for worker class {worker_class!r} "
-                    f"(bench/results has them for: {benchmarked})",
-                )
+            why = (
+                f"no training benchmark for worker class {worker_class!r} "
+                f"(bench/results has them for: {benchmarked})"
             )
-        elif preset in rows:
-            out.append(
-                _from_row(worker_class, rows[preset], preset, trained_tokens, batch_size * longest_row)
+            out.append(Estimate(worker_class, None, None, None, unavailable=why))
+            continue
+        gpu = CLASS_GPUS[worker_class]
+        plan = step.plan(gpu.memory_bytes) if step is not None else None
+        speed, no_speed = _speed(worker_class, rows, model, shape)
+        reasons = [] if plan is not None else [f"the shape of {model} is not known: no memory plan"]
+        if speed is None:
+            reasons.append(no_speed)
+        out.append(
+            Estimate(
+                worker_class=worker_class,
+                peak_gpu_memory_gib=round(plan.peak_bytes / GIB, 2) if plan else None,
+                wall_seconds=round(trained_tokens / speed.tokens_per_s, 1) if speed else None,
+                source=f"bench/results/{speed.source}" if speed else None,
+                unavailable="; ".join(reasons) or None,
+                basis=speed.basis if speed else None,
+                memory_plan=plan_fields(gpu.memory_bytes, plan) if plan else None,
             )
-        elif (own := _nearest_family_row(worker_class, shape)) is not None:
-            assert shape is not None
-            name, family_row = own
-            out.append(
-                _scaled(
-                    worker_class,
-                    f"{name} row ({family_row.parameters / 1e9:.3g}B parameters, {shape.family.name})",
-                    family_row.row,
-                    (family_row.parameters, family_row.width_depth),
-                    shape,
-                    trained_tokens,
-                    batch_size * longest_row,
-                )
-            )
-        else:
-            nearest = _nearest_row(rows, shape)
-            if nearest is None:
-                there = ", ".join(rows)
-                near = (
-                    f"; none within {SCALE_LIMIT:g}× of its {shape.parameters} parameters to scale from"
-                    if shape is not None and shape.parameters
-                    else ""
-                )
-                out.append(
-                    _unavailable(
-                        worker_class,
-                        f"no training benchmark of {model} on {worker_class} "
-                        f"(benchmarked there: {there}){near}",
-                    )
-                )
-            else:
-                assert shape is not None
-                measured = PRESET_SHAPES[nearest]
-                params = measured.parameter_count()
-                label = f"{nearest} row ({params / 1e9:.3g}B parameters, Llama)"
-                basis_shape = (params, measured.hidden_size * measured.num_hidden_layers)
-                out.append(
-                    _scaled(
-                        worker_class,
-                        label,
-                        rows[nearest],
-                        basis_shape,
-                        shape,
-                        trained_tokens,
-                        batch_size * longest_row,
-                        unmeasured_family=shape.family.architecture != LLAMA.architecture,
-                    )
-                )
+        )
     return out
+
+
+def _speed(
+    worker_class: str, rows: dict[str, BenchRow], model: str, shape: ModelShape | None
+) -> tuple[Speed | None, str]:
+    """The class's tokens per second for `model`: its own row, else one of its family scaled, else
+    the nearest Llama row scaled; (None, why) where none is near enough."""
+    preset = SHAPE_OF.get(model, model)
+    if preset in rows:
+        return Speed(rows[preset].tokens_per_s, rows[preset].source), ""
+    if (own := _nearest_family_row(worker_class, shape)) is not None:
+        assert shape is not None
+        name, family_row = own
+        label = f"{name} row ({family_row.parameters / 1e9:.3g}B parameters, {shape.family.name})"
+        return _scaled(label, family_row.row, family_row.parameters, shape), ""
+    nearest = _nearest_row(rows, shape)
+    if nearest is None:
+        there = ", ".join(rows)
+        near = (
+            f"; none within {SCALE_LIMIT:g}× of its {shape.parameters} parameters to scale from"
+            if shape is not None and shape.parameters
+            else ""
+        )
+        return None, f"no training benchmark of {model} on {worker_class} (benchmarked there: {there}){near}"
+    assert shape is not None
+    params = PRESET_SHAPES[nearest].parameter_count()
+    label = f"{nearest} row ({params / 1e9:.3g}B parameters, Llama)"
+    unmeasured = shape.family.architecture != LLAMA.architecture
+    return _scaled(label, rows[nearest], params, shape, unmeasured_family=unmeasured), ""
 
 
 def _nearest_row(rows: dict[str, BenchRow], shape: ModelShape | None) -> str | None:
     """The row's preset nearest `shape` in parameters (log scale), if within SCALE_LIMIT×."""
-    if shape is None or not shape.parameters or not shape.width_depth:
+    if shape is None or not shape.parameters:
         return None
     distance = {p: abs(math.log(PRESET_SHAPES[p].parameter_count() / shape.parameters)) for p in rows}
     best = min(distance, key=lambda p: distance[p])
@@ -207,7 +208,7 @@ def _nearest_row(rows: dict[str, BenchRow], shape: ModelShape | None) -> str | N
 
 def _nearest_family_row(worker_class: str, shape: ModelShape | None) -> tuple[str, FamilyRow] | None:
     """The benchmark row of `shape`'s own family nearest it in parameters, within SCALE_LIMIT×."""
-    if shape is None or not shape.parameters or not shape.width_depth:
+    if shape is None or not shape.parameters:
         return None
     own = {
         name: row
@@ -223,52 +224,14 @@ def _nearest_family_row(worker_class: str, shape: ModelShape | None) -> tuple[st
 
 
 def _scaled(
-    worker_class: str,
-    label: str,
-    row: BenchRow,
-    measured: tuple[int, int],
-    shape: ModelShape,
-    trained_tokens: int,
-    step_tokens: int,
-    *,
-    unmeasured_family: bool = False,
-) -> Estimate:
-    """`row`, measured on a model of `measured` = (parameters, hidden size × layers), scaled to a
-    model of `shape` as the module docstring says."""
-    assert shape.parameters is not None and shape.width_depth is not None
-    row_params, row_width_depth = measured
-    row_weights = row_params * 2 / GIB
-    per_token = max(row.mem_gib - row_weights, 0.0) / (row.batch * row.seq)
-    per_token *= shape.width_depth / row_width_depth
-    tokens_per_s = row.tokens_per_s * row_params / shape.parameters
+    label: str, row: BenchRow, row_params: int, shape: ModelShape, *, unmeasured_family: bool = False
+) -> Speed:
+    """`row`, measured on a model of `row_params` parameters, scaled to a model of `shape`."""
+    assert shape.parameters is not None
     basis = (
-        f"scaled from the {label} to {shape.parameters / 1e9:.3g}B parameters by parameters and "
-        "hidden size × layers"
+        f"tokens per second scaled from the {label} to {shape.parameters / 1e9:.3g}B parameters "
+        "by the parameter ratio"
     )
     if unmeasured_family:
         basis += f"; no {shape.family.name} row yet: what the family adds to Llama's step is not measured"
-    return Estimate(
-        worker_class=worker_class,
-        peak_gpu_memory_gib=round(shape.parameters * 2 / GIB + per_token * step_tokens, 2),
-        wall_seconds=round(trained_tokens / tokens_per_s, 1),
-        source=f"bench/results/{row.source}",
-        basis=basis,
-    )
-
-
-def _unavailable(worker_class: str, why: str) -> Estimate:
-    return Estimate(worker_class, None, None, None, unavailable=why)
-
-
-def _from_row(
-    worker_class: str, row: BenchRow, shape: str, trained_tokens: int, step_tokens: int
-) -> Estimate:
-    """Scale the row measured at `row.batch × row.seq` tokens a step to a step of `step_tokens`."""
-    weights = PRESET_SHAPES[shape].parameter_count() * 2 / GIB  # every table row is a preset's
-    per_token = max(row.mem_gib - weights, 0.0) / (row.batch * row.seq)
-    return Estimate(
-        worker_class=worker_class,
-        peak_gpu_memory_gib=round(weights + per_token * step_tokens, 2),
-        wall_seconds=round(trained_tokens / row.tokens_per_s, 1),
-        source=f"bench/results/{row.source}",
-    )
+    return Speed(row.tokens_per_s * row_params / shape.parameters, row.source, basis)

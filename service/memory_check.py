@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.errors import InvalidRequestError
+from service.gpu_fit import Step, job_step, plan_fields
 from service.schemas import JobCreate
 from service.settings import get_settings
 from worker.engine.catalog import PRETRAINED
-from worker.engine.memory_plan import GGUF_BITS, MemoryPlan, ModelDims, catalog_dims, plan_memory, refusal
+from worker.engine.memory_plan import MemoryPlan, refusal
 from worker.engine.training_config import AUTO_BATCH_SIZE
 
 
@@ -40,37 +41,25 @@ def queue_gpu_bytes(workers: list[dict[str, Any]], celery_queue: str) -> dict[in
     return sizes
 
 
-def _dims(model: str) -> ModelDims | None:
-    return catalog_dims(model, get_settings().model_store)
+def spec_step(spec: JobCreate, *, rows: int, seq: int) -> Step | None:
+    """The job's step on one GPU: `rows` rows of `seq` tokens (None: the model's shape unknown)."""
+    return job_step(
+        spec.model,
+        get_settings().model_store,
+        rank=spec.lora.r,
+        targets=spec.lora.target_modules,
+        rows=rows,
+        seq=seq,
+        quantization=spec.quantization,
+    )
 
 
 def plans(spec: JobCreate, gpu_bytes: dict[int, int], *, rows: int, seq: int) -> list[GpuPlan]:
     """The plan of a micro-batch of `rows` rows (per GPU) of `seq` tokens on each GPU size."""
-    dims = _dims(spec.model)
-    if dims is None:
+    step = spec_step(spec, rows=rows, seq=seq)
+    if step is None:
         return []
-    gguf_bits = None
-    if spec.quantization == "gguf" and spec.model in PRETRAINED:  # its file's block type: X.Q4_1.gguf
-        gguf_bits = GGUF_BITS.get(PRETRAINED[spec.model].filename.split(".")[-2])
-    return [
-        GpuPlan(
-            size,
-            count,
-            plan_memory(
-                dims,
-                rank=spec.lora.r,
-                targets=spec.lora.target_modules,
-                rows=rows,
-                seq=seq,
-                gpu_bytes=size,
-                quantization=spec.quantization,
-                gguf_bits=gguf_bits,
-                # the captured GPU step (most runs) keeps its saved tensors on the GPU: no offload
-                allow_offload=False,
-            ),
-        )
-        for size, count in sorted(gpu_bytes.items())
-    ]
+    return [GpuPlan(size, count, step.plan(size)) for size, count in sorted(gpu_bytes.items())]
 
 
 def gpu_rows(batch_size: int | str, n_gpus: int) -> int:
@@ -112,17 +101,4 @@ def check_quantization(spec: JobCreate) -> None:
 
 def public(found: list[GpuPlan]) -> list[dict[str, Any]]:
     """The plans as the dry run shows them (MemoryPlanPublic's fields)."""
-    return [
-        {
-            "gpu_memory_gib": round(p.gpu_bytes / 2**30, 1),
-            "workers": p.workers,
-            "fits": p.plan.fits,
-            "predicted_peak_gib": round(p.plan.peak_bytes / 2**30, 2),
-            "limit_gib": round(p.plan.limit_bytes / 2**30, 2),
-            "micro_batch_rows": p.plan.choice.micro_rows,
-            "activation_checkpointing": p.plan.choice.checkpointing,
-            "offload_activations": p.plan.choice.offload,
-            "plan": p.plan.sentence(),
-        }
-        for p in found
-    ]
+    return [{"workers": p.workers, **plan_fields(p.gpu_bytes, p.plan)} for p in found]

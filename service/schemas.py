@@ -255,6 +255,29 @@ class CheckpointsPublic(BaseModel):
     last_id: str | None
 
 
+class PlanPublic(BaseModel):
+    """The step's memory plan on a GPU of one size (worker/engine/memory_plan.py): what the worker
+    will pick there, and its predicted peak."""
+
+    gpu_memory_gib: float
+    fits: bool
+    predicted_peak_gib: float
+    limit_gib: float  # the share of the GPU the plan stays under (90 %)
+    micro_batch_rows: int | None  # rows per forward pass; null: the whole micro-batch at once
+    activation_checkpointing: Literal["none", "selective", "full"]
+    offload_activations: bool
+    plan: str  # in words
+
+
+class MinGpuPublic(BaseModel):
+    """The smallest common GPU (8, 12, 16, 24, 40, 48, 80, 141 GB: service/gpu_fit.py) a base's
+    default job trains on in one precision, by the memory plan."""
+
+    memory_gb: int | None  # null: none of them, not even 141 GB
+    gpu: str  # "24 GB (RTX 4090 / L4)"
+    plan: PlanPublic  # the default job's plan on that GPU (where none fits: on the largest)
+
+
 class ModelPublic(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -281,6 +304,13 @@ class ModelPublic(BaseModel):
     family: str | None = None
     parameters: int | None = None
     context_length: int | None = None
+    # Bases only: per precision ("bf16", "nf4", "int8"; "gguf" for a GGUF base), the smallest
+    # common GPU the base trains on with the default job (LoRA r 16 on every linear layer, 4 rows
+    # of the default max_seq_len, split and checkpointed as the worker's memory plan would), in GB
+    # (null: none up to 141 GB); `min_gpu` says which cards and the plan there. Both null where
+    # the base's shape is not known.
+    min_gpu_memory_gb: dict[str, int | None] | None = None
+    min_gpu: dict[str, MinGpuPublic] | None = None
 
 
 class ModelsPublic(BaseModel):
@@ -523,29 +553,25 @@ class DryRunError(BaseModel):
 
 class EstimatePublic(BaseModel):
     worker_class: str
-    # null, with `unavailable` saying why, where the class has no benchmark row for the model
+    # the memory plan's predicted peak for this job's step on the class's GPU (memory_plan says
+    # how: micro-batch rows, activation checkpointing); null where the class's GPU or the model's
+    # shape is not known, `unavailable` says which
     peak_gpu_memory_gib: float | None
+    # trained tokens over the class's benchmark tokens/s for the model; null, with `unavailable`
+    # saying why, where the class has no benchmark row for the model or one near enough
     wall_seconds: float | None
-    # how the figures were scaled from a row of another model (a model, of any family, with no
-    # row of its own; every row is a Llama's, which other families' basis says); null: its own row
+    # how the tokens/s were scaled from a row of another model (a model, of any family, with no
+    # row of its own); null: its own row
     basis: str | None = None
-    source: str | None  # the benchmark result the estimate comes from
+    source: str | None  # the benchmark result the wall time comes from
     unavailable: str | None = None
+    memory_plan: PlanPublic | None = None
 
 
-class MemoryPlanPublic(BaseModel):
-    """The step's memory plan on one GPU size of the queue's live workers
-    (worker/engine/memory_plan.py): what the worker will pick, and its predicted peak."""
+class MemoryPlanPublic(PlanPublic):
+    """The plan on one GPU size of the queue's live workers."""
 
-    gpu_memory_gib: float
     workers: int  # live workers of the job's queue whose GPUs are this size
-    fits: bool
-    predicted_peak_gib: float
-    limit_gib: float  # the share of the GPU the plan stays under (90 %)
-    micro_batch_rows: int | None  # rows per forward pass; null: the whole micro-batch at once
-    activation_checkpointing: Literal["none", "selective", "full"]
-    offload_activations: bool
-    plan: str  # in words
 
 
 class DryRunPublic(BaseModel):

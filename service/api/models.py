@@ -3,10 +3,13 @@
 Real bases (pretrained, local) come first, then the random-weight presets: those say so
 (`random`, `use` "tests"/"benchmarks", and the `warning` a job or chat on them carries), and so
 do fine-tunes of them. Every base says its kind, family, parameter count, context length and
-whether it is `local`; a fine-tune says its base's family, size and context."""
+whether it is `local`, and per precision the smallest common GPU its default job trains on
+(`min_gpu_memory_gb`, `min_gpu`: service/gpu_fit.py); a fine-tune says its base's family, size and
+context."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter
@@ -15,6 +18,7 @@ from service import jobs
 from service.auth import CurrentTenant
 from service.db.session import SessionDep
 from service.errors import NotFoundError
+from service.gpu_fit import catalog_min_gpus
 from service.schemas import DATABASE_UNAVAILABLE, ModelPublic, ModelsPublic, error_responses
 from service.settings import get_settings
 from worker.engine.catalog import BaseModelInfo, random_weights_warning
@@ -38,6 +42,14 @@ def _shape(m: BaseModelInfo) -> dict[str, Any]:
     }
 
 
+def _min_gpu(m: BaseModelInfo, store: Path) -> dict[str, Any]:
+    """A base's smallest common GPU per precision (service/gpu_fit.py), flat and in full."""
+    found = catalog_min_gpus(m.name, store)
+    if found is None:
+        return {}
+    return {"min_gpu_memory_gb": {p: f["memory_gb"] for p, f in found.items()}, "min_gpu": found}
+
+
 def all_models(session: SessionDep, tenant_id: str) -> list[ModelPublic]:
     settings = get_settings()
     catalog = catalog_models(settings.model_store)
@@ -54,6 +66,7 @@ def all_models(session: SessionDep, tenant_id: str) -> list[ModelPublic]:
             upstream=m.upstream,
             warning=random_weights_warning(m.name),
             **_shape(m),
+            **_min_gpu(m, settings.model_store),
         )
         for m in sorted(catalog, key=lambda m: m.random)  # stable: catalog order within each group
     ]

@@ -2,7 +2,7 @@
 real processes: the plan's steps and tokens equal what a real tiny-llama run of the same request
 then does (with a validation file, with the default validation holdout, with grad_accum > 1,
 packed and not), nothing is queued, a broken file comes back as per-line errors, and every
-worker class says its estimate or why there is none."""
+worker class says its estimate (peak memory: the memory plan's) or why there is none."""
 
 from __future__ import annotations
 
@@ -13,8 +13,25 @@ from typing import Any
 import httpx
 import pytest
 
+from service.gpu_fit import H100
 from tests.e2e.datasets import broken_lines, chat_lines, varied_chat_lines
 from tests.e2e.procs import Service
+from worker.engine.catalog import PRESET_SHAPES
+from worker.engine.memory_plan import MemoryPlan, ModelDims, plan_memory
+
+
+def h100_plan(preset: str, *, rows: int, seq: int) -> MemoryPlan:
+    """The engine's memory plan of a job left to the LoRA defaults (r 16, every linear layer) on
+    an 80 GB H100, as the worker would make it on the captured step (no offload)."""
+    return plan_memory(
+        ModelDims.from_config(PRESET_SHAPES[preset].config_kwargs()),
+        rank=16,
+        targets="all-linear",
+        rows=rows,
+        seq=seq,
+        gpu_bytes=H100.memory_bytes,
+        allow_offload=False,
+    )
 
 
 def upload(c: Any, content: bytes) -> str:
@@ -131,17 +148,21 @@ def test_dry_run_lists_invalid_lines_and_estimates_gpu_classes(e2e: Service) -> 
         h100, own = by_class["h100"], by_class[queue]
         assert h100["source"].startswith("bench/results/train-h100-")
         assert h100["wall_seconds"] == round(plan["trained_tokens"] / 81930, 1)
-        assert 2.0 < h100["peak_gpu_memory_gib"] < 12.4  # weights (~2.3 GiB bf16) + a short step
+        # the peak is the memory plan's for this job's step (2 rows of row_tokens) on an 80 GB H100
+        expected = h100_plan("llama-1b", rows=2, seq=plan["row_tokens"])
+        assert h100["peak_gpu_memory_gib"] == round(expected.peak_bytes / 2**30, 2)
+        assert h100["memory_plan"]["activation_checkpointing"] == expected.choice.checkpointing
+        assert h100["memory_plan"]["micro_batch_rows"] == expected.choice.micro_rows
         assert h100["unavailable"] is None
-        assert own["wall_seconds"] is None and own["peak_gpu_memory_gib"] is None
+        assert own["wall_seconds"] is None and own["peak_gpu_memory_gib"] is None  # its GPU is not known
         assert "no training benchmark for worker class" in own["unavailable"]
 
         tiny = c.post("/fine_tuning/jobs", json={**big, "model": "tiny-llama"}).json()
         h100 = next(e for e in tiny["estimates"] if e["worker_class"] == "h100")
-        assert (
-            h100["peak_gpu_memory_gib"] is None
-            and "no training benchmark of tiny-llama" in h100["unavailable"]
-        )
+        # no benchmark row: no wall time, but the plan needs only the model's shape
+        assert h100["wall_seconds"] is None and "no training benchmark of tiny-llama" in h100["unavailable"]
+        expected = h100_plan("tiny-llama", rows=2, seq=tiny["row_tokens"])
+        assert h100["peak_gpu_memory_gib"] == round(expected.peak_bytes / 2**30, 2)
 
         missing = c.post("/fine_tuning/jobs", json={**big, "training_file": "file-nope"})
         assert missing.status_code == 404 and missing.json()["error"]["param"] == "training_file"
