@@ -157,32 +157,57 @@ def _gpu_budgets() -> dict[str, int]:
 
 
 @pytest.mark.parametrize(
-    ("budget", "level", "words"),
+    ("budget", "cap", "level", "words"),
     [
-        ("fits", "info", "whole micro-batches, no activation checkpointing"),
-        ("checkpointing", "warn", "(fits only with activation checkpointing)"),
-        ("no", "warn", "does not fit"),
+        ("fits", None, "info", "whole micro-batches, no activation checkpointing"),
+        ("checkpointing", None, "warn", "(fits only with activation checkpointing)"),
+        ("no", None, "warn", "does not fit"),
+        # a free 80 GB GPU, but the process is capped (torch's per-process memory fraction)
+        ("fits", "checkpointing", "warn", "(fits only with activation checkpointing)"),
     ],
 )
 def test_on_a_gpu_the_plan_comes_from_its_free_memory_and_is_announced(
-    tiny: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: str, level: str, words: str
+    tiny: LoadedModel,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    budget: str,
+    cap: str | None,
+    level: str,
+    words: str,
 ) -> None:
     """`obey` on a CUDA device without a configured choice plans for the GPU's free memory plus
-    what the process holds (both faked here), says so once, and applies the choice."""
+    what the process holds (both faked here), no more than the process's memory cap where one
+    is set, says so once with the plan's data, and applies the choice."""
     from worker.engine import step_memory
 
-    free = _gpu_budgets()[budget]
-    monkeypatch.setattr(step_memory.torch.cuda, "mem_get_info", lambda device: (free - (1 << 20), 80 << 30))
+    budgets = _gpu_budgets()
+    free, total = budgets[budget], 80 << 30
+    fraction = budgets[cap] / total if cap else 1.0
+    monkeypatch.setattr(step_memory.torch.cuda, "mem_get_info", lambda device: (free - (1 << 20), total))
     monkeypatch.setattr(step_memory.torch.cuda, "memory_allocated", lambda device: 1 << 20)
-    events: list[tuple[str, str]] = []
+    monkeypatch.setattr(step_memory.torch.cuda, "get_per_process_memory_fraction", lambda device: fraction)
+    events: list[tuple[str, str, Any]] = []
     model = copy.deepcopy(tiny.model)
     cfg = tiny_config(tmp_path, batch_size=4, max_seq_len=64, lora=LoraConfig(r=8, alpha=16.0))
     choice = step_memory.obey(
         cfg, model, torch.device("cuda"), rows=4, seq=64, announce=lambda *e: events.append(e)
     )
-    ((got_level, message),) = events
+    ((got_level, message, data),) = events
     assert got_level == level and message.startswith("Memory plan: ") and words in message, message
-    assert (choice == MemoryChoice()) == (budget == "fits")
+    expect_whole = budget == "fits" and cap is None
+    assert (choice == MemoryChoice()) == expect_whole
+    plan = data["memory_plan"]
+    assert (plan["micro_rows"], plan["checkpointing"], plan["offload"]) == (
+        choice.micro_rows,
+        choice.checkpointing,
+        choice.offload,
+    )
+    assert plan["limit_bytes"] == int(0.9 * min(budgets[budget], budgets[cap] if cap else total))
+    dims = ModelDims.from_config(PRESET_SHAPES["tiny-llama"].config_kwargs())
+    micro_tokens = (choice.micro_rows or 4) * 64
+    predicted = predict_peak(dims, rank=8, targets="all-linear", micro_tokens=micro_tokens, choice=choice)
+    assert plan["predicted_peak_bytes"] == predicted["total"] and plan["breakdown"] == predicted
+    assert plan["fits"] == (budget != "no")
     patched = any("forward" in m.__dict__ for m in model.modules())
     assert patched == (choice.checkpointing != "none")
     remove_checkpointing(model)

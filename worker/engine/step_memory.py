@@ -19,6 +19,7 @@ change); `remove_checkpointing` restores them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,7 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from worker.engine.data import Batch
-from worker.engine.memory_plan import Checkpointing, MemoryChoice, ModelDims, plan_memory
+from worker.engine.memory_plan import Checkpointing, MemoryChoice, MemoryPlan, ModelDims, plan_memory
 from worker.engine.types import ConfigError
 
 _PATCHED = "_loraq_checkpointed"
@@ -110,13 +111,18 @@ def plan_on_device(
     seq: int,
     quantization: str | None,
     allow_offload: bool = True,
-) -> tuple[MemoryChoice, str]:
+) -> MemoryPlan:
     """The plan for this GPU as it is now: its free memory plus what this process holds already
-    (the base is loaded: the plan counts its weights). Returns (choice, sentence)."""
-    free, _ = torch.cuda.mem_get_info(device)
+    (the base is loaded: the plan counts its weights), no more than the process's cap where one
+    is set (`torch.cuda.set_per_process_memory_fraction`: a GPU shared with other work, or a
+    benchmark that measures at a smaller card's size)."""
+    free, total = torch.cuda.mem_get_info(device)
     budget = free + torch.cuda.memory_allocated(device)
+    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    if fraction < 1.0:
+        budget = min(budget, int(fraction * total))
     dims = ModelDims.from_config(getattr(model, "config").to_dict())  # noqa: B009 (a PreTrainedModel)
-    plan = plan_memory(
+    return plan_memory(
         dims,
         rank=rank,
         targets=targets,
@@ -126,7 +132,20 @@ def plan_on_device(
         quantization=quantization,
         allow_offload=allow_offload,
     )
-    return plan.choice, plan.sentence()
+
+
+def plan_data(plan: MemoryPlan) -> dict[str, Any]:
+    """The plan as a job's first event carries it: the choice, the predicted peak by part (bytes),
+    the limit it was made for and whether it fits."""
+    return {
+        "memory_plan": {
+            **dataclasses.asdict(plan.choice),
+            "predicted_peak_bytes": plan.peak_bytes,
+            "limit_bytes": plan.limit_bytes,
+            "fits": plan.fits,
+            "breakdown": dict(plan.breakdown),
+        }
+    }
 
 
 def obey(
@@ -141,7 +160,8 @@ def obey(
 ) -> MemoryChoice:
     """The run's MemoryChoice: `config.memory` where set, else the plan for this GPU (on the CPU:
     nothing split or recomputed); checkpointing applied to `model`; `announce(level, message)`
-    says the plan once (a warning where it needs checkpointing or does not fit). Offload runs on
+    says the plan once (a warning where it needs checkpointing or does not fit), its data
+    `plan_data`. Offload runs on
     the eager step only (the captured step's saved tensors stay on the GPU): without
     `allow_offload` the plan does without it, and a config asking for it is an error."""
     choice: MemoryChoice | None = config.memory
@@ -150,7 +170,7 @@ def obey(
             "memory", "offloading activations needs the eager step; this run takes the captured one"
         )
     if choice is None and device.type == "cuda":
-        choice, sentence = plan_on_device(
+        plan = plan_on_device(
             model,
             device=device,
             rank=config.lora.r,
@@ -160,11 +180,11 @@ def obey(
             quantization=config.quantization,
             allow_offload=allow_offload,
         )
-        fits = not sentence.startswith("does not fit")
+        choice = plan.choice
         needs = choice.checkpointing != "none" or choice.offload
-        level = "warn" if not fits or needs else "info"
-        note = " (fits only with activation checkpointing)" if needs and fits else ""
-        announce(level, f"Memory plan: {sentence}{note}")
+        level = "warn" if not plan.fits or needs else "info"
+        note = " (fits only with activation checkpointing)" if needs and plan.fits else ""
+        announce(level, f"Memory plan: {plan.sentence()}{note}", plan_data(plan))
     choice = choice or MemoryChoice()
     if config.method.type != "supervised":  # a preference pair's rows must stay in one pass
         choice = MemoryChoice(None, choice.checkpointing, choice.offload)
