@@ -3,12 +3,14 @@ download."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
-from typing import Annotated, Any
+from typing import Annotated, Any, Protocol
 
 import anyio.from_thread
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import FileResponse, Response
+from sqlalchemy.orm import Session
 
 from service import dry_run, file_validation, inference, integrations, jobs
 from service.api.downloads import download_response
@@ -273,48 +275,48 @@ def job_body(values: tuple[Any, ...]) -> bytes:
 status_read_route = PlainGetRoute(router.prefix + "/{fine_tuning_job_id}", read_job_status)
 
 
-@router.post(
-    "/{fine_tuning_job_id}/cancel",
-    response_model=JobPublic,
-    responses={
-        **error_response(400, "the job already succeeded or failed (code invalid_job_state)"),
-        **DISK_FULL,
-    },
-)
-def cancel_job(fine_tuning_job_id: str, tenant: CurrentTenant, session: SessionDep) -> JobPublic:
-    job = jobs.request_cancel(session, tenant_id=tenant.id, job_id=fine_tuning_job_id)
+class JobRequest(Protocol):
+    """A state change a user asks for (`jobs.request_cancel`, `request_pause`, `request_resume`)."""
+
+    def __call__(self, session: Session, *, tenant_id: str, job_id: str) -> Job: ...
+
+
+def job_action_route(action: str, refused: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """`POST /{fine_tuning_job_id}/<action>`, answered with the job; `refused`: when its 400 comes."""
+    return router.post(
+        f"/{{fine_tuning_job_id}}/{action}",
+        response_model=JobPublic,
+        responses={**error_response(400, f"{refused} (code invalid_job_state)"), **DISK_FULL},
+    )
+
+
+def job_action(
+    request: JobRequest, *, job_id: str, tenant_id: str, session: Session, enqueue: bool = False
+) -> JobPublic:
+    """`request` committed; with `enqueue`, a job it left queued is sent to its queue after the
+    commit, as a submit's is."""
+    job = request(session, tenant_id=tenant_id, job_id=job_id)
     session.commit()
-    return job_public(job)
-
-
-@router.post(
-    "/{fine_tuning_job_id}/pause",
-    response_model=JobPublic,
-    responses={
-        **error_response(
-            400,
-            "the job is not queued, running or paused, or has a cancel requested (code invalid_job_state)",
-        ),
-        **DISK_FULL,
-    },
-)
-def pause_job(fine_tuning_job_id: str, tenant: CurrentTenant, session: SessionDep) -> JobPublic:
-    job = jobs.request_pause(session, tenant_id=tenant.id, job_id=fine_tuning_job_id)
-    session.commit()
-    return job_public(job)
-
-
-@router.post(
-    "/{fine_tuning_job_id}/resume",
-    response_model=JobPublic,
-    responses={**error_response(400, "the job is not paused (code invalid_job_state)"), **DISK_FULL},
-)
-def resume_job(fine_tuning_job_id: str, tenant: CurrentTenant, session: SessionDep) -> JobPublic:
-    job = jobs.request_resume(session, tenant_id=tenant.id, job_id=fine_tuning_job_id)
-    session.commit()
-    if job.status == "queued":  # after commit, as a submit enqueues
+    if enqueue and job.status == "queued":
         enqueue_job(job.id, queue=job_queue(job))
     return job_public(job)
+
+
+@job_action_route("cancel", "the job already succeeded or failed")
+def cancel_job(fine_tuning_job_id: str, tenant: CurrentTenant, session: SessionDep) -> JobPublic:
+    return job_action(jobs.request_cancel, job_id=fine_tuning_job_id, tenant_id=tenant.id, session=session)
+
+
+@job_action_route("pause", "the job is not queued, running or paused, or has a cancel requested")
+def pause_job(fine_tuning_job_id: str, tenant: CurrentTenant, session: SessionDep) -> JobPublic:
+    return job_action(jobs.request_pause, job_id=fine_tuning_job_id, tenant_id=tenant.id, session=session)
+
+
+@job_action_route("resume", "the job is not paused")
+def resume_job(fine_tuning_job_id: str, tenant: CurrentTenant, session: SessionDep) -> JobPublic:
+    return job_action(
+        jobs.request_resume, job_id=fine_tuning_job_id, tenant_id=tenant.id, session=session, enqueue=True
+    )
 
 
 @router.get("/{fine_tuning_job_id}/events", response_model=EventsPublic)
