@@ -9,6 +9,7 @@
 "use strict";
 
 const uploaded = { train: null, valid: null }; // {id, summary}
+const models = {}; // id -> its /v1/models entry
 const DEFAULT_MODEL = "smollm2-135m-instruct";
 // Top-level fields of the job request that are not training settings, or that have their own
 // control above; every other field of the request is an Advanced field.
@@ -280,12 +281,16 @@ async function dryRun() {
       body: JSON.stringify({ ...jobBody(), dry_run: true }),
     });
     const t = plan.training;
-    // a class without a benchmark row for the model says why instead of a figure; one scaled from
-    // another model's row says how (`basis`)
-    const est = plan.estimates.map((e) => e.unavailable === null
-      ? `${loraq.esc(e.worker_class)}: ${loraq.num(e.peak_gpu_memory_gib, 3)} GiB peak, ${loraq.duration(e.wall_seconds)}`
-        + (e.basis ? ` <span class="muted">(${loraq.esc(e.basis)})</span>` : "")
-      : `${loraq.esc(e.worker_class)}: <span class="muted">${loraq.esc(e.unavailable)}</span>`).join("<br>");
+    // per worker class: the memory plan's peak on its GPU and how (micro-batches, checkpointing),
+    // the wall time from its benchmark (`basis`: scaled from another model's row); a figure that
+    // cannot be had is left out and `unavailable` says why
+    const est = plan.estimates.map((e) => `<span class="estimate" data-class="${loraq.esc(e.worker_class)}">` + [
+      `${loraq.esc(e.worker_class)}:`,
+      e.memory_plan ? `${loraq.num(e.peak_gpu_memory_gib, 3)} GiB peak <span class="muted">(${loraq.esc(e.memory_plan.plan)})</span>` : "",
+      e.wall_seconds !== null ? loraq.duration(e.wall_seconds) : "",
+      e.basis ? `<span class="muted">(${loraq.esc(e.basis)})</span>` : "",
+      e.unavailable ? `<span class="muted">${loraq.esc(e.unavailable)}</span>` : "",
+    ].filter(Boolean).join(" ") + "</span>").join("<br>");
     document.getElementById("plankv").innerHTML = [
       ["Valid", plan.valid ? "yes" : "no"],
       ["Examples", `${loraq.int(t.examples)} trained, ${loraq.int(t.held_out_examples)} held out for validation`],
@@ -370,11 +375,43 @@ function humanCount(n) {
   return String(n);
 }
 
+// The precision the job would train in: the Advanced section's quantization, unset = bf16.
+function chosenPrecision() {
+  const q = document.getElementById("quantization");
+  return (q && q.value) || "bf16";
+}
+
+// Under the model: the smallest common GPU its default job trains on in the chosen precision, and
+// in the others (/v1/models min_gpu: the worker's memory plan, service/gpu_fit.py).
+function showMinGpu() {
+  const el = document.getElementById("mingpu");
+  const m = models[chosenModel()];
+  const precision = chosenPrecision();
+  const found = m && m.min_gpu ? m.min_gpu[precision] : undefined;
+  el.dataset.precision = precision;
+  el.dataset.memoryGb = found && found.memory_gb !== null ? String(found.memory_gb) : "";
+  if (!m || !m.min_gpu) {
+    el.textContent = m || !chosenModel() ? "" : "smallest GPU: known once its config.json is fetched (a submit or dry run)";
+    return;
+  }
+  if (!found) {
+    el.textContent = `${precision}: only for a GGUF base`;
+    return;
+  }
+  const peak = `predicted peak ${loraq.num(found.plan.predicted_peak_gib, 3)} GiB`;
+  const how = found.plan.activation_checkpointing === "none" ? "" : `, ${found.plan.activation_checkpointing} activation checkpointing`;
+  const others = Object.entries(m.min_gpu).filter(([p]) => p !== precision)
+    .map(([p, f]) => `${p}: ${f.memory_gb === null ? "none" : `${f.memory_gb} GB`}`).join(", ");
+  el.textContent = `Smallest GPU in ${precision} (default settings): ${found.gpu}, ${peak}${how}. `
+    + `Other precisions (Advanced › quantization): ${others}`;
+}
+
 async function loadModels() {
   const body = await loraq.json("/v1/models");
   const select = document.getElementById("model");
   // Base models first; fine-tuned ones ("ft:...") cannot be fine-tuned again.
   const base = body.data.filter((m) => !m.id.startsWith("ft:"));
+  for (const m of base) models[m.id] = m;
   const names = base.map((m) => m.id);
   const option = (m) => `<option value="${loraq.esc(m.id)}" title="${loraq.esc(m.warning || m.description || "")}">${loraq.esc(m.id)}${modelLabel(m) ? ` (${modelLabel(m)})` : ""}</option>`;
   // Real bases apart from the random-weight presets, which only tests and benchmarks want.
@@ -383,6 +420,7 @@ async function loadModels() {
     + group("Random weights: tests and benchmarks only", base.filter((m) => m.random));
   // The real pretrained model by default: a first job on random weights teaches nothing.
   if (names.includes(DEFAULT_MODEL)) select.value = DEFAULT_MODEL;
+  showMinGpu();
 }
 
 document.addEventListener("DOMContentLoaded", () => {
@@ -392,4 +430,10 @@ document.addEventListener("DOMContentLoaded", () => {
   document.getElementById("validfile").onchange = (ev) => uploadAndCheck("valid", ev.target);
   document.getElementById("newjob").onsubmit = submit;
   document.getElementById("dryrun").onclick = dryRun;
+  // the model, a Hub id typed in, or the precision (rendered with the Advanced fields) changed
+  document.getElementById("model").addEventListener("change", showMinGpu);
+  document.getElementById("hub_model").addEventListener("input", showMinGpu);
+  document.getElementById("advancedfields").addEventListener("change", (ev) => {
+    if (ev.target.id === "quantization") showMinGpu();
+  });
 });
