@@ -338,7 +338,7 @@ def model_family(name: str, store: Path) -> Family:
 
 
 def model_shape(name: str, store: Path) -> ModelShape | None:
-    """Family, size, context and width × depth of catalog model `name`; None where not known (a
+    """Family, size and context of catalog model `name`; None where not known (a
     Hub model whose config.json is not in the store, a directory gone, an unknown name)."""
     try:
         info = get_model_info(name, store)
@@ -346,8 +346,7 @@ def model_shape(name: str, store: Path) -> ModelShape | None:
         return None
     if info.kind in ("pretrained", "random"):
         preset = PRESET_SHAPES[SHAPE_OF_PRETRAINED.get(name, name)]
-        width_depth = preset.hidden_size * preset.num_hidden_layers
-        return ModelShape(LLAMA, preset.parameter_count(), preset.max_position_embeddings, width_depth)
+        return ModelShape(LLAMA, preset.parameter_count(), preset.max_position_embeddings)
     try:
         return _directory_shape(Path(info.path or ""))
     except ModelError:

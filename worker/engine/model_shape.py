@@ -29,8 +29,6 @@ class ModelShape:
     family: Family
     parameters: int | None  # None where the config lacks a size field (it would not load either)
     context_length: int | None  # max_position_embeddings; None where the config names none
-    # hidden_size × num_hidden_layers: what a token's activations scale with (service/estimates.py)
-    width_depth: int | None = None
 
 
 def parameter_count(family: Family, config: Mapping[str, Any]) -> int:
@@ -62,6 +60,4 @@ def shape_of_config(config: Mapping[str, Any], source: str) -> ModelShape:
     except (KeyError, TypeError, ValueError):
         parameters = None
     context = config.get("max_position_embeddings")
-    hidden, layers = config.get("hidden_size"), config.get("num_hidden_layers")
-    width_depth = hidden * layers if isinstance(hidden, int) and isinstance(layers, int) else None
-    return ModelShape(family, parameters, int(context) if isinstance(context, int) else None, width_depth)
+    return ModelShape(family, parameters, int(context) if isinstance(context, int) else None)
