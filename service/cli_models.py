@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
+from service.gpu_fit import min_gpu_words
 from service.settings import get_settings
 from worker.engine.catalog import get_model_info, list_models, register_local_model
 from worker.engine.types import ModelError
@@ -40,8 +41,9 @@ def human_parameters(count: int | None) -> str:
 
 @models_app.command("list")
 def list_command() -> None:
-    """List every base model with its family, size, context length and whether it is local;
-    random-init ones are labelled random."""
+    """List every base model with its family, size, context length, whether it is local and the
+    smallest common GPU its default job trains on per precision; random-init ones are labelled
+    random."""
     try:
         infos = list_models(_store())
     except ModelError as exc:
@@ -54,6 +56,7 @@ def list_command() -> None:
     table.add_column("parameters", justify="right", no_wrap=True)
     table.add_column("context", justify="right", no_wrap=True)
     table.add_column("status", no_wrap=True)
+    table.add_column("smallest GPU", no_wrap=True)
     table.add_column("description")
     for info in infos:
         kind = "[yellow]random[/yellow]" if info.random else info.kind
@@ -66,7 +69,14 @@ def list_command() -> None:
         context = str(info.context_length) if info.context_length else "?"
         family = info.family or "?"
         table.add_row(
-            info.name, kind, family, human_parameters(info.parameters), context, status, info.description
+            info.name,
+            kind,
+            family,
+            human_parameters(info.parameters),
+            context,
+            status,
+            min_gpu_words(info.name, _store()),
+            info.description,
         )
     console.print(table)
 

@@ -182,3 +182,11 @@ def catalog_min_gpus(model: str, store: Path) -> dict[str, dict[str, Any]] | Non
             "plan": plan_fields((found.gpu or largest).memory_bytes, found.plan),
         }
     return out
+
+
+def min_gpu_words(model: str, store: Path) -> str:
+    """`catalog_min_gpus` in a line: "bf16 24 GB, nf4 12 GB, int8 12 GB" ("?": shape not known)."""
+    found = catalog_min_gpus(model, store)
+    if found is None:
+        return "?"
+    return ", ".join(f"{p} {f['memory_gb']} GB" if f["memory_gb"] else f"{p} none" for p, f in found.items())

@@ -1,11 +1,15 @@
-"""/v1/models says, per base and precision, the smallest common GPU the base's default job trains
-on (service/gpu_fit.py). The figures are checked against the engine's memory plan called here
-with the service's default job settings, never against numbers written in the test."""
+"""/v1/models (and `loraq models list`) say, per base and precision, the smallest common GPU the
+base's default job trains on (service/gpu_fit.py). The figures are checked against the engine's
+memory plan called here with the service's default job settings, never against numbers written in
+the test."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -104,3 +108,21 @@ def test_a_local_base_is_planned_from_its_config_and_one_gone_says_nothing(
     shutil.rmtree(directory)  # its shape cannot be read any more: no figure rather than a guess
     entry = models(api)["tiny-qwen3"]
     assert (entry["min_gpu"], entry["min_gpu_memory_gb"]) == (None, None)
+
+
+def test_the_cli_lists_the_same_sizes(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAQ_")}
+    out = subprocess.run(
+        [sys.executable, "-m", "service.cli", "models", "list"],
+        env={**env, "COLUMNS": "1000", "LORAQ_DATA_DIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    (row,) = [line for line in out.stdout.splitlines() if " llama-8b " in line]
+    dims = ModelDims.from_config(PRESET_SHAPES["llama-8b"].config_kwargs())
+    sizes = {
+        p: expected(dims, q)["memory_gb"] for p, q in {"bf16": None, "nf4": "nf4", "int8": "int8"}.items()
+    }
+    assert f"bf16 {sizes['bf16']} GB, nf4 {sizes['nf4']} GB, int8 {sizes['int8']} GB" in row
