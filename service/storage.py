@@ -36,6 +36,7 @@ from urllib.parse import quote
 
 from service.errors import DISK_FULL_ERRNOS, InsufficientStorageError, PayloadTooLargeError, StorageError
 from service.settings import get_settings
+from worker.engine.atomic_files import AtomicFile, file_sha256
 
 CHUNK_BYTES = 1 << 20
 
@@ -64,14 +65,6 @@ def check_key(key: str) -> list[str]:
     if any(p in ("", ".", "..") or "\\" in p or "\x00" in p for p in parts):
         raise StorageError(f"invalid storage key {key!r}")
     return parts
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        while chunk := fh.read(CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def attachment(filename: str) -> str:
@@ -242,28 +235,23 @@ class Store(ABC):
 
 
 class FileWriter(ObjectWriter):
-    """Bytes go to a temp file in the destination's directory; commit is fsync + rename."""
+    """Bytes go to a temp file in the destination's directory; commit is fsync + rename
+    (worker/engine/atomic_files.py)."""
 
     def __init__(self, store: FileStore, key: str, max_bytes: int | None) -> None:
         super().__init__(key, max_bytes)
         self.path = store.path(key)
         with disk_space_for("store an object"):
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".part", dir=self.path.parent)
-        self._tmp = Path(tmp)
-        self._fh = os.fdopen(fd, "wb")
+            self._file = AtomicFile(self.path)
 
     def _write(self, chunk: bytes) -> None:
         with self._aborted_if_full():
-            self._fh.write(chunk)
+            self._file.write(chunk)
 
     def _publish(self) -> None:
         with self._aborted_if_full():
-            self._fh.flush()
-            os.fsync(self._fh.fileno())
-        self._fh.close()
-        os.replace(self._tmp, self.path)
-        _fsync_dir(self.path.parent)
+            self._file.commit()
 
     @contextlib.contextmanager
     def _aborted_if_full(self) -> Iterator[None]:
@@ -276,9 +264,7 @@ class FileWriter(ObjectWriter):
             raise
 
     def _discard(self) -> None:
-        with contextlib.suppress(OSError):  # on a full disk closing fails to flush: the file goes anyway
-            self._fh.close()
-        self._tmp.unlink(missing_ok=True)
+        self._file.discard()
 
 
 class FileStore(Store):
@@ -364,14 +350,6 @@ def sweep_part_files(root: Path, older_than_s: float) -> int:
                     part.unlink()
                     removed += 1
     return removed
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------- checkpoints: the zip, then its manifest

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from service.storage import (
     sha256_mismatch,
     sweep_part_files,
 )
+from worker.engine.atomic_files import AtomicFile
 
 MISSING_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
 
@@ -301,20 +301,15 @@ class S3Store(Store):
                 return path
         with disk_space_for(f"cache {key}"):
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
             try:
-                digest = hashlib.sha256()
-                with os.fdopen(fd, "wb") as fh:
+                with AtomicFile(path) as cached:
                     for chunk in self.chunks(key):
-                        digest.update(chunk)
-                        fh.write(chunk)
-                if sha256 is not None and digest.hexdigest() != sha256:
-                    raise sha256_mismatch(key)
-                os.replace(tmp, path)
+                        cached.write(chunk)
+                    if sha256 is not None and cached.sha256() != sha256:
+                        raise sha256_mismatch(key)
+                    cached.commit()
             except FileNotFoundError as e:  # the object's, as a FileStore says it
                 raise StorageError(f"stored object {key} is missing") from e
-            finally:
-                Path(tmp).unlink(missing_ok=True)  # gone already once renamed
         self._evict(keep=path)
         return path
 

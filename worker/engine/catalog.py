@@ -17,13 +17,12 @@ fetched when a job was submitted, which is enough to list its family and size.
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from worker.engine.atomic_files import write_atomic
 from worker.engine.families import LLAMA, Family
 from worker.engine.model_shape import ModelShape, shape_of_config
 from worker.engine.types import ModelError
@@ -495,16 +494,7 @@ def _read_registry(store: Path) -> dict[str, dict[str, str]]:
 
 
 def _write_registry(store: Path, registry: dict[str, dict[str, str]]) -> None:
-    """Write the registry atomically: a temp file in the same directory, fsync, rename."""
+    """Write the registry whole: a reader sees the old one or the new one."""
     store.mkdir(parents=True, exist_ok=True)
     payload = json.dumps({"models": registry}, indent=2, sort_keys=True) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=".registry-", suffix=".json", dir=store)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, store / REGISTRY_FILE)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(store / REGISTRY_FILE, payload)

@@ -22,7 +22,6 @@ import fnmatch
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from urllib.parse import urlparse
 
 import httpx2
 
+from worker.engine.atomic_files import write_atomic
 from worker.engine.catalog import HUB_MARKER, hub_dir, hub_marker, is_hub_id
 from worker.engine.model_shape import ModelShape, shape_of_config
 from worker.engine.types import ModelError
@@ -182,7 +182,7 @@ def download(repo: HubRepo, store: Path, access: HubAccess, progress: HubProgres
         "commit": repo.commit,
         "files": [f.name for f in repo.files],
     }
-    _write_atomic(directory / HUB_MARKER, json.dumps(marker, indent=2) + "\n")
+    write_atomic(directory / HUB_MARKER, json.dumps(marker, indent=2) + "\n", mode=0o644)
     return directory
 
 
@@ -321,17 +321,3 @@ def _hub_errors(repo_id: str, revision: str, access: HubAccess) -> Iterator[None
             raise
         # huggingface_hub's "Consistency check failed": the server sent fewer bytes than it said
         raise HubError("hub_unreachable", f"download of Hub model {repo_id} failed: {exc}") from None
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".marker-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

