@@ -36,6 +36,9 @@ if TYPE_CHECKING:
     from celery import Celery
 
 RUN_JOB_TASK = "loraq.run_job"
+# `loraq.join_job(job_id, attempt, endpoint)`: one more worker for an attempt of a job on several
+# hosts, sent by the worker that claimed it to the job's own queue (service/queue.py: enqueue_join)
+JOIN_JOB_TASK = "loraq.join_job"
 # Kombu's Redis transport keeps one list per priority step: "<queue>" for priority 0 and
 # "<queue>\x06\x16<p>" for the others (default steps 0, 3, 6, 9); "unacked" holds delivered,
 # not yet acknowledged messages of every queue.

@@ -340,6 +340,7 @@ def job_body(
     n_gpus: int | None = None,
     packing: bool | None = None,
     validation_split: float | None = None,
+    n_nodes: int | None = None,
 ) -> dict[str, Any]:
     """The POST /v1/fine_tuning/jobs body; unset options are left out so the server's "auto" applies."""
     hp = {
@@ -371,6 +372,8 @@ def job_body(
         body["queue"] = queue
     if n_gpus is not None:
         body["n_gpus"] = n_gpus
+    if n_nodes is not None:
+        body["n_nodes"] = n_nodes
     if packing is not None:  # padding-free packed rows (server default: on)
         body["packing"] = packing
     return body
@@ -397,6 +400,9 @@ def jobs_create(
     max_seq_len: Annotated[int | None, typer.Option(min=8)] = None,
     queue: Annotated[str | None, typer.Option(help="Worker class (queue), e.g. h100, cpu.")] = None,
     n_gpus: Annotated[int | None, typer.Option(min=1, help="GPUs on one host (> 1: torchrun).")] = None,
+    n_nodes: Annotated[
+        int | None, typer.Option(min=1, help="Hosts the job spans (> 1: that many workers at once).")
+    ] = None,
     packing: Annotated[
         bool | None,
         typer.Option(
@@ -426,6 +432,7 @@ def jobs_create(
         n_gpus=n_gpus,
         packing=packing,
         validation_split=validation_split,
+        n_nodes=n_nodes,
     )
     if dry_run:
         body["dry_run"] = True

@@ -58,7 +58,7 @@ def worker_request(session: Session, *, tenant_id: str, spec: JobCreate) -> dict
         "validation_file": validation.storage_key if validation is not None else None,
         "max_seq_len": spec.max_seq_len,
         "training": requested.model_dump(mode="json"),  # the worker plans "auto" as the job will
-        "n_gpus": spec.n_gpus,
+        "n_gpus": spec.n_gpus * spec.n_nodes,  # the ranks the worker plans "auto" for
         "validation_split": jobs.validation_split(spec),
         "seed": jobs.job_seed(spec),
     }

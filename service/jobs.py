@@ -102,6 +102,7 @@ class Claim:
     suffix: str | None
     resume_checkpoint: str | None  # storage key of the latest registered checkpoint zip
     n_gpus: int = 1  # > 1: the worker runs the engine under torchrun
+    n_nodes: int = 1  # > 1: this attempt runs on that many workers at once (`join`)
     resume_step: int = 0  # the step of `resume_checkpoint` (0: none, the run starts from step 0)
     paused_attempts: int = 0  # earlier attempts that ended in a pause (not counted as retries)
     integrations: tuple[Integration, ...] = ()  # where the worker logs the job
@@ -401,6 +402,18 @@ def check_max_seq_len(file: File, model: str, max_seq_len: int, param: str) -> b
     return True
 
 
+def check_nodes(spec: JobCreate) -> None:
+    """Refuse what a job on several hosts cannot do yet: log to integrations. Their runs are opened
+    by the worker that claims the job, before the rendezvous decides which host holds rank 0 and
+    so reports the steps."""
+    if spec.n_nodes > 1 and spec.integrations:
+        raise InvalidRequestError(
+            f"invalid n_nodes: a job on {spec.n_nodes} hosts cannot log to integrations yet; "
+            "use n_nodes 1, or follow its loss curve on the dashboard",
+            param="n_nodes",
+        )
+
+
 def routing_wait(
     *, queue: str, n_gpus: int, served_queues: set[str] | None, default_queue: str
 ) -> str | None:
@@ -644,6 +657,7 @@ def create_job(
     integrations.check_served(
         spec.integrations, celery_queue=celery_queue(queue, spec.n_gpus), served=served_integrations
     )
+    check_nodes(spec)
     memory_check.check_quantization(spec)
     memory_check.check_fits(
         spec,
@@ -666,6 +680,7 @@ def create_job(
         method_type=config.method.type,
         queue=queue,
         n_gpus=spec.n_gpus,
+        n_nodes=spec.n_nodes,
         suffix=spec.suffix or None,
         metadata_=spec.metadata,
         integrations=integrations.stored(spec.integrations),
@@ -775,12 +790,14 @@ def claim_next(session: Session, *, job_id: str, worker_id: str) -> Claim | None
     delivery already took still claims the next one, so the number of wake-ups matches the number
     of queued jobs; extra ones (the reconciler re-sends) claim nothing and are dropped.
     """
-    hint = session.execute(select(Job.queue, Job.n_gpus).where(Job.id == job_id)).first()
+    hint = session.execute(select(Job.queue, Job.n_gpus, Job.n_nodes).where(Job.id == job_id)).first()
     if hint is None:
         return None
     limit = get_settings().max_running_jobs_per_tenant
     for _ in range(MAX_CLAIM_TRIES):
-        candidate = _next_fair(session, queue=hint.queue, n_gpus=hint.n_gpus, running_limit=limit)
+        candidate = _next_fair(
+            session, queue=hint.queue, n_gpus=hint.n_gpus, n_nodes=hint.n_nodes, running_limit=limit
+        )
         if candidate is None:
             _mark_waiting(session, job_id=job_id, running_limit=limit)
             return None
@@ -794,7 +811,9 @@ def claim_next(session: Session, *, job_id: str, worker_id: str) -> Claim | None
     return None
 
 
-def _next_fair(session: Session, *, queue: str, n_gpus: int, running_limit: int) -> tuple[str, str] | None:
+def _next_fair(
+    session: Session, *, queue: str, n_gpus: int, n_nodes: int, running_limit: int
+) -> tuple[str, str] | None:
     """(job id, tenant id) of the job the round-robin picks next, or None."""
     other = aliased(Job)
     running = (
@@ -816,6 +835,7 @@ def _next_fair(session: Session, *, queue: str, n_gpus: int, running_limit: int)
             Job.status == "queued",
             Job.queue == queue,
             Job.n_gpus == n_gpus,
+            Job.n_nodes == n_nodes,
             Job.cancel_requested.is_(False),
         )
         .group_by(Job.tenant_id)
@@ -903,6 +923,30 @@ def claim(session: Session, *, job_id: str, worker_id: str, running_limit: int =
     if _run(session, stmt) != 1:
         return None
     job = session.scalars(select(Job).where(Job.id == job_id).execution_options(populate_existing=True)).one()
+    return _claim_of(session, job, token=token, worker_id=worker_id)
+
+
+def join(session: Session, *, job_id: str, attempt: int, worker_id: str) -> Claim | None:
+    """The claim of attempt `attempt` of a multi-host job for one more of its workers (the first
+    claimed it: `claim`); None once that attempt has ended or the job is being cancelled. Every
+    worker of the attempt writes with its token, so whichever holds rank 0 reports."""
+    job = session.scalars(
+        select(Job).where(
+            Job.id == job_id,
+            Job.status == "running",
+            Job.attempt == attempt,
+            Job.n_nodes > 1,
+            Job.cancel_requested.is_(False),
+        )
+    ).first()
+    if job is None or job.attempt_token is None:
+        return None
+    return _claim_of(session, job, token=job.attempt_token, worker_id=worker_id)
+
+
+def _claim_of(session: Session, job: Job, *, token: str, worker_id: str) -> Claim | None:
+    """The claim of `job`'s running attempt `token` (None: its files are gone, and it failed)."""
+    job_id = job.id
     # "auto" stays as requested: the engine plans it from the tokenized data (`record_plan`)
     training = stored_training(job)
     files = {
@@ -944,6 +988,7 @@ def claim(session: Session, *, job_id: str, worker_id: str, running_limit: int =
         resume_checkpoint=resume.storage_key if resume is not None else None,
         resume_step=int(resume.step) if resume is not None else 0,
         n_gpus=job.n_gpus,
+        n_nodes=job.n_nodes,
         paused_attempts=job.paused_attempts,
         integrations=tuple(integrations.of_job(job.integrations)),
     )

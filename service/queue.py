@@ -19,10 +19,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
 
+from service.broker import JOIN_JOB_TASK, RUN_JOB_TASK
 from service.settings import Settings, get_settings
 
 if TYPE_CHECKING:
@@ -61,14 +62,12 @@ class _Publisher:
         with self._lock:
             self._paused_until = max(self._paused_until, time.monotonic() + seconds)
 
-    def send(self, settings: Settings, job_id: str, queue: str) -> None:
-        from service.broker import RUN_JOB_TASK
-
+    def send(self, settings: Settings, task: str, args: list[Any], queue: str) -> None:
         app = celery_for(settings)
         future = self._pool.submit(
             app.send_task,
-            RUN_JOB_TASK,
-            args=[job_id],
+            task,
+            args=args,
             queue=queue,
             retry=True,
             retry_policy=retry_policy(settings),
@@ -130,9 +129,19 @@ def enqueue_job(job_id: str, *, queue: str | None = None) -> bool:
         return False
     try:
         target = queue or _stored_queue(job_id) or settings.worker_queue
-        _publisher.send(settings, job_id, target)
+        _publisher.send(settings, RUN_JOB_TASK, [job_id], target)
     except Exception:
         _publisher.pause(settings.broker_backoff_seconds)
         log.warning("could not enqueue job %s; it stays queued for the reconciler", job_id, exc_info=True)
         return False
     return True
+
+
+def enqueue_join(job_id: str, *, attempt: int, endpoint: str, count: int) -> None:
+    """Ask `count` more workers of the job's queue to join attempt `attempt` of a job on several
+    hosts, at the rendezvous `endpoint` (host:port). Raises when the broker cannot be reached: the
+    caller (the worker that claimed the job) ends the attempt, and the job goes back to the queue."""
+    settings = get_settings()
+    target = _stored_queue(job_id) or settings.worker_queue
+    for _ in range(count):
+        _publisher.send(settings, JOIN_JOB_TASK, [job_id, attempt, endpoint], target)

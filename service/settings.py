@@ -99,6 +99,12 @@ class Settings(BaseSettings):
     # Host GPUs this worker owns ("2" or "2,3"): `loraq worker --gpus` sets it for each child, which
     # then reports only these GPUs' metrics and names its GPU in the job's worker_id.
     worker_gpus: str | None = None
+    # A job on several hosts (n_nodes > 1): the address the other hosts reach this worker at for
+    # the rendezvous and the ranks' traffic (unset: this host's address, as for the metrics), and
+    # how long the worker that claimed such a job waits for the others to join before the attempt
+    # ends (it counts as an attempt; the job goes back to the queue while attempts are left).
+    worker_rendezvous_address: str | None = None
+    node_join_timeout_seconds: float = Field(600.0, gt=0)
 
     # The GPU kernels' switches; gpu_kernels reads no environment, the worker passes these down.
     # "reference" forces the plain-torch ops even on a GPU (for comparisons).

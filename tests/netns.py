@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import signal
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -86,3 +87,39 @@ def isolated_host(forward: dict[int, tuple[str, int]]) -> Iterator[Host]:
             _ip("link", "del", f"{name}h")  # takes its peer with it
         with contextlib.suppress(subprocess.CalledProcessError):
             _ip("netns", "del", name)
+
+
+@dataclass(frozen=True)
+class Link:
+    """A direct link between two hosts' namespaces (a veth pair): each end's address and device."""
+
+    addresses: tuple[str, str]
+    devices: tuple[str, str]
+
+
+@contextlib.contextmanager
+def linked(a: Host, b: Host) -> Iterator[Link]:
+    """A veth pair from `a`'s namespace to `b`'s, on a /30 of their own: what two machines on one
+    network have (every port of each reachable from the other), which the ranks of a job on both
+    need (a rendezvous port and the collectives' own ports). Removed when the block ends."""
+    subnet = 16 + int(a.name[2:], 16) % 200  # 10.253.<subnet>.0/30
+    link = Link(addresses=(f"10.253.{subnet}.1", f"10.253.{subnet}.2"), devices=(f"{a.name}p", f"{b.name}p"))
+    _ip("link", "add", link.devices[0], "netns", a.name, "type", "veth", "peer", "name", link.devices[1],
+        "netns", b.name)  # fmt: skip
+    try:
+        for host, address, device in zip((a, b), link.addresses, link.devices, strict=True):
+            _ip("netns", "exec", host.name, "ip", "addr", "add", f"{address}/30", "dev", device)
+            _ip("netns", "exec", host.name, "ip", "link", "set", device, "up")
+        yield link
+    finally:
+        with contextlib.suppress(subprocess.CalledProcessError):
+            _ip("netns", "exec", a.name, "ip", "link", "del", link.devices[0])  # takes its peer with it
+
+
+def kill_host(host: Host) -> None:
+    """SIGKILL every process in the host's namespace, as a machine that loses power: its worker,
+    torchrun and ranks (which run in sessions of their own) all at once."""
+    out = subprocess.run(["ip", "netns", "pids", host.name], capture_output=True, text=True, check=True)
+    for pid in out.stdout.split():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import logging
 import shutil
+import socket
 import threading
 import time
 import traceback
@@ -44,13 +45,15 @@ from worker.engine.types import (
     CheckpointInfo,
     DatasetError,
     EngineError,
+    NodeFailed,
     QuantizationName,
+    Rendezvous,
     StepMetrics,
     StopRequested,
     TrainConfig,
     TrainResult,
 )
-from worker.launcher import worker_identity
+from worker.launcher import advertised_host, worker_identity
 from worker.metric_sinks import Sinks, open_sinks
 
 log = logging.getLogger("loraq.worker")
@@ -338,18 +341,26 @@ def ensure_base_model(name: str, settings: Settings, callbacks: JobCallbacks) ->
     )
 
 
-def run_engine(config: TrainConfig, callbacks: JobCallbacks, settings: Settings) -> TrainResult:
+def run_engine(
+    config: TrainConfig, callbacks: JobCallbacks, settings: Settings, rendezvous: Rendezvous | None = None
+) -> TrainResult | None:
+    """Train; None when this worker is one host of a job on several and another host's worker
+    reports the result (it held global rank 0)."""
     from worker.engine import recipe
 
     # training series + the registry's current job; ended by worker.tasks (outcome)
     worker_metrics.job_started(callbacks.claim.job_id, model=config.model, max_grad_norm=config.max_grad_norm)
-    if callbacks.claim.n_gpus > 1:
+    n, workdir = callbacks.claim.n_gpus, config.output_dir / "torchrun"
+    if rendezvous is not None:  # this host's ranks of a job on several hosts
+        from worker.engine.distributed import run_node
+
+        return run_node(config, callbacks, n_gpus=n, workdir=workdir, rendezvous=rendezvous)
+    if n > 1:
         # one rank per GPU under torchrun (each rank loads the model); rank 0's reports
         # come back here as calls on `callbacks`.
         from worker.engine.distributed import run_torchrun
 
-        n = callbacks.claim.n_gpus
-        return run_torchrun(config, callbacks, n_gpus=n, workdir=config.output_dir / "torchrun")
+        return run_torchrun(config, callbacks, n_gpus=n, workdir=workdir)
     loaded = cached_base_model(config.model, settings, config.quantization)
     return recipe.train(config, callbacks, loaded=loaded)
 
@@ -385,24 +396,66 @@ def run_claimed_job(job_id: str, *, worker_id: str = WORKER_ID) -> str:
         return "skipped"
     if claim.job_id != job_id:  # fair share: the delivery of one job's message claimed another
         log.info("delivery of job %s claimed job %s (fair share)", job_id, claim.job_id)
-        job_id = claim.job_id
+    return run_attempt(trusted_resume(claim), settings, first_node=True)
 
-    claim = trusted_resume(claim)
+
+def join_claimed_job(job_id: str, *, attempt: int, endpoint: str, worker_id: str = WORKER_ID) -> str:
+    """Run this worker's share of attempt `attempt` of a job on several hosts, whose first worker
+    serves the rendezvous at `endpoint`: the same claim (its token), its own ranks."""
+    settings = get_settings()
+    with session_scope() as session:
+        claim = jobs.join(session, job_id=job_id, attempt=attempt, worker_id=worker_id)
+    if claim is None:
+        log.info("job %s attempt %d: ended or cancelled before this worker joined", job_id, attempt)
+        return "skipped"
+    return run_attempt(trusted_resume(claim), settings, first_node=False, endpoint=endpoint)
+
+
+def node_rendezvous(claim: jobs.Claim, settings: Settings, endpoint: str | None) -> Rendezvous:
+    """This host's part of the attempt's rendezvous; `endpoint` None: this worker claimed the job
+    and serves the rendezvous's store, on a free port of its address."""
+    address = settings.worker_rendezvous_address or advertised_host()
+    is_host = endpoint is None
+    if endpoint is None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((address, 0))
+            endpoint = f"{address}:{probe.getsockname()[1]}"
+    return Rendezvous(
+        endpoint=endpoint,
+        run_id=f"{claim.job_id}-{claim.attempt}",
+        n_nodes=claim.n_nodes,
+        local_addr=address,
+        is_host=is_host,
+        join_timeout_s=settings.node_join_timeout_seconds,
+    )
+
+
+def run_attempt(
+    claim: jobs.Claim, settings: Settings, *, first_node: bool, endpoint: str | None = None
+) -> str:
+    """Run one claimed attempt to its end (on this host: one of the hosts of a job on several)."""
+    job_id = claim.job_id
     out_dir = attempt_dir(settings, claim)
     # Store keys carry the attempt: a fenced-out attempt that keeps running for a moment (a
     # frozen worker woken up) writes only its own objects and never replaces the current one's.
     callbacks = JobCallbacks(claim, checkpoint_dir_key=f"jobs/{job_id}/attempt-{claim.attempt}/checkpoints")
     try:
+        rendezvous = node_rendezvous(claim, settings, endpoint) if claim.n_nodes > 1 else None
         with Heartbeat(claim, callbacks, settings.heartbeat_seconds):
-            callbacks.on_event("info", f"Fine-tuning job started (attempt {claim.attempt})")
-            callbacks.on_event("info", resume_message(claim))
-            callbacks.open_sinks(settings)
+            if first_node:
+                callbacks.on_event("info", f"Fine-tuning job started (attempt {claim.attempt})")
+                callbacks.on_event("info", resume_message(claim))
+                callbacks.open_sinks(settings)  # none for n_nodes > 1 (jobs.check_nodes)
             config = build_train_config(claim, settings, out_dir)
             ensure_base_model(config.model, settings, callbacks)
-            result = run_engine(config, callbacks, settings)
+            if rendezvous is not None:
+                join_nodes(claim, rendezvous, callbacks, first_node=first_node)
+            result = run_engine(config, callbacks, settings, rendezvous)
             callbacks.flush()
         if callbacks.fenced:
             return "fenced"
+        if result is None:
+            return "node done"  # global rank 0 was on another host, whose worker ends the job
         if result.stopped:
             trained = result.trained_tokens if result.steps else None
             return _stopped(claim, callbacks, trained_tokens=trained, step=result.steps)
@@ -412,6 +465,10 @@ def run_claimed_job(job_id: str, *, worker_id: str = WORKER_ID) -> str:
         if callbacks.fenced:
             return "fenced"
         return _stopped(claim, callbacks, trained_tokens=None, step=claim.resume_step)
+    except NodeFailed as e:
+        callbacks.flush()
+        log.warning("job %s: %s; torchrun's log here:\n%s", job_id, e, e.log_tail)
+        return _node_failed(claim, str(e), settings)
     except DatasetError as e:
         callbacks.flush()
         return _fail(claim, code=e.code, message=str(e), param=e.param or "training_file")
@@ -549,6 +606,41 @@ def _fail(claim: jobs.Claim, *, code: str, message: str, param: str | None) -> s
         if ok:
             jobs.add_event(session, job_id=claim.job_id, level="error", message=message)
     return "failed" if ok else "fenced"
+
+
+def join_nodes(
+    claim: jobs.Claim, rendezvous: Rendezvous, callbacks: JobCallbacks, *, first_node: bool
+) -> None:
+    """The first worker asks `n_nodes - 1` more of its queue to join at its rendezvous; each one
+    that does says so. The first one's torchrun then waits for them (`node_join_timeout_seconds`)."""
+    from service.queue import enqueue_join
+
+    n = claim.n_nodes
+    if not first_node:
+        callbacks.on_event("info", f"Worker {WORKER_ID} joined the job's {n} hosts")
+        return
+    try:
+        enqueue_join(claim.job_id, attempt=claim.attempt, endpoint=rendezvous.endpoint, count=n - 1)
+    except Exception as e:
+        raise NodeFailed(
+            f"could not ask {n - 1} more worker(s) to join: the broker did not take it ({e})"
+        ) from e
+    callbacks.on_event(
+        "info",
+        f"Waiting for {n - 1} more worker(s) of the queue to join (rendezvous at {rendezvous.endpoint})",
+    )
+
+
+def _node_failed(claim: jobs.Claim, what: str, settings: Settings) -> str:
+    """A job on several hosts lost one of them (or not every host joined): this attempt ends, and
+    while attempts are left the job goes back to the queue, to resume from its last checkpoint on
+    the workers that take it next; on its last attempt it fails with code `node_failed`. Every
+    host that saw the loss gets here; the attempt's token lets only the first end it."""
+    attempt = claim.attempt - claim.paused_attempts  # attempts ended by a pause are not retries
+    what = f"{what} (attempt {attempt} of {settings.max_attempts})"
+    if attempt < settings.max_attempts:
+        return _requeue(claim, reason=f"{what}; it resumes from its last checkpoint")
+    return _fail(claim, code=NodeFailed.code, message=what, param="n_nodes")
 
 
 def _out_of_disk(claim: jobs.Claim, saved_step: int, settings: Settings) -> str:

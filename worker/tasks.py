@@ -18,6 +18,7 @@ from typing import Any
 import redis.exceptions
 import sqlalchemy.exc
 
+from service.broker import JOIN_JOB_TASK
 from worker import metrics as worker_metrics
 from worker.celery_app import RUN_JOB_TASK, celery_app
 
@@ -26,10 +27,10 @@ log = logging.getLogger("loraq.worker")
 RETRYABLE = (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError, redis.exceptions.ConnectionError)
 
 
-def job_task(name: str) -> Callable[[Callable[[str], str]], Any]:
-    """Register `fn(job_id) -> outcome` as Celery task `name` with logging and retries."""
+def job_task(name: str) -> Callable[[Callable[..., str]], Any]:
+    """Register `fn(job_id, *args) -> outcome` as Celery task `name` with logging and retries."""
 
-    def decorate(fn: Callable[[str], str]) -> Any:
+    def decorate(fn: Callable[..., str]) -> Any:
         @celery_app.task(
             name=name,
             bind=True,
@@ -39,11 +40,11 @@ def job_task(name: str) -> Callable[[Callable[[str], str]], Any]:
             max_retries=5,
         )
         @functools.wraps(fn)
-        def task(self: Any, job_id: str) -> str:
+        def task(self: Any, job_id: str, *args: Any) -> str:
             start = time.monotonic()
             log.info("task %s[%s] job=%s start", name, self.request.id, job_id)
             try:
-                outcome = fn(job_id)
+                outcome = fn(job_id, *args)
             except RETRYABLE:
                 log.warning("task %s job=%s: infrastructure error, will retry", name, job_id, exc_info=True)
                 worker_metrics.job_finished(worker_metrics.active_job(job_id), "retry")
@@ -62,3 +63,10 @@ def run_job(job_id: str) -> str:
     from worker.runner import run_claimed_job  # keeps `import worker.tasks` free of torch
 
     return run_claimed_job(job_id)
+
+
+@job_task(JOIN_JOB_TASK)
+def join_job(job_id: str, attempt: int, endpoint: str) -> str:
+    from worker.runner import join_claimed_job
+
+    return join_claimed_job(job_id, attempt=attempt, endpoint=endpoint)

@@ -110,6 +110,7 @@ def job_public(job: Job) -> JobPublic:
         user_provided_suffix=job.suffix,
         queue=job.queue,
         n_gpus=job.n_gpus,
+        n_nodes=job.n_nodes,
         worker_id=job.worker_id,
         started_at=job.started_at,
         cancel_requested=bool(job.cancel_requested),

@@ -129,6 +129,8 @@ class Job(Base):
     # host (> 1: torchrun); the Celery queue is service.broker.celery_queue(queue, n_gpus)
     queue: Mapped[str] = mapped_column(String(48), default="default", server_default="default")
     n_gpus: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    # hosts the job spans (> 1: that many workers of its queue, joined by a c10d rendezvous)
+    n_nodes: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     # pack examples into rows of max_seq_len tokens (padding-free); false: one example per row
     packing: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
     suffix: Mapped[str | None] = mapped_column(String(64), default=None)

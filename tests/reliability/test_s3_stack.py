@@ -170,9 +170,10 @@ def test_a_worker_killed_mid_checkpoint_leaves_nothing_read_and_the_job_resumes(
     assert not [u for u in client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])]
 
 
-def start_worker_on(stack: Stack, server: S3Server, host: Host) -> subprocess.Popen[bytes]:
+def start_worker_on(stack: Stack, server: S3Server, host: Host, **extra_env: str) -> subprocess.Popen[bytes]:
     """A worker on `host`: its own network namespace, where Redis, PostgreSQL and the bucket are
-    at the host side's address (nothing else is reachable), and its own data directory."""
+    at the host side's address (nothing else is reachable), and its own data directory; with
+    `extra_env` over those settings."""
     from sqlalchemy.engine import make_url
 
     db = make_url(stack.db_url).set(host=host.address).render_as_string(hide_password=False)
@@ -182,25 +183,31 @@ def start_worker_on(stack: Stack, server: S3Server, host: Host) -> subprocess.Po
         LORAQ_REDIS_URL=f"redis://{host.address}:{stack.redis_port}/0",
         LORAQ_DATABASE_URL=db,
         LORAQ_S3_ENDPOINT_URL=f"http://{host.address}:{server.port}",
+        **extra_env,
     )
+
+
+def shared_services(stack: Stack, server: S3Server) -> dict[int, tuple[str, int]]:
+    """What a worker host reaches (`isolated_host`'s forwards): Redis, PostgreSQL and the bucket."""
+    from sqlalchemy.engine import make_url
+
+    pg = make_url(stack.db_url)
+    if pg.host is None or pg.port is None:
+        pytest.fail(f"the test database must be reached over TCP to be forwarded: {stack.db_url}")
+    return {
+        stack.redis_port: ("127.0.0.1", stack.redis_port),
+        pg.port: (pg.host, pg.port),
+        server.port: ("127.0.0.1", server.port),
+    }
 
 
 def test_a_job_killed_on_one_host_resumes_on_another(s3_stack: tuple[Stack, S3Server, str]) -> None:
     """Two worker "hosts", each in a network namespace of its own that reaches Redis, PostgreSQL
     and the S3 server only, with a data directory of its own: no disk and no other port is shared
     with the API or with each other."""
-    from sqlalchemy.engine import make_url
-
     stack, server, _ = s3_stack
     stack.only_workers(0)
-    pg = make_url(stack.db_url)
-    if pg.host is None or pg.port is None:
-        pytest.fail(f"the test database must be reached over TCP to be forwarded: {stack.db_url}")
-    forward = {
-        stack.redis_port: ("127.0.0.1", stack.redis_port),
-        pg.port: (pg.host, pg.port),
-        server.port: ("127.0.0.1", server.port),
-    }
+    forward = shared_services(stack, server)
     api_port = int(stack.url.rsplit(":", 1)[1])
     with isolated_host(forward) as first, isolated_host(forward) as second:
         for host in (first, second):  # the API is out of reach, on its address and on loopback

@@ -126,6 +126,18 @@ def test_an_integration_no_worker_of_the_queue_can_log_is_refused(api: ApiClient
     ]
 
 
+def test_a_job_on_several_hosts_with_integrations_is_refused(api: ApiClient, live_worker: str) -> None:
+    # the hosts' rendezvous picks the one that reports only after the integrations' runs would open
+    file_id = api.upload(DATASET)
+    mlflow = [{"type": "mlflow"}]
+    body = job_body(file_id, queue=live_worker, integrations=mlflow, n_nodes=2)
+    err = refused(api.post("/v1/fine_tuning/jobs", json=body), "n_nodes")
+    assert "a job on 2 hosts cannot log to integrations yet" in err["message"]
+    ok = api.post("/v1/fine_tuning/jobs", json=job_body(file_id, queue=live_worker, n_nodes=2))
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["n_nodes"] == 2
+
+
 def test_operator_may_accept_unserved_queues(
     api: ApiClient, monkeypatch: pytest.MonkeyPatch, live_worker: str
 ) -> None:

@@ -38,6 +38,11 @@ starts `torchrun -m worker.engine.distributed CONFIG WORKDIR` and turns the JSON
 writes to WORKDIR/events.jsonl back into calls on the job's callbacks; a stop request becomes the
 file WORKDIR/stop, which rank 0 sees in `should_stop()`. The engine process never touches the
 database.
+
+Several hosts (a job's `n_nodes` > 1): each host's worker calls `run_node` with the attempt's
+`Rendezvous` (torchrun's c10d rendezvous, served by the first host's torchrun); ranks are numbered
+across hosts, the math above is unchanged with W = n_nodes × n_gpus, and the worker on the host
+that got global rank 0 is the one that reads events.jsonl.
 """
 
 from __future__ import annotations
@@ -67,6 +72,8 @@ from worker.engine.types import (
     CheckpointInfo,
     EngineError,
     LoraConfig,
+    NodeFailed,
+    Rendezvous,
     StepMetrics,
     TrainConfig,
     TrainingCallbacks,
@@ -344,11 +351,14 @@ def _rank_zero_error(record: dict[str, Any]) -> Exception:
     return err
 
 
-def torchrun_argv(config_path: Path, workdir: Path, n_gpus: int) -> list[str]:
+def torchrun_argv(
+    config_path: Path, workdir: Path, n_gpus: int, rendezvous: Rendezvous | None = None
+) -> list[str]:
     """The ranks run with this process's kernel switches (`gpu_kernels.current_config()`)."""
+    where = ["--standalone"] if rendezvous is None else rendezvous.torchrun_args()
     return [
         sys.executable, "-m", "torch.distributed.run",
-        "--standalone", f"--nproc-per-node={n_gpus}",
+        *where, f"--nproc-per-node={n_gpus}",
         "-m", "worker.engine.distributed", str(config_path), str(workdir),
         *kernel_args(gpu_kernels.current_config()),
     ]  # fmt: skip
@@ -362,6 +372,39 @@ def run_torchrun(
     Blocks until torchrun exits. Raises the engine error rank 0 reported (same code and message as
     in one process), or RuntimeError when a rank crashed or was killed without one.
     """
+    returncode, records, tail = _launch(config, callbacks, n_gpus=n_gpus, workdir=workdir, rendezvous=None)
+    return _outcome(returncode, records, tail)
+
+
+def run_node(
+    config: TrainConfig, callbacks: TrainingCallbacks, *, n_gpus: int, workdir: Path, rendezvous: Rendezvous
+) -> TrainResult | None:
+    """This host's `n_gpus` ranks of a job on `rendezvous.n_nodes` hosts; forward the reports of
+    global rank 0 to `callbacks` when it is here.
+
+    As `run_torchrun`, but None when the ranks here finished and rank 0 was on another host (that
+    host's worker reports), and `NodeFailed` when a rank of any host failed without an engine error.
+    """
+    returncode, records, tail = _launch(
+        config, callbacks, n_gpus=n_gpus, workdir=workdir, rendezvous=rendezvous
+    )
+    ends = [r for r in records if r["type"] in ("result", "error")]
+    node_failure(rendezvous, returncode, ends[-1] if ends else None, tail)
+    if returncode == 0 and not records:
+        return None  # rank 0 was on another host
+    return _outcome(returncode, records, tail)
+
+
+def _launch(
+    config: TrainConfig,
+    callbacks: TrainingCallbacks,
+    *,
+    n_gpus: int,
+    workdir: Path,
+    rendezvous: Rendezvous | None,
+) -> tuple[int, list[dict[str, Any]], str]:
+    """Run torchrun to its end, forwarding rank 0's records as they come: (exit code, records, the
+    tail of its log)."""
     if torch.cuda.is_available() and torch.cuda.device_count() < n_gpus:
         # A misrouted job (or a worker started without --gpus-per-job): say so instead of a rank crash.
         err = DistributedRunError(
@@ -379,7 +422,7 @@ def run_torchrun(
     log_path = workdir / "torchrun.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            torchrun_argv(config_path, workdir, n_gpus), stdout=log, stderr=subprocess.STDOUT
+            torchrun_argv(config_path, workdir, n_gpus, rendezvous), stdout=log, stderr=subprocess.STDOUT
         )
         records: list[dict[str, Any]] = []
         offset = 0
@@ -396,8 +439,13 @@ def run_torchrun(
             if proc.poll() is None:  # the worker itself is stopping: take torchrun's ranks with it
                 proc.terminate()
                 proc.wait()
+    return proc.returncode, records, log_path.read_text(errors="replace")[-2000:]
+
+
+def _outcome(returncode: int, records: list[dict[str, Any]], tail: str) -> TrainResult:
+    """Rank 0's result, or the error it reported, or RuntimeError with the log's tail."""
     ends = [r for r in records if r["type"] in ("result", "error")]
-    if ends and ends[-1]["type"] == "result" and proc.returncode == 0:
+    if ends and ends[-1]["type"] == "result" and returncode == 0:
         r = ends[-1]
         return TrainResult(
             adapter_dir=Path(r["adapter_dir"]),
@@ -410,8 +458,22 @@ def run_torchrun(
         )
     if ends and ends[-1]["type"] == "error":
         raise _rank_zero_error(ends[-1])
-    tail = log_path.read_text(errors="replace")[-2000:]
-    raise RuntimeError(f"torchrun exited with code {proc.returncode} and no result; log tail:\n{tail}")
+    raise RuntimeError(f"torchrun exited with code {returncode} and no result; log tail:\n{tail}")
+
+
+def node_failure(rendezvous: Rendezvous, returncode: int, end: dict[str, Any] | None, tail: str) -> None:
+    """Raise `NodeFailed` when this host's torchrun of a job on several hosts ended without a
+    result or an engine error of rank 0's (those fail the job as in one process): a rendezvous
+    that timed out, a peer host that died, any crash. Returns when there is nothing to raise."""
+    if returncode == 0 or (end is not None and end["type"] == "error" and end["code"] != "internal_error"):
+        return
+    n = rendezvous.n_nodes
+    if "RendezvousTimeoutError" in tail:
+        what = f"not all {n} hosts joined the rendezvous within {rendezvous.join_timeout_s:g} s"
+    else:
+        seen = end["message"] if end is not None else f"torchrun exited with code {returncode}"
+        what = f"a host of the job's {n} failed ({seen.strip().splitlines()[-1] if seen.strip() else seen})"
+    raise NodeFailed(what, log_tail=tail)
 
 
 def _forward(events: Path, offset: int, callbacks: TrainingCallbacks, records: list[dict[str, Any]]) -> int:

@@ -70,6 +70,7 @@ MAX_SEED = 2**31 - 1
 MAX_STEP_INTERVAL = 2**31 - 1  # eval_every, checkpoint_every: an INTEGER column's largest value
 MAX_EVAL_PROMPTS = 16
 MAX_EVAL_PROMPT_CHARS = 2000
+MAX_NODES = 16  # hosts of one job (n_nodes)
 
 Auto = Literal["auto"]
 SchedulerName = Literal["cosine", "linear", "constant"]
@@ -256,6 +257,13 @@ class Placement(Strict):
         description='the worker class to run on (its queue, e.g. "h100", "cpu"); unset: LORAQ_WORKER_QUEUE',
     )
     n_gpus: int = Field(1, ge=1, le=8, description="GPUs on one host; > 1 runs data-parallel under torchrun")
+    n_nodes: int = Field(
+        1,
+        ge=1,
+        le=MAX_NODES,
+        description="hosts one job spans: > 1 runs it on that many workers of its queue at once, "
+        "n_gpus each, joined by torchrun's c10d rendezvous",
+    )
 
 
 class DpoHyperparameters(Hyperparameters):

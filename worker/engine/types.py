@@ -255,6 +255,44 @@ class EngineError(Exception):
     param: str | None = None
 
 
+class NodeFailed(EngineError):
+    """A job on several hosts lost one of them (a rank died, a host vanished, or not every host
+    joined in time): the attempt ends, and the job may resume from its last checkpoint."""
+
+    code = "node_failed"
+
+    def __init__(self, message: str, log_tail: str = "") -> None:
+        super().__init__(message)
+        self.log_tail = log_tail  # torchrun's output on this host, for the worker's log
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """How one host of a job on several hosts joins the others: torchrun's c10d rendezvous, whose
+    store the first host (the worker that claimed the job) serves at `endpoint`.
+
+    The rendezvous numbers the hosts itself (by address), so global rank 0 may be on any of them:
+    each host's worker forwards what its rank 0 writes, and only one host's has one. Every rank
+    exits when one dies (`--max-restarts=0`: a lost peer fails its collective; no restart in place,
+    the attempt ends and the job resumes from its last checkpoint on a new set of hosts).
+    """
+
+    endpoint: str  # "host:port" of the c10d store, on the first host
+    run_id: str  # the same on every host of one attempt, another for the next attempt
+    n_nodes: int
+    local_addr: str  # the address the other hosts reach this one at (the store's, rank 0's)
+    is_host: bool  # this host serves the store
+    join_timeout_s: float
+
+    def torchrun_args(self) -> list[str]:
+        conf = f"is_host={int(self.is_host)},join_timeout={max(1, round(self.join_timeout_s))}"
+        return [
+            f"--nnodes={self.n_nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={self.endpoint}",
+            f"--rdzv-id={self.run_id}", f"--rdzv-conf={conf}", f"--local-addr={self.local_addr}",
+            "--max-restarts=0",
+        ]  # fmt: skip
+
+
 @dataclass
 class LineError:
     line: int  # 1-based line number in the JSONL file
