@@ -6,104 +6,42 @@ parser reads each family's format (tests/engine/chat_templates.py)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 from tests.engine.chat_templates import CHATS, family_tokenizer
 from tests.engine.test_chat_templates import WEATHER
-from tests.engine.tiny_families import tiny_config
-from worker.engine.catalog import register_local_model
+from tests.engine.tool_call_model import one_torch_thread, question, train_tool_caller
 from worker.engine.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from worker.engine.recipe import train
 from worker.engine.serving import Adapter, GenRequest, load_serving_model
 from worker.engine.tool_calls import parse_tool_calls, tool_call_format
-from worker.engine.types import LoraConfig, NullCallbacks, RequestError, TrainConfig
+from worker.engine.types import RequestError
 
 CITIES = ["Paris", "Oslo"]
 
 
-def question(city: str) -> list[dict[str, Any]]:
-    return [{"role": "user", "content": f"What is the weather in {city}?"}]
-
-
-def tool_line(i: int, city: str) -> dict[str, Any]:
-    call = {
-        "id": f"call{i}",
-        "type": "function",
-        "function": {"name": "get_weather", "arguments": json.dumps({"city": city})},
-    }
-    return {
-        "messages": [*question(city), {"role": "assistant", "tool_calls": [call]}],
-        "tools": [WEATHER],
-    }
-
-
-def tiny_qwen3(directory: Path) -> Path:
-    """A random tiny Qwen 3 whose vocabulary holds the family tokenizer's added tokens and whose
-    positions reach past the tools' system prompt."""
-    tok = family_tokenizer("Qwen3ForCausalLM")
-    config = tiny_config("Qwen3ForCausalLM")
-    config.vocab_size = 576
-    config.max_position_embeddings = 1024
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config).save_pretrained(directory)
-    tok.save_pretrained(directory)
-    return directory
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """One torch thread: the tiny model's ops are too small to share, and on a busy machine two
-    threads wait on each other (0.4 s a step instead of 4 s at a load of 12 on 2 cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.slow
-@pytest.mark.usefixtures("one_thread")
 def test_a_tiny_model_trained_on_tool_calls_calls_the_tool(tmp_path: Path) -> None:
-    """Two questions, each answered by a call with its city: 100 steps learn them (3 cities took
-    120 steps, 36 to 58 s; 90 steps did not tell Paris from Lima): 5 s on the idle 2-core
-    machine, about 20 s at a load of 8."""
-    store = tmp_path / "models"
-    register_local_model("tiny-qwen3-tools", tiny_qwen3(tmp_path / "qwen3"), store)
-    train_file = tmp_path / "tools.jsonl"
-    train_file.write_text("".join(json.dumps(tool_line(i, c)) + "\n" for i, c in enumerate(CITIES)))
-    config = TrainConfig(
-        model="tiny-qwen3-tools",
-        train_file=train_file,
-        output_dir=tmp_path / "out",
-        model_store=store,
-        lora=LoraConfig(r=16, alpha=32.0),
-        max_seq_len=1024,
-        batch_size=len(CITIES),
-        max_steps=100,
-        learning_rate=1e-2,
-        seed=0,
-        device="cpu",
-    )
-    adapter_dir = train(config, NullCallbacks()).adapter_dir
+    """Two questions, each answered by a call with its city (tests/engine/tool_call_model.py):
+    about 20 s at a load of 8."""
+    trained = train_tool_caller(tmp_path, "tiny-qwen3-tools", CITIES)
 
-    serving = load_serving_model("tiny-qwen3-tools", store=store, max_adapters=1, device="cpu")
+    serving = load_serving_model("tiny-qwen3-tools", store=trained.store, max_adapters=1, device="cpu")
     assert serving.tool_format == "hermes"
-    adapter_config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
-    adapter = Adapter(config=adapter_config, tensors=load_file(str(adapter_dir / ADAPTER_WEIGHTS)))
+    adapter_config = json.loads((trained.adapter / ADAPTER_CONFIG).read_text())
+    adapter = Adapter(config=adapter_config, tensors=load_file(str(trained.adapter / ADAPTER_WEIGHTS)))
     slot = serving.adapter_slot("tools", lambda: adapter)
     tools = [WEATHER]
     requests = [
         GenRequest(serving.prompt_ids(question(c), tools), max_tokens=64, slot=slot, temperature=0.0)
         for c in CITIES
     ]
-    for city, result in zip(CITIES, serving.generate(requests), strict=True):
+    with one_torch_thread():
+        results = serving.generate(requests)
+    for city, result in zip(CITIES, results, strict=True):
         content, calls = parse_tool_calls(result.text, "hermes", tools)
         assert content is None, result.text
         assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [

@@ -14,17 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from transformers import AutoModelForCausalLM
 
 from tests.conftest import ApiClient
 from tests.engine.chat_templates import family_tokenizer
 from tests.engine.test_chat_templates import WEATHER
-from tests.engine.test_tool_calls import question, tiny_qwen3, tool_line
+from tests.engine.tool_call_model import question, train_tool_caller
 from tests.service.test_chat_api import chat_queue, started_worker
 from worker.engine.catalog import register_local_model
-from worker.engine.recipe import train
-from worker.engine.types import LoraConfig, NullCallbacks, TrainConfig
 
 pytestmark = pytest.mark.slow
 __all__ = ["chat_queue"]  # the fixture, used by name below
@@ -38,31 +35,9 @@ def weather_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     import peft
 
     tmp = tmp_path_factory.mktemp("weather")
-    store = tmp / "models"
-    register_local_model("tiny-qwen3", tiny_qwen3(tmp / "base"), store)
-    lines = tmp / "train.jsonl"
-    lines.write_text(json.dumps(tool_line(0, "Paris")) + "\n")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # see tests/engine/test_tool_calls.py's one_thread
-    try:
-        config = TrainConfig(
-            model="tiny-qwen3",
-            train_file=lines,
-            output_dir=tmp / "out",
-            model_store=store,
-            lora=LoraConfig(r=16, alpha=32.0),
-            max_seq_len=1024,
-            batch_size=1,
-            max_steps=100,
-            learning_rate=1e-2,
-            seed=0,
-            device="cpu",
-        )
-        adapter_dir = train(config, NullCallbacks()).adapter_dir
-    finally:
-        torch.set_num_threads(threads)
-    base = AutoModelForCausalLM.from_pretrained(tmp / "base")
-    merged = peft.PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    trained = train_tool_caller(tmp, "tiny-qwen3", ["Paris"])
+    base = AutoModelForCausalLM.from_pretrained(trained.base)
+    merged = peft.PeftModel.from_pretrained(base, trained.adapter).merge_and_unload()
     merged.save_pretrained(tmp / "merged")
     family_tokenizer("Qwen3ForCausalLM").save_pretrained(tmp / "merged")
     yield tmp / "merged"
