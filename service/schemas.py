@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from service.integrations import Integration, Integrations
 from service.job_status import JobStatus
@@ -398,12 +398,35 @@ class ChunkToolCall(ToolCall):
 
 
 class ChatMessage(Forbid):
+    """One message of a conversation. A `tool` message (a call's result) needs `tool_call_id` and
+    `content`: refused here with a 400 naming the field (validated even when left out, so a missing
+    one is caught); that the id answers a call made earlier in the conversation, once, the worker
+    checks (worker.engine.dataset_rules.check_conversation, as for a training line). The OpenAPI
+    schema cannot state a rule between two fields: tests/service/test_schemathesis.py counts a 400
+    naming the field as this operation's documented answer (SEMANTIC_400)."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    # an assistant message that makes tool_calls may leave it out (the worker checks the rest)
-    content: Text | list[TextPart] | None = None
+    # an assistant message that makes tool_calls may leave it out; a tool result may be "" (a call
+    # that returned nothing), as a training line's may
+    content: Text | list[TextPart] | None = Field(None, validate_default=True)
     name: str | None = Field(None, max_length=64)
     tool_calls: list[ToolCall] | None = Field(None, max_length=128)  # an assistant's calls
-    tool_call_id: str | None = Field(None, max_length=256)  # a tool result: the call it answers
+    # a tool result: the call it answers
+    tool_call_id: str | None = Field(None, max_length=256, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _tool_result_has_content(cls, v: str | list[TextPart] | None, info: ValidationInfo) -> Any:
+        if info.data.get("role") == "tool" and v is None:
+            raise ValueError("a tool message needs content (the result of the call it answers)")
+        return v
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_result_names_its_call(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if info.data.get("role") == "tool" and not (v and v.strip()):
+            raise ValueError("a tool message needs a non-empty tool_call_id (the id of the call it answers)")
+        return v
 
     def text(self) -> str:
         if self.content is None:

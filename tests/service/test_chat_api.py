@@ -160,3 +160,27 @@ def test_the_first_request_on_a_model_says_it_was_loaded_for_it(api: ApiClient, 
     assert second.json()["notice"] is None
     for answer in (first.json(), second.json()):
         assert answer["warning"].startswith("tiny-llama has random weights (for tests only)")
+
+
+def test_a_tool_message_needs_the_id_of_its_call_and_content(api: ApiClient) -> None:
+    """Refused by the request schema (no worker involved), naming the field: a tool result without
+    `tool_call_id`, with a blank one, or without `content`. An empty result ("") is a result."""
+    from service.schemas import ChatCompletionCreate
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    asked = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    for result, param in [
+        ({"role": "tool", "content": "22 C"}, "messages[2].tool_call_id"),
+        ({"role": "tool", "tool_call_id": " ", "content": "22 C"}, "messages[2].tool_call_id"),
+        ({"role": "tool", "tool_call_id": "call_1"}, "messages[2].content"),
+        ({"role": "tool", "tool_call_id": "call_1", "content": None}, "messages[2].content"),
+    ]:
+        r = api.post("/v1/chat/completions", json={**CHAT, "messages": [*asked, result]})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert (error["param"], error["code"]) == (param, "invalid_value"), error
+        assert "tool message needs" in error["message"]
+    body = ChatCompletionCreate.model_validate(
+        {**CHAT, "messages": [*asked, {"role": "tool", "tool_call_id": "call_1", "content": ""}]}
+    )
+    assert body.messages[2].text() == ""
