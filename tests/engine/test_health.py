@@ -12,6 +12,7 @@ and on tiny-llama, a learning rate of 1e-9 leaves the loss flat (nothing trained
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from tests.engine.recipe_helpers import (
     tiny_config,
     write_animal_chats,
 )
-from worker.engine.health import HealthMonitor
+from worker.engine.health import DPO_MEMORIZE_BELOW, LN2, HealthMonitor
 from worker.engine.recipe import train
 from worker.engine.types import DivergedError, NonFiniteError
 
@@ -64,6 +65,47 @@ def test_monitor_rules() -> None:
         over.check_step(step, train_loss)
         findings = over.check_eval(step, valid)
     assert [f.kind for f in findings] == ["overfitting"]
+
+
+def test_dpo_rules_measure_the_preference_loss_from_ln_2() -> None:
+    """A DPO loss starts at ln 2 and falls to 0 only as the reward margin grows: 0.03 (a margin of
+    about 3.5) is a healthy run that the cross-entropy rule would call memorizing; a mean under
+    -log σ(5) over 5 steps is memorizing. Divergence and "nothing trained" count from ln 2."""
+    sft, dpo = HealthMonitor(), HealthMonitor(method="dpo")
+    said: dict[str, list[str]] = {"sft": [], "dpo": []}
+    for step, loss in enumerate([LN2, 0.4, 0.1, 0.03, 0.03, 0.03, 0.03, 0.03], start=1):
+        said["sft"] += [f.kind for f in sft.check_step(step, loss)]
+        said["dpo"] += [f.kind for f in dpo.check_step(step, loss)]
+    assert said == {"sft": ["memorizing"], "dpo": []}
+    findings = [f for step in range(9, 14) for f in dpo.check_step(step, 0.005)]
+    assert [(f.kind, f.step) for f in findings] == [("memorizing", 13)]
+    assert findings[0].message.startswith("Memorizing: DPO loss 0.0050 < 0.0067 at step 13")
+    assert "implicit reward margin over 5" in findings[0].message
+    assert pytest.approx(-math.log(1 / (1 + math.exp(-5.0)))) == DPO_MEMORIZE_BELOW  # -log σ(5)
+
+    # a first step below ln 2 (dropout) does not lower DPO's bar: 3 ln 2 = 2.08 is
+    early = HealthMonitor(warmup_steps=1, method="dpo")
+    early.check_step(1, 0.5)
+    assert early.check_step(2, 2.0) == []
+    with pytest.raises(DivergedError, match=r"DPO loss 2.1 is over 3x where every run starts, 0.6931"):
+        early.check_step(3, 2.1)
+    sft_early = HealthMonitor(warmup_steps=1)  # the supervised bar stands on the first step
+    sft_early.check_step(1, 0.5)
+    with pytest.raises(DivergedError, match=r"train loss 2 is over 3x its first value 0\.5"):
+        sft_early.check_step(2, 2.0)
+
+    # learnt within the first fifth, then level: the supervised rule (first fifth -> last fifth)
+    # says nothing trained, DPO's (ln 2 -> last fifth) sees the drop; level at ln 2 is flat
+    level_sft, level_dpo, at_start = HealthMonitor(), HealthMonitor(method="dpo"), HealthMonitor(method="dpo")
+    for step in range(1, 11):
+        level_sft.check_step(step, 0.3)
+        level_dpo.check_step(step, 0.3)
+        at_start.check_step(step, LN2 - 0.001)
+    assert [f.kind for f in level_sft.check_progress(10)] == ["not_training"]
+    assert level_dpo.check_progress(10) == []
+    (flat,) = at_start.check_progress(10)
+    assert flat.kind == "not_training" and "near ln 2" in flat.message
+    assert flat.message.startswith("Nothing trained: DPO loss flat over 10 steps (0.6931 -> 0.6921)")
 
 
 # --------------------------------------------------------------------------- on the tiny model

@@ -11,6 +11,21 @@ Pure Python (no torch). The recipe feeds every step's train loss and every valid
 - memorizing: the mean train loss of the last MEMORIZE_WINDOW steps is below MEMORIZE_BELOW;
 - not_training: over at least FLAT_MIN_STEPS steps, the mean loss of the last fifth of the steps is
   not FLAT_MIN_DROP (relatively) below that of the first fifth: nothing was learnt.
+
+The thresholds depend on what the loss is (`LossRules`, one per training method). Supervised: the
+cross-entropy of the answers' tokens, in nats a token, starting wherever the base model is. DPO:
+the sigmoid preference loss of a pair, L = -log σ(z) with z = β((log π - log π_ref)(chosen) -
+(log π - log π_ref)(rejected)) the implicit reward margin; every run starts at L = ln 2 (z = 0: the
+adapter starts at B = 0, so the policy is the reference), L < ln 2 exactly when the chosen answer
+is preferred, and L falls to 0 only as the margin grows without bound. So for DPO:
+- diverged: measured from ln 2, not from the first step (a loss over 3 ln 2 ≈ 2.08 is a mean
+  margin near -2: the policy prefers the rejected answers about 7 to 1);
+- memorizing: a cross-entropy of 0.05 (each answer token at p ≈ 0.95) is reciting, but a DPO loss
+  of 0.05 is a margin of only 3, common in a healthy run; DPO warns when the mean loss is below
+  log(1 + e^-DPO_MEMORIZE_MARGIN) ≈ 0.0067, i.e. the training pairs sit at a margin of 5 or more
+  (5/β nats of log-ratio gap: 50 at β = 0.1): the policy has moved far from the reference to
+  separate these very pairs, which fits them rather than the preference;
+- not_training: the last fifth's mean loss is compared with ln 2, where every DPO run starts.
 """
 
 from __future__ import annotations
@@ -21,6 +36,7 @@ from dataclasses import dataclass, field
 from statistics import fmean
 from typing import Any, Literal
 
+from worker.engine.training_config import MethodType
 from worker.engine.types import DivergedError, NonFiniteError
 
 HealthKind = Literal["overfitting", "memorizing", "not_training"]
@@ -32,6 +48,41 @@ MEMORIZE_BELOW = 0.05
 MEMORIZE_WINDOW = 5
 FLAT_MIN_STEPS = 10
 FLAT_MIN_DROP = 0.01
+LN2 = math.log(2)  # DPO's loss at z = 0, where every DPO run starts
+DPO_MEMORIZE_MARGIN = 5.0
+DPO_MEMORIZE_BELOW = math.log1p(math.exp(-DPO_MEMORIZE_MARGIN))  # -log σ(5) ≈ 0.0067
+
+
+@dataclass(frozen=True)
+class LossRules:
+    """What a method's loss says about a run (the module docstring gives each rule and why)."""
+
+    name: str  # the loss, as the messages call it
+    start: float | None  # where every run's loss starts (None: at its own first step's)
+    memorize_below: float
+    memorizing_hint: str
+    flat_hint: str
+
+
+RULES: dict[MethodType, LossRules] = {
+    "supervised": LossRules(
+        "train loss",
+        None,
+        MEMORIZE_BELOW,
+        "the model recites its training data; use fewer epochs or more data, and watch the validation loss",
+        "raise the learning rate, or check that the examples have assistant turns to learn",
+    ),
+    "dpo": LossRules(
+        "DPO loss",
+        LN2,
+        DPO_MEMORIZE_BELOW,
+        f"the training pairs are separated by an implicit reward margin over {DPO_MEMORIZE_MARGIN:g}: the "
+        "adapter fits these pairs far from the base; use fewer epochs, a larger beta or more pairs, "
+        "and watch the validation loss",
+        f"it stayed near ln 2 = {LN2:.4f}, where the policy equals the reference; raise the learning "
+        "rate, or check that the preferred and non-preferred answers differ",
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -48,6 +99,7 @@ class Finding:
 @dataclass
 class HealthMonitor:
     warmup_steps: int = 0
+    method: MethodType = "supervised"
     first_loss: float | None = None
     losses: list[float] = field(default_factory=list)
     # (step, validation loss, mean train loss since the evaluation before)
@@ -65,24 +117,25 @@ class HealthMonitor:
         """Before the optimizer applies this step: raise if it diverged, else the new findings."""
         if not math.isfinite(loss):
             raise NonFiniteError(step, "loss")
+        rules = RULES[self.method]
         if self.first_loss is None:
             self.first_loss = loss
-        elif step > self.warmup_steps and loss > max(
-            DIVERGE_FACTOR * self.first_loss, self.first_loss + DIVERGE_MIN_RISE
-        ):
-            raise DivergedError(
-                step,
-                f"train loss {loss:.4g} is over {DIVERGE_FACTOR:g}x its first value {self.first_loss:.4g}",
-            )
+        elif step > self.warmup_steps:
+            start = self.first_loss if rules.start is None else rules.start
+            if loss > max(DIVERGE_FACTOR * start, start + DIVERGE_MIN_RISE):
+                value = "its first value" if rules.start is None else "where every run starts,"
+                raise DivergedError(
+                    step, f"{rules.name} {loss:.4g} is over {DIVERGE_FACTOR:g}x {value} {start:.4g}"
+                )
         self.losses.append(loss)
         self._since_eval.append(loss)
         recent = self.losses[-MEMORIZE_WINDOW:]
-        if len(recent) == MEMORIZE_WINDOW and fmean(recent) < MEMORIZE_BELOW:
+        if len(recent) == MEMORIZE_WINDOW and fmean(recent) < rules.memorize_below:
             return self._once(
                 "memorizing",
                 step,
-                f"Memorizing: train loss {fmean(recent):.4f} < {MEMORIZE_BELOW} at step {step}: the model "
-                "recites its training data; use fewer epochs or more data, and watch the validation loss",
+                f"Memorizing: {rules.name} {fmean(recent):.4f} < {rules.memorize_below:.2g} at step {step}: "
+                f"{rules.memorizing_hint}",
             )
         return []
 
@@ -110,13 +163,15 @@ class HealthMonitor:
         """Has the train loss moved at all? Called mid-run and at the end."""
         if len(self.losses) < FLAT_MIN_STEPS:
             return []
+        rules = RULES[self.method]
         n = max(1, len(self.losses) // 5)
-        head, tail = fmean(self.losses[:n]), fmean(self.losses[-n:])
+        head = fmean(self.losses[:n]) if rules.start is None else rules.start
+        tail = fmean(self.losses[-n:])
         if head - tail >= FLAT_MIN_DROP * abs(head):
             return []
         return self._once(
             "not_training",
             step,
-            f"Nothing trained: train loss flat over {len(self.losses)} steps ({head:.4f} -> {tail:.4f}); "
-            "raise the learning rate, or check that the examples have assistant turns to learn",
+            f"Nothing trained: {rules.name} flat over {len(self.losses)} steps ({head:.4f} -> {tail:.4f}); "
+            f"{rules.flat_hint}",
         )

@@ -241,7 +241,9 @@ class LoRAFinetuneRecipe:
                 "row_tokens": planned.plan.row_tokens,
             },
         )
-        self.health = HealthMonitor(warmup_steps=warmup_steps(self.total_steps, cfg.warmup_ratio))
+        self.health = HealthMonitor(
+            warmup_steps=warmup_steps(self.total_steps, cfg.warmup_ratio), method=cfg.method.type
+        )
         if cfg.step_limit is not None and self.total_steps > cfg.step_limit:
             # Known before the first step: fail now rather than train up to the limit and stop.
             raise LimitExceeded(
