@@ -468,6 +468,8 @@ def run_attempt(
     except NodeFailed as e:
         callbacks.flush()
         log.warning("job %s: %s; torchrun's log here:\n%s", job_id, e, e.log_tail)
+        if callbacks.stop is not None:  # asked to stop while the hosts gathered (or as one was lost)
+            return _stopped(claim, callbacks, trained_tokens=None, step=callbacks.saved_step)
         return _node_failed(claim, str(e), settings)
     except DatasetError as e:
         callbacks.flush()

@@ -112,6 +112,7 @@ def test_a_lost_host_fails_the_attempt_and_the_job_resumes(two_hosts: TwoHosts) 
 
     requeued = wait_event(stack, job_id, "Job re-queued: a host of the job's 2 failed")
     assert "(attempt 1 of 3); it resumes from its last checkpoint" in requeued, requeued
+    assert two_hosts.link.addresses[lost] in requeued, requeued  # the lost host, by its address
     # the last registered one: the surviving host may have saved one more as its ranks stopped
     saved = max(checkpoint_steps(stack, job_id))
     assert saved % CHECKPOINT_EVERY == 0
@@ -134,3 +135,16 @@ def wait_event(stack: Stack, job_id: str, prefix: str, timeout: float = 120) -> 
             return found[0]
         time.sleep(0.2)
     raise AssertionError(f"no event {prefix!r} for job {job_id}: {stack.events(job_id)}\n{stack.logs()}")
+
+
+def test_a_cancel_reaches_hosts_still_gathering(two_hosts: TwoHosts) -> None:
+    """A job on 3 hosts with 2 workers: one joins, the third never comes. A cancel ends it at once
+    (the first worker stops waiting), not at the join timeout."""
+    stack = two_hosts.stack
+    job_id = submit(stack, n_nodes=3, n_epochs=1)
+    wait_event(stack, job_id, "Worker ")  # "Worker <id> joined the job's 3 hosts"
+    with stack.client() as c:
+        assert c.post(f"/fine_tuning/jobs/{job_id}/cancel").status_code == 200
+    stack.wait(job_id, {"cancelled"}, timeout=JOIN_TIMEOUT_S / 2)
+    events = stack.events(job_id)
+    assert "Fine-tuning job cancelled" in events and not [e for e in events if "re-queued" in e], events

@@ -82,6 +82,9 @@ from worker.engine.types import (
 
 EVENTS_FILE = "events.jsonl"
 STOP_FILE = "stop"
+# Touched by every rank as it starts: torchrun starts ranks only once the rendezvous is complete,
+# so without it the hosts of a job on several are still gathering and no rank reads STOP_FILE.
+STARTED_FILE = "started"
 POLL_SECONDS = 0.2
 
 
@@ -319,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu_kernels.configure(gpu_kernels.KernelConfig(args.kernels, args.rank_update, args.kernel_cache))
     workdir = args.workdir
     config = config_from_json(args.config_path.read_text())
+    (workdir / STARTED_FILE).touch()
     is_main = int(os.environ.get("RANK", "0")) == 0
     reporter = FileCallbacks(workdir)
     try:
@@ -417,6 +421,7 @@ def _launch(
     events = workdir / EVENTS_FILE
     events.unlink(missing_ok=True)
     (workdir / STOP_FILE).unlink(missing_ok=True)
+    (workdir / STARTED_FILE).unlink(missing_ok=True)
     config_path = workdir / "config.json"
     config_path.write_text(config_to_json(config))
     log_path = workdir / "torchrun.log"
@@ -434,6 +439,8 @@ def _launch(
                     break
                 if callbacks.should_stop():
                     (workdir / STOP_FILE).touch()
+                    if rendezvous is not None and not (workdir / STARTED_FILE).exists():
+                        proc.terminate()  # still gathering hosts: stop waiting (NodeFailed follows)
                 time.sleep(POLL_SECONDS)
         finally:
             if proc.poll() is None:  # the worker itself is stopping: take torchrun's ranks with it
@@ -469,11 +476,15 @@ def node_failure(rendezvous: Rendezvous, returncode: int, end: dict[str, Any] | 
         return
     n = rendezvous.n_nodes
     if "RendezvousTimeoutError" in tail:
-        what = f"not all {n} hosts joined the rendezvous within {rendezvous.join_timeout_s:g} s"
+        raise NodeFailed(f"not all {n} hosts joined within {rendezvous.join_timeout_s:g} s", log_tail=tail)
+    if "RendezvousConnectionError" in tail and not rendezvous.is_host:
+        # this host's agent lost the store: the first host (the one that claimed the job) is gone
+        seen = f"the first host, serving the rendezvous at {rendezvous.endpoint}, was lost"
+    elif end is not None and end["message"].strip():
+        seen = end["message"].strip().splitlines()[-1]  # rank 0's own error, e.g. gloo's lost peer
     else:
-        seen = end["message"] if end is not None else f"torchrun exited with code {returncode}"
-        what = f"a host of the job's {n} failed ({seen.strip().splitlines()[-1] if seen.strip() else seen})"
-    raise NodeFailed(what, log_tail=tail)
+        seen = f"torchrun exited with code {returncode}"
+    raise NodeFailed(f"a host of the job's {n} failed ({seen})", log_tail=tail)
 
 
 def _forward(events: Path, offset: int, callbacks: TrainingCallbacks, records: list[dict[str, Any]]) -> int:
