@@ -308,7 +308,7 @@ def run_dpo_mode(args: Any) -> int:
 
     import torch
 
-    from bench.train_bench import run_header, spawn
+    from bench.train_bench import record_row, run_header, spawn
 
     cuda = torch.cuda.is_available()
     device = torch.cuda.get_device_name(0) if cuda else "cpu"
@@ -341,13 +341,7 @@ def run_dpo_mode(args: Any) -> int:
         row = spawn(cell, args.cell_timeout)
         row.setdefault("model", cell[1])
         row.setdefault("variant", cell[2])
-        result["rows"].append(row)
-        print(
-            json.dumps({k: v for k, v in row.items() if k not in ("loss_curve", "step_seconds")}), flush=True
-        )
-        summarize(result)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1))
+        record_row(result, row, summarize, out)
     print(json.dumps({"ratios": result["ratios"], "goals": result["goals"]}, indent=1))
     print("wrote", out)
     return 0

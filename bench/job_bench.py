@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from worker.engine.types import DeviceName
+    from worker.engine.types import DeviceName, QuantizationName
 
 ROOT = Path(__file__).resolve().parents[1]
 DATASET = ROOT / "bench" / "data" / "chat-longtail.jsonl"
@@ -58,13 +58,14 @@ JOB_WARMUP = 8  # eager warm-up, capture and the timed first replays happen in t
 PEFT_WARMUP = 3
 
 
-def _rows(preset: str, seq: int) -> tuple[Any, Any]:
-    """The dataset tokenized as the engine does (the presets share tiny-llama's tokenizer)."""
+def chat_rows(seq: int, path: Path = DATASET) -> tuple[Any, Any]:
+    """The chat set at `path` tokenized as the engine does (the presets share tiny-llama's
+    tokenizer), unpacked rows of up to `seq` tokens, and the tokenizer."""
     from worker.engine.data import load_dataset
     from worker.engine.tiny import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
-    return load_dataset(DATASET, tok, seq, pack=False), tok
+    return load_dataset(path, tok, seq, pack=False), tok
 
 
 class StepCollector:
@@ -106,9 +107,11 @@ def job_config(
     warmup: int = JOB_WARMUP,
     device: DeviceName = "cuda",
     method: Any = None,
+    quantization: QuantizationName | None = None,
 ) -> Any:
     """The job's TrainConfig (`warmup` steps + `steps` timed ones), its files under `tmp`;
-    `method` a worker.engine.training_config method (None: supervised)."""
+    `method` a worker.engine.training_config method (None: supervised); `quantization` the
+    frozen base's storage (None: bf16)."""
     from bench.family_shapes import FAMILY_SHAPES
     from worker.engine.training_config import SupervisedTraining
     from worker.engine.types import LoraConfig, TrainConfig
@@ -131,6 +134,7 @@ def job_config(
         pack=pack,
         device=device,
         method=method or SupervisedTraining(),
+        quantization=quantization,
     )
 
 
@@ -158,7 +162,7 @@ def job_cell(
     else:  # the ranks are torchrun's processes: this one measures no GPU memory
         result = run_torchrun(config, rec, n_gpus=n_gpus, workdir=tmp / "torchrun")
     wall = time.time() - t0
-    data, _ = _rows(preset, seq)
+    data, _ = chat_rows(seq)
     mem = torch.cuda.max_memory_allocated() if n_gpus == 1 else None
     readings = job_readings(rec, result, JOB_WARMUP, data.trainable_tokens / data.tokens, mem)
     return {
@@ -197,21 +201,23 @@ def job_readings(
     }
 
 
-def peft_cell(preset: str, variant: str, batch: int, seq: int, examples: int, steps: int) -> dict[str, Any]:
-    """HF+PEFT on the same data: padded batches of `examples`, or padding-free rows of B·T."""
+def peer_batches(
+    variant: str, batch: int, seq: int, examples: int, count: int, path: Path = DATASET
+) -> list[dict[str, Any]]:
+    """`count` steps of the chat set at `path` for a peer, in a seeded random order: `peft_padded` batches of
+    `examples` examples padded to the batch's longest, or (else) one padding-free row of up to
+    B·T tokens with position_ids restarting per example. Each dict holds CPU tensors and "real",
+    the batch's real tokens."""
     import torch
 
-    from bench.peers import peft_peer_model
-
-    model, params, opt = peft_peer_model(preset, max_positions=8192)
-    data, tok = _rows(preset, seq)
+    data, tok = chat_rows(seq, path)
     rng = random.Random(0)
     order = list(range(len(data.rows)))
     rng.shuffle(order)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     batches: list[dict[str, Any]] = []
     cursor = 0
-    while len(batches) < PEFT_WARMUP + steps:
+    while len(batches) < count:
         if variant == "peft_padded":
             rows = [data.rows[order[(cursor + i) % len(order)]] for i in range(examples)]
             cursor += examples
@@ -246,6 +252,16 @@ def peft_cell(preset: str, variant: str, batch: int, seq: int, examples: int, st
                     "real": len(ids_l),
                 }
             )
+    return batches
+
+
+def timed_peer_steps(
+    model: Any, params: list[Any], opt: Any, batches: list[dict[str, Any]], warmup: int
+) -> dict[str, Any]:
+    """A peer's training steps on the GPU (bf16 autocast, clip 1.0, the given optimizer): the
+    first `warmup` untimed, the rest timed. Returns seconds, real tokens and padded slots of the
+    timed steps and the last loss."""
+    import torch
 
     def step(b: dict[str, Any]) -> Any:
         inputs = {k: v.cuda(non_blocking=True) for k, v in b.items() if k != "real"}
@@ -257,42 +273,60 @@ def peft_cell(preset: str, variant: str, batch: int, seq: int, examples: int, st
         opt.zero_grad(set_to_none=True)
         return loss
 
-    torch.cuda.reset_peak_memory_stats()
-    for b in batches[:PEFT_WARMUP]:
+    for b in batches[:warmup]:
         step(b)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for b in batches[PEFT_WARMUP:]:
+    for b in batches[warmup:]:
         loss = step(b)
     torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    tokens = sum(b["real"] for b in batches[PEFT_WARMUP:])
+    timed = batches[warmup:]
+    return {
+        "seconds": time.perf_counter() - t0,
+        "tokens": sum(b["real"] for b in timed),
+        "slots": sum(b["input_ids"].numel() for b in timed),
+        "loss": float(loss.item()),
+    }
+
+
+def peft_cell(preset: str, variant: str, batch: int, seq: int, examples: int, steps: int) -> dict[str, Any]:
+    """HF+PEFT on the same data: padded batches of `examples`, or padding-free rows of B·T."""
+    import torch
+
+    from bench.peers import peft_peer_model
+
+    model, params, opt = peft_peer_model(preset, max_positions=8192)
+    batches = peer_batches(variant, batch, seq, examples, PEFT_WARMUP + steps)
+    torch.cuda.reset_peak_memory_stats()
+    run = timed_peer_steps(model, params, opt, batches, PEFT_WARMUP)
+    data, _ = chat_rows(seq)
+    tok_s = run["tokens"] / run["seconds"]
     return {
         "model": preset,
         "variant": variant,
         "batch": examples if variant == "peft_padded" else 1,
         "seq": seq,
         "steps_timed": steps,
-        "tok_s": round(tokens / seconds),
-        "trainable_tok_s": round(tokens / seconds * data.trainable_tokens / data.tokens),
-        "step_ms": round(1e3 * seconds / steps, 2),
-        "padding_fraction": round(1 - tokens / sum(b["input_ids"].numel() for b in batches[PEFT_WARMUP:]), 4),
+        "tok_s": round(tok_s),
+        "trainable_tok_s": round(tok_s * data.trainable_tokens / data.tokens),
+        "step_ms": round(1e3 * run["seconds"] / steps, 2),
+        "padding_fraction": round(1 - run["tokens"] / run["slots"], 4),
         "mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-        "loss": round(float(loss.item()), 4),
+        "loss": round(run["loss"], 4),
     }
 
 
-def dataset_stats(seq: int = 2048) -> dict[str, Any]:
+def dataset_stats(seq: int = 2048, path: Path = DATASET) -> dict[str, Any]:
     from bench.chat_dataset import length_stats
 
-    data, _ = _rows("llama-1b", seq)
+    data, _ = chat_rows(seq, path)
     lengths = [len(r.input_ids) for r in data.rows]
     stats: dict[str, Any] = length_stats(lengths)
     stats["trainable_share"] = round(data.trainable_tokens / data.tokens, 3)
     # mean attended context per token (causal, within an example): Σ L² / Σ L / 2 ... the attention
     # FLOPs of train_bench's formula use s, so the equivalent s is Σ L² / Σ L
     stats["attention_equivalent_seq"] = round(sum(n * n for n in lengths) / sum(lengths))
-    stats["file"] = str(DATASET.relative_to(ROOT))
+    stats["file"] = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
     return stats
 
 

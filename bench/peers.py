@@ -24,7 +24,7 @@ def peft_peer_model(preset: str, max_positions: int, device: str = "cuda") -> tu
 
     if preset in FAMILY_SHAPES:  # another family's real shape (bench/family_shapes.py)
         model = random_family_model(preset, max_positions)
-        return _with_lora(model, FAMILY_SHAPES[preset].targets())
+        return with_lora(model, FAMILY_SHAPES[preset].targets())
     # attn_implementation reaches PreTrainedConfig through **kwargs: transformers 5's LlamaConfig
     # (a dataclass) does not name it in its signature
     kwargs = {**PRESET_SHAPES[preset].config_kwargs(), "attn_implementation": "sdpa"}
@@ -35,10 +35,12 @@ def peft_peer_model(preset: str, max_positions: int, device: str = "cuda") -> tu
     with torch.device(device):
         model = LlamaForCausalLM(cfg)
     torch.set_default_dtype(torch.float32)
-    return _with_lora(model, TARGETS)
+    return with_lora(model, TARGETS)
 
 
-def _with_lora(model: Any, targets: list[str]) -> tuple[Any, list[Any], Any]:
+def with_lora(model: Any, targets: list[str]) -> tuple[Any, list[Any], Any]:
+    """PEFT LoRA r=16/alpha=32 on `targets` of `model`, fp32 adapters, fused AdamW:
+    (peft_model, trainable params, optimizer)."""
     import torch
     from peft import LoraConfig, get_peft_model
 

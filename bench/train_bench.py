@@ -340,7 +340,50 @@ def main() -> int:
     )
     parser.add_argument("--dpo-data", default=str(ROOT / "bench" / "data" / "preference-longtail.jsonl"))
     parser.add_argument("--dpo-cell", nargs=8, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="issue 32 point 5: the job path's memory and speed (8B NF4 / bf16 capped at 17.5 GiB / "
+        "uncapped / unpacked 8 rows, 70B NF4, 1B and 135M) next to Unsloth and HF+PEFT where they import "
+        "(bench/memory_bench.py); --presets replaces every Loraq cell's model (a CPU smoke run: "
+        "tiny-llama); --steps/--warmup every cell's; --out defaults to "
+        "bench/results/memory-<gpu>-<date>.json",
+    )
+    parser.add_argument("--cells", help="with --memory: the cells to run, comma-separated (default all)")
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        help="with --memory: seconds for the whole run; a cell that would start with under 30 s left is "
+        "recorded as skipped (the JSON is written either way)",
+    )
+    parser.add_argument(
+        "--peer-checkpoint",
+        default="/tmp/loraq-memory-bench-llama-8b",
+        help="with --memory: where the peers' 8B checkpoint is written (removed at the end)",
+    )
+    parser.add_argument(
+        "--memory-data",
+        default=str(ROOT / "bench" / "data" / "chat-longtail.jsonl"),
+        help="with --memory: the chat set every cell trains on (default the committed long-tail set)",
+    )
+    parser.add_argument("--memory-cell", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.memory_cell:  # before any other import: an Unsloth cell imports unsloth before transformers
+        from bench import memory_bench
+
+        try:
+            row = memory_bench.run_memory_cell(args.memory_cell)
+        except Exception as exc:
+            import traceback
+
+            traceback.print_exc()
+            row = {"cell": args.memory_cell[0], "error": repr(exc)[:800]}
+        print("ROW " + json.dumps(row), flush=True)
+        return 0
+    if args.memory:
+        from bench import memory_bench
+
+        return memory_bench.run_memory_mode(args)
     if args.dpo_cell:
         from bench import dpo_bench
 
@@ -443,6 +486,16 @@ def main() -> int:
         args.out.write_text(json.dumps(result, indent=1))
     print_table(result)
     return 0
+
+
+def record_row(result: dict[str, Any], row: dict[str, Any], summarize: Any, out: Path) -> None:
+    """Add a cell's row to `result`, print it (without its per-step curves), re-assemble the
+    summary (`summarize(result)`) and rewrite `out`: a run cut short keeps every row so far."""
+    result["rows"].append(row)
+    print(json.dumps({k: v for k, v in row.items() if k not in ("loss_curve", "step_seconds")}), flush=True)
+    summarize(result)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
 
 
 def run_header(device: str) -> dict[str, Any]:
