@@ -1,8 +1,8 @@
 """A quantized frozen base on a CUDA device (`gpu`; scripts/gpu_check.sh runs them, the small ones
 under compute-sanitizer too): the tiled dequantize-then-GEMM of every format in bf16 against the
 fp64 CPU oracle, its peak memory (never a whole dense weight), inside a captured CUDA graph, a
-tiny-llama job on an NF4 base through the recipe's captured step, and the memory plan's predicted
-peak against the measured one.
+tiny-llama job on an NF4 base through the recipe's captured step, the memory plan's predicted
+peak against the measured one, and the load peak of a random 8B NF4 base (made a layer at a time).
 
 The CPU twins of these checks (fp64, exact) are tests/gpu_kernels/test_quant_formats.py and
 tests/engine/test_quantized_base.py.
@@ -174,3 +174,37 @@ def test_the_predicted_peak_is_near_the_measured_one(choice: MemoryChoice, recor
     # loss does not: counted here on top of the prediction (fp32 logits and their gradient)
     logits = 4 * 1024 * dims.vocab * (2 + 4 + 4)
     assert abs(measured - (predicted + logits)) < 0.25 * measured
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.no_memcheck
+def test_a_random_8b_nf4_base_is_made_without_its_dense_weights(
+    tmp_path: Path, record_property: Recorder
+) -> None:
+    """load_base_model("llama-8b", quantization="nf4") on the GPU makes the base a decoder layer at
+    a time (models.random_quantized_llama): the device's peak while it loads stays within what it
+    keeps (the packed linears, the dense embeddings, LM head and norms) + one decoder layer in bf16
+    + one linear's quantization temporaries (an fp32 copy, the scaled fp32 weights, int64 codes:
+    ~18 bytes a weight), far under the 16 GB of the dense model."""
+    from worker.engine.models import load_base_model
+    from worker.engine.quantize import frozen_bytes
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    loaded = load_base_model(
+        "llama-8b", store=tmp_path, device="cuda", dtype=torch.bfloat16, quantization="nf4"
+    )
+    torch.cuda.synchronize()
+    peak, held = torch.cuda.max_memory_allocated() - before, torch.cuda.memory_allocated() - before
+    cfg = loaded.model.config
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    layer = 2 * (2 * h * h + 2 * h * kv + 3 * h * i)  # one decoder layer's linears in bf16
+    temporaries = 18 * h * i  # the largest linear's, while it is quantized
+    kept = frozen_bytes(loaded.model)
+    record_property("load_gib", {"peak": peak / 2**30, "held": held / 2**30, "kept": kept / 2**30})
+    assert abs(held - kept) < 0.01 * kept  # nothing else stays behind
+    assert peak <= kept + layer + temporaries + (64 << 20)
+    assert peak < 8e9  # the dense bf16 model alone is 16 GB
