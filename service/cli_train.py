@@ -20,6 +20,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from worker.engine.training_config import MethodType
 from worker.engine.types import CheckpointInfo, StepMetrics
 
 console = Console()
@@ -66,10 +67,32 @@ class ProgressCallbacks:
         return self.stop_requested
 
 
+def method_overrides(method: MethodType | None, beta: float | None) -> dict[str, Any]:
+    """The config's `method` as `--method`/`--beta` set it ({} when neither is given)."""
+    from worker.engine.types import ConfigError
+
+    if beta is not None and method != "dpo":
+        raise ConfigError("beta", "--beta is DPO's beta: give it with --method dpo")
+    if method is None:
+        return {}
+    return {"method": {"type": method, **({"beta": beta} if beta is not None else {})}}
+
+
 def train_command(
     config: Annotated[
         Path, typer.Argument(help="Training config (YAML): model, train_file, output_dir, ...")
     ],
+    method: Annotated[
+        MethodType | None,
+        typer.Option(
+            help="Training method, over the config's `method`: supervised (chat or prompt/completion "
+            "lines) or dpo (preference pairs)"
+        ),
+    ] = None,
+    beta: Annotated[
+        float | None,
+        typer.Option(help="DPO's beta (with --method dpo; else the config's, or auto: 0.1)"),
+    ] = None,
 ) -> None:
     """Fine-tune a LoRA adapter locally from a YAML config (no service needed)."""
     from service.settings import get_settings
@@ -77,7 +100,11 @@ def train_command(
     from worker.engine.types import EngineError
 
     try:
-        train_config = load_config_file(config, default_model_store=get_settings().model_store)
+        train_config = load_config_file(
+            config,
+            default_model_store=get_settings().model_store,
+            overrides=method_overrides(method, beta),
+        )
     except EngineError as e:
         err_console.print(f"[red]error:[/red] {e}", soft_wrap=True, highlight=False)
         raise typer.Exit(2) from None

@@ -90,3 +90,58 @@ def test_ctrl_c_stops_cleanly_with_a_checkpoint(tmp_path: Path) -> None:
     checkpoints = list((tmp_path / "out" / "checkpoints").iterdir())
     assert len(checkpoints) == 1 and (checkpoints[0] / "training_state.pt").is_file()
     assert "Traceback" not in err
+
+
+def _pairs(tmp_path: Path) -> Path:
+    """The config of `_setup` on preference pairs (DPO's format) instead of chats."""
+    cfg = _setup(tmp_path, max_steps=2)
+    rows = [
+        {
+            "input": {"messages": [{"role": "user", "content": f"what is the {a}?"}]},
+            "preferred_output": [{"role": "assistant", "content": f"the {a} is an animal."}],
+            "non_preferred_output": [{"role": "assistant", "content": "no idea"}],
+        }
+        for a in ["cat", "dog", "bird", "fish"] * 2
+    ]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg.write_text(cfg.read_text().replace("train_file: train.jsonl", "train_file: pairs.jsonl"))
+    return cfg
+
+
+def test_method_dpo_with_beta_from_the_command_line(tmp_path: Path) -> None:
+    """`--method dpo --beta 0.2` trains a config that names no method with DPO at that beta (as
+    its checkpoint records); --beta without --method dpo is refused before anything runs."""
+    cfg = _pairs(tmp_path)
+    proc = subprocess.run(
+        [*LORAQ, "train", str(cfg), "--method", "dpo", "--beta", "0.2"],
+        env=_env(tmp_path), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "Preparing DPO" in proc.stdout and "Done: 2 steps" in proc.stdout
+    state = json.loads((tmp_path / "out" / "checkpoints" / "step-000002" / "trainer_state.json").read_text())
+    assert state["config"]["method"] == {"type": "dpo", "beta": 0.2}
+
+    refused = subprocess.run(
+        [*LORAQ, "train", str(cfg), "--beta", "0.2"], env=_env(tmp_path), capture_output=True, text=True
+    )
+    assert refused.returncode == 2
+    assert "--beta is DPO's beta: give it with --method dpo" in " ".join(refused.stderr.split())
+
+
+def test_method_flags_override_the_files_method(tmp_path: Path) -> None:
+    """--method replaces the file's method; --method dpo keeps the file's DPO beta unless --beta
+    gives one."""
+    from service.cli_train import method_overrides
+    from worker.engine.config_file import load_config_file
+    from worker.engine.training_config import DpoTraining, MethodType, SupervisedTraining
+
+    cfg = _pairs(tmp_path)
+    cfg.write_text(cfg.read_text() + "method: {type: dpo, beta: 0.3}\n")
+
+    def method(flag: MethodType | None, beta: float | None) -> object:
+        overrides = method_overrides(flag, beta)
+        return load_config_file(cfg, default_model_store=tmp_path / "models", overrides=overrides).method
+
+    assert method(None, None) == method("dpo", None) == DpoTraining(beta=0.3)
+    assert method("dpo", 0.5) == DpoTraining(beta=0.5)
+    assert method("supervised", None) == SupervisedTraining()

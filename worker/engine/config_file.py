@@ -162,8 +162,12 @@ def validate_config(config: TrainConfig) -> None:
     config_from_mapping(data)
 
 
-def load_config_file(path: Path, *, default_model_store: Path | None = None) -> TrainConfig:
-    """Read a YAML training config; errors name the file and the field."""
+def load_config_file(
+    path: Path, *, default_model_store: Path | None = None, overrides: dict[str, Any] | None = None
+) -> TrainConfig:
+    """Read a YAML training config; errors name the file and the field. `overrides` (the command
+    line's) replace the file's fields, but a mapping over a mapping of the same `type` is merged:
+    `method: {type: dpo}` keeps the file's DPO beta."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError("config", f"config file {path} does not exist")
@@ -171,6 +175,12 @@ def load_config_file(path: Path, *, default_model_store: Path | None = None) -> 
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError("config", f"{path} is not valid YAML: {exc}") from exc
+    if isinstance(data, dict):
+        for name, value in (overrides or {}).items():
+            old = data.get(name)
+            if isinstance(old, dict) and isinstance(value, dict) and old.get("type") == value.get("type"):
+                value = {**old, **value}
+            data[name] = value
     try:
         return config_from_mapping(
             data, base_dir=path.resolve().parent, default_model_store=default_model_store
