@@ -313,6 +313,7 @@ def _peer_model(variant: str, checkpoint: Path) -> tuple[Any, list[Any], Any, st
             use_gradient_checkpointing="unsloth",
             random_state=0,
         )
+        FastLanguageModel.for_training(model)
         params = [p for p in model.parameters() if p.requires_grad]
         for p in params:
             p.data = p.data.float()  # fp32 adapters, as every other cell
@@ -338,6 +339,7 @@ def _peer_model(variant: str, checkpoint: Path) -> tuple[Any, list[Any], Any, st
     base.config.use_cache = False
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model, params, opt = with_lora(base, TARGETS)
+    model.train()  # from_pretrained leaves eval mode, where transformers skips the checkpointing
     words = "transformers + PEFT, " + ("bitsandbytes 4-bit NF4 (double quant)" if quantized else "bf16 base")
     return model, params, opt, words + ", gradient checkpointing (non-reentrant)"
 
@@ -607,13 +609,19 @@ def run_memory_mode(args: Any) -> int:
         "rows": [],
     }
     checkpoint_written = False
+
+    def remaining() -> float:
+        """Seconds left of --time-budget (without one: a cell's timeout)."""
+        return args.time_budget - (time.time() - started) if args.time_budget else args.cell_timeout
+
     try:
         for name in names:
-            if name in PEERS and not checkpoint_written and _needs_checkpoint(names):
-                made = spawn(["--memory-cell", "checkpoint", "-", "0", "0", str(checkpoint), "-"], 300)
+            left = remaining()
+            if name in PEERS and not checkpoint_written and left >= 90 and _needs_checkpoint(names):
+                made = spawn(["--memory-cell", "checkpoint", "-", "0", "0", str(checkpoint), "-"], left - 30)
                 result["peer_checkpoint"] = made
                 checkpoint_written = True
-            left = args.time_budget - (time.time() - started) if args.time_budget else args.cell_timeout
+                left = remaining()
             if left < 30:
                 result["rows"].append({"cell": name, "skipped": "the run's --time-budget was spent"})
                 continue

@@ -75,6 +75,22 @@ def test_one_invocation_runs_every_cell_and_writes_the_result(tmp_path: Path) ->
     assert all(g["met"] is None for k, g in goals.items() if k != "predicted_within_10pct")  # a CPU run
 
 
+def test_cells_past_the_time_budget_are_recorded_as_skipped(tmp_path: Path) -> None:
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(DATASET.read_text().splitlines(keepends=True)[:8]))
+    cmd = [sys.executable, str(ROOT / "bench" / "train_bench.py"), "--memory",
+           "--cells", "8b-nf4,unsloth_qlora", "--time-budget", "1", "--memory-data", str(data),
+           "--out", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (out,) = tmp_path.glob("memory-cpu-*.json")  # a folder: the default name inside it
+    rows = json.loads(out.read_text())["rows"]
+    assert rows == [
+        {"cell": "8b-nf4", "skipped": "the run's --time-budget was spent"},
+        {"cell": "unsloth_qlora", "skipped": "the run's --time-budget was spent"},
+    ]
+
+
 def loraq(cell: str, tok_s: int, peak_gib: float, predicted_gib: float, checkpointing: str = "full") -> Any:
     return {
         "cell": cell, "variant": "loraq", "tok_s": tok_s, "peak_gib": peak_gib,
