@@ -225,7 +225,7 @@ def loraq_cell(
     mem = measured["max_allocated_bytes"] if measured else None
     readings = job_readings(rec, result, warmup, data.trainable_tokens / data.tokens, mem)
     if rec.plan is not None:
-        plan = {**rec.plan, "source": "the engine's plan (its first event)", "sentence": rec.plan_sentence}
+        plan = {**rec.plan, "source": "the engine's (its Memory plan event)", "sentence": rec.plan_sentence}
         predicted = int(plan["predicted_peak_bytes"])
     else:  # a CPU run plans nothing: the whole micro-batch, nothing recomputed
         choice = MemoryChoice()
