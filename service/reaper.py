@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service import file_validation, jobs
+from service.broker import RUN_JOB_TASK
 from service.db.session import WORKER_APPLICATION, end_idle_transactions, session_scope, set_lock_timeout
 from service.periodic import PeriodicThread
 from service.queue import enqueue_job
@@ -67,9 +68,12 @@ def _redis_client() -> Any:
 
 def message_job_id(raw: bytes | str) -> str | None:
     """The job id of a `loraq.run_job` message as Kombu's Redis transport stores it (JSON with a
-    base64 body holding Celery's `[args, kwargs, embed]`), or None for anything else."""
+    base64 body holding Celery's `[args, kwargs, embed]`), or None for anything else: a
+    `loraq.join_job` message (a job on several hosts) names its job too, but wakes no claim."""
     try:
         message = json.loads(raw)
+        if message.get("headers", {}).get("task", RUN_JOB_TASK) != RUN_JOB_TASK:
+            return None
         body = message["body"]
         if message.get("properties", {}).get("body_encoding") == "base64":
             body = base64.b64decode(body)

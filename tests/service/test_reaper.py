@@ -19,7 +19,7 @@ from sqlalchemy import select, update
 from service import jobs
 from service.db.models import Job, JobEvent
 from service.db.session import session_scope
-from service.queue import enqueue_job
+from service.queue import enqueue_job, enqueue_join
 from service.reaper import Reaper, held_job_ids, message_job_id
 from service.schemas import JobCreate
 from tests.conftest import DATASET, job_body, store_file
@@ -194,6 +194,10 @@ def test_one_api_process_ticks_at_a_time(env: Env, monkeypatch: pytest.MonkeyPat
 
 def test_held_job_ids_reads_the_messages_enqueue_job_sends(env: Env) -> None:
     a, b = env.new_job(), env.new_job()
+    # a job on several hosts' join message names its job but wakes no claim: it holds nothing
+    c = env.new_job(send=False)
+    enqueue_join(c, attempt=1, endpoint="10.0.0.1:29400", count=2)
+    assert len(env.messages()) == 4
     assert held_job_ids(env.redis, {env.queue, "no-such-queue"}) == {a, b}
     assert message_job_id(b"not json") is None
     assert message_job_id(b'{"body": "W10="}') is None  # "[]": no args
