@@ -402,15 +402,29 @@ def check_max_seq_len(file: File, model: str, max_seq_len: int, param: str) -> b
     return True
 
 
-def check_nodes(spec: JobCreate) -> None:
-    """Refuse what a job on several hosts cannot do yet: log to integrations. Their runs are opened
-    by the worker that claims the job, before the rendezvous decides which host holds rank 0 and
-    so reports the steps."""
-    if spec.n_nodes > 1 and spec.integrations:
+def check_nodes(spec: JobCreate, *, celery_queue: str, workers: list[dict[str, Any]] | None) -> None:
+    """Refuse a job on several hosts that cannot run: with integrations (their runs are opened by
+    the worker that claims the job, before the rendezvous decides which host holds rank 0 and so
+    reports the steps), or with fewer live workers on its queue than hosts (it needs them all at
+    once; `workers` None: the registry could not be read, nothing is refused on it), unless
+    `accept_unserved_jobs` (workers that start on demand)."""
+    n = spec.n_nodes
+    if n == 1:
+        return
+    if spec.integrations:
         raise InvalidRequestError(
-            f"invalid n_nodes: a job on {spec.n_nodes} hosts cannot log to integrations yet; "
+            f"invalid n_nodes: a job on {n} hosts cannot log to integrations yet; "
             "use n_nodes 1, or follow its loss curve on the dashboard",
             param="n_nodes",
+        )
+    live = None if workers is None else sum(w.get("queue") == celery_queue for w in workers)
+    if live is not None and live < n and not get_settings().accept_unserved_jobs:
+        raise InvalidRequestError(
+            f"invalid n_nodes: a job on {n} hosts needs {n} workers of queue {celery_queue!r} at once, "
+            f"and {live} serve it now; start more, or set LORAQ_ACCEPT_UNSERVED_JOBS=1 for queues "
+            "whose workers start on demand",
+            param="n_nodes",
+            code="no_worker_for_job",
         )
 
 
@@ -657,13 +671,14 @@ def create_job(
     integrations.check_served(
         spec.integrations, celery_queue=celery_queue(queue, spec.n_gpus), served=served_integrations
     )
-    check_nodes(spec)
+    live_workers = worker_registry.live_workers_now()
+    check_nodes(spec, celery_queue=celery_queue(queue, spec.n_gpus), workers=live_workers)
     memory_check.check_quantization(spec)
     memory_check.check_fits(
         spec,
         batch_size=requested.batch_size,
         celery_queue=celery_queue(queue, spec.n_gpus),
-        workers=worker_registry.live_workers_now(),
+        workers=live_workers,
     )
 
     seed = job_seed(spec)

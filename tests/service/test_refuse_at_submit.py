@@ -126,13 +126,23 @@ def test_an_integration_no_worker_of_the_queue_can_log_is_refused(api: ApiClient
     ]
 
 
-def test_a_job_on_several_hosts_with_integrations_is_refused(api: ApiClient, live_worker: str) -> None:
-    # the hosts' rendezvous picks the one that reports only after the integrations' runs would open
+def test_a_job_on_more_hosts_than_live_workers_or_with_integrations_is_refused(
+    api: ApiClient, monkeypatch: pytest.MonkeyPatch, live_worker: str
+) -> None:
     file_id = api.upload(DATASET)
-    mlflow = [{"type": "mlflow"}]
-    body = job_body(file_id, queue=live_worker, integrations=mlflow, n_nodes=2)
+    # the hosts' rendezvous picks the one that reports only after the integrations' runs would open
+    body = job_body(file_id, queue=live_worker, integrations=[{"type": "mlflow"}], n_nodes=2)
     err = refused(api.post("/v1/fine_tuning/jobs", json=body), "n_nodes")
     assert "a job on 2 hosts cannot log to integrations yet" in err["message"]
+    # one live worker on the queue: a job that needs two at once would never start
+    err = refused(
+        api.post("/v1/fine_tuning/jobs", json=job_body(file_id, queue=live_worker, n_nodes=2)), "n_nodes"
+    )
+    assert err["code"] == "no_worker_for_job"
+    assert f"needs 2 workers of queue '{live_worker}' at once, and 1 serve it now" in err["message"]
+    one_host = api.post("/v1/fine_tuning/jobs", json=job_body(file_id, queue=live_worker, n_nodes=1))
+    assert one_host.status_code == 200, one_host.text
+    set_env(monkeypatch, accept_unserved_jobs="1")  # workers that start on demand
     ok = api.post("/v1/fine_tuning/jobs", json=job_body(file_id, queue=live_worker, n_nodes=2))
     assert ok.status_code == 200, ok.text
     assert ok.json()["n_nodes"] == 2
