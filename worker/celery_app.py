@@ -2,7 +2,8 @@
 broker settings, the delivery semantics and the task name, shared with the sender), plus the
 worker's lifecycle signals.
 
-The task name `loraq.run_job` with `args=[job_id]` is the contract with `service.queue`.
+The task names `loraq.run_job` with `args=[job_id]` and `loraq.join_job` with
+`args=[job_id, attempt, endpoint]` (a job on several hosts) are the contract with `service.queue`.
 """
 
 from __future__ import annotations

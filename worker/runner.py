@@ -17,6 +17,11 @@
 Every database write after the claim carries the claim's attempt token; once fenced out
 (`StaleAttemptError`, or a heartbeat that no longer matches) this worker stops the run and
 writes nothing more.
+
+A job on several hosts (`n_nodes` > 1): the worker that claims it asks `n_nodes - 1` more to join
+(`join_nodes`, task `loraq.join_job`); each runs `join_claimed_job`, the same steps with the same
+claim and its own ranks. Whichever host got global rank 0 reports; a lost host ends the attempt
+(`_node_failed`: back to the queue, to resume from the last checkpoint on the next set of workers).
 """
 
 from __future__ import annotations
@@ -455,7 +460,7 @@ def run_attempt(
         if callbacks.fenced:
             return "fenced"
         if result is None:
-            return "node done"  # global rank 0 was on another host, whose worker ends the job
+            return "node_done"  # global rank 0 was on another host, whose worker ends the job
         if result.stopped:
             trained = result.trained_tokens if result.steps else None
             return _stopped(claim, callbacks, trained_tokens=trained, step=result.steps)
