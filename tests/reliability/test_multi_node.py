@@ -14,10 +14,13 @@ the collectives' ports). The API, the database and the bucket are on this machin
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -122,6 +125,34 @@ def test_a_lost_host_fails_the_attempt_and_the_job_resumes(two_hosts: TwoHosts) 
     stack.assert_succeeded_once(job_id, attempts=2)
     events = stack.events(job_id)
     assert f"Resuming from the checkpoint at step {saved}" in events, events
+
+
+def test_a_killed_rank_fails_the_attempt_and_the_same_workers_resume_it(two_hosts: TwoHosts) -> None:
+    """One rank process SIGKILLed (its worker and torchrun live on): both hosts' workers see the
+    attempt fail, one ends it, and the two take the job again and resume it."""
+    stack = two_hosts.stack
+    job_id = submit(stack, n_nodes=2, n_epochs=6)
+    stack.wait(job_id, {"running"})
+    stack.wait_checkpoint(job_id)
+    ranks = [pid for host in two_hosts.hosts for pid in pids_on(host) if is_rank(pid)]
+    assert len(ranks) == 2, ranks  # one rank a host (n_gpus 1)
+    os.kill(int(ranks[1]), signal.SIGKILL)
+
+    requeued = wait_event(stack, job_id, "Job re-queued: a host of the job's 2 failed")
+    assert "(attempt 1 of 3); it resumes from its last checkpoint" in requeued, requeued
+    saved = max(checkpoint_steps(stack, job_id))
+    stack.assert_succeeded_once(job_id, attempts=2)
+    events = stack.events(job_id)
+    assert f"Resuming from the checkpoint at step {saved}" in events, events
+
+
+def is_rank(pid: str) -> bool:
+    """Whether `pid` is a torchrun rank (`python -m worker.engine.distributed ...`), not its agent."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:  # ended meanwhile
+        return False
+    return b"worker.engine.distributed" in argv and b"torch.distributed.run" not in argv
 
 
 def pids_on(host: Host) -> set[str]:
