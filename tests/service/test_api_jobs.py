@@ -313,6 +313,9 @@ def test_finished_job_events_checkpoints_results_adapter_and_models(api: ApiClie
         "family": "Llama",
         "parameters": TINY_LLAMA_SHAPE.parameter_count(),
         "context_length": TINY_LLAMA_SHAPE.max_position_embeddings,
+        # the smallest GPU is said of bases (their default job); a fine-tune says none
+        "min_gpu_memory_gb": None,
+        "min_gpu": None,
     }
     assert_error(api.get("/v1/models/ft:nope"), 404, "model")
     # another tenant sees only base models
