@@ -341,6 +341,7 @@ def job_body(
     packing: bool | None = None,
     validation_split: float | None = None,
     n_nodes: int | None = None,
+    batch_scaling: str | None = None,
 ) -> dict[str, Any]:
     """The POST /v1/fine_tuning/jobs body; unset options are left out so the server's "auto" applies."""
     hp = {
@@ -374,6 +375,8 @@ def job_body(
         body["n_gpus"] = n_gpus
     if n_nodes is not None:
         body["n_nodes"] = n_nodes
+    if batch_scaling is not None:  # with several GPUs: split batch_size (global) or on each (per_gpu)
+        body["batch_scaling"] = batch_scaling
     if packing is not None:  # padding-free packed rows (server default: on)
         body["packing"] = packing
     return body
@@ -409,6 +412,13 @@ def jobs_create(
             "--packing/--no-packing", help="Pack examples into full rows, padding-free (server default: on)."
         ),
     ] = None,
+    batch_scaling: Annotated[
+        str | None,
+        typer.Option(
+            help="With several GPUs: global splits batch_size over them (server default); per_gpu gives "
+            "each GPU batch_size rows, fewer steps, learning rate x sqrt(GPUs)."
+        ),
+    ] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Validate and plan (steps, tokens, estimates); queue nothing.")
     ] = False,
@@ -433,6 +443,7 @@ def jobs_create(
         packing=packing,
         validation_split=validation_split,
         n_nodes=n_nodes,
+        batch_scaling=batch_scaling,
     )
     if dry_run:
         body["dry_run"] = True

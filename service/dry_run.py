@@ -35,7 +35,7 @@ from service.schemas import (
 from service.settings import Settings
 from worker.engine.catalog import model_shape
 from worker.engine.holdout import holdout_sentence
-from worker.engine.training_config import plan_steps
+from worker.engine.training_config import global_batch, plan_steps
 
 
 def worker_request(session: Session, *, tenant_id: str, spec: JobCreate) -> dict[str, Any]:
@@ -95,7 +95,10 @@ def plan(spec: JobCreate, request: dict[str, Any], done: dict[str, Any], setting
     hp = planned["hyperparameters"] if planned else requested.hyperparameter_block().model_dump()
     n_epochs = int(hp["n_epochs"]) if hp["n_epochs"] != "auto" else 0
     batch_size = int(hp["batch_size"]) if hp["batch_size"] != "auto" else 1
-    steps = plan_steps(trained.rows, batch_size=batch_size, n_epochs=n_epochs, grad_accum=spec.grad_accum)
+    # the engine's ranks (n_gpus on each of n_nodes hosts): per_gpu gives each batch_size rows
+    world = spec.n_gpus * spec.n_nodes
+    rows_a_step = global_batch(batch_size, world, spec.batch_scaling)
+    steps = plan_steps(trained.rows, batch_size=rows_a_step, n_epochs=n_epochs, grad_accum=spec.grad_accum)
     errors = (
         _errors("training_file", training_file)
         + _errors("validation_file", validation_file)
@@ -104,7 +107,8 @@ def plan(spec: JobCreate, request: dict[str, Any], done: dict[str, Any], setting
     trained_tokens = n_epochs * trained.tokens
     row_tokens = planned["row_tokens"] if planned else spec.max_seq_len
     # what the worker plans: one GPU's rows of the micro-batch, of row_tokens each
-    step = memory_check.spec_step(spec, rows=memory_check.gpu_rows(batch_size, spec.n_gpus), seq=row_tokens)
+    rows = memory_check.gpu_rows(batch_size, spec.n_gpus, spec.batch_scaling)
+    step = memory_check.spec_step(spec, rows=rows, seq=row_tokens)
     found = estimates.estimates(
         spec.model,
         trained_tokens=trained_tokens,
@@ -130,6 +134,9 @@ def plan(spec: JobCreate, request: dict[str, Any], done: dict[str, Any], setting
             validation_file=spec.validation_file,
         ),
         training=trained,
+        batch_scaling=spec.batch_scaling,
+        global_batch_size=rows_a_step,
+        learning_rate=planned["learning_rate"] if planned else None,
         grad_accum=spec.grad_accum,
         micro_batches_per_epoch=steps.micro_batches_per_epoch,
         steps=steps.steps,
@@ -148,6 +155,6 @@ def _memory(spec: JobCreate, batch_size: int, row_tokens: int, settings: Setting
     from service.broker import celery_queue
 
     queue = celery_queue(spec.queue or settings.worker_queue, spec.n_gpus)
-    rows = memory_check.gpu_rows(batch_size, spec.n_gpus)
+    rows = memory_check.gpu_rows(batch_size, spec.n_gpus, spec.batch_scaling)
     found = memory_check.plans(spec, memory_check.queue_gpu_bytes(workers, queue), rows=rows, seq=row_tokens)
     return [MemoryPlanPublic(**p) for p in memory_check.public(found)]

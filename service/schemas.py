@@ -617,6 +617,10 @@ class DryRunPublic(BaseModel):
     # what the run validates on, in the words of the job's own event (worker/engine/holdout.py)
     validation: str
     training: TrainingData
+    # how batch_size meets the job's n_gpus × n_nodes ranks ("global": split; "per_gpu": on each)
+    batch_scaling: str
+    global_batch_size: int  # rows of one micro-batch over all ranks
+    learning_rate: float | None  # the peak rate the run trains at (per_gpu: × √ranks); None: no plan
     grad_accum: int
     micro_batches_per_epoch: int  # batches of batch_size rows per epoch (the last may be short)
     steps: int  # optimizer steps: grad_accum micro-batches each

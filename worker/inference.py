@@ -561,7 +561,7 @@ def _trained_part(
     )
     train, held, plan = planned.train, planned.held_out, planned.plan
     steps = plan_steps(
-        len(train.rows), batch_size=plan.batch_size, n_epochs=plan.n_epochs, grad_accum=training.grad_accum
+        len(train.rows), batch_size=plan.global_batch, n_epochs=plan.n_epochs, grad_accum=training.grad_accum
     ).steps
     return {
         "examples": train.examples,
@@ -573,6 +573,8 @@ def _trained_part(
         "plan": {
             "hyperparameters": plan.hyperparameters(),
             "row_tokens": plan.row_tokens,
+            "global_batch_size": plan.global_batch,  # rows a micro-batch over all GPUs (per_gpu: × GPUs)
+            "learning_rate": plan.learning_rate,  # the peak rate the run trains at
             "message": plan_sentence(planned.shape, rows=len(train.rows), steps=steps, plan=plan),
         },
     }

@@ -42,7 +42,7 @@ class GradRecorder:
         grads = [p.grad.detach().clone() for p in self.recipe.params if p.grad is not None]
         self.steps.append(
             {"step": metrics.step, "loss": metrics.train_loss, "grad_norm": metrics.grad_norm,
-             "tokens": metrics.tokens, "grads": grads}
+             "tokens": metrics.tokens, "lr": metrics.lr, "grads": grads}
         )  # fmt: skip
 
     def on_event(self, level: Literal["info", "warn", "error"], message: str, data: Any = None) -> None:
@@ -75,6 +75,9 @@ def record_run(config: TrainConfig, out: Path) -> Path:
             "adapter": copy.deepcopy(lora_state_dict(run.model)),
             "world_size": run.dist.world_size,
             "packed_step": run.step_fn is not None,
+            # the rows this rank's step buffers hold: its share of every micro-batch
+            "rank_rows": run.step_fn.shape.rows if run.step_fn is not None and run.step_fn.shape else None,
+            "total_steps": run.total_steps,
         }
     finally:
         run.cleanup()

@@ -247,6 +247,44 @@ def test_packed_step_two_gloo_ranks_equal_one_process_and_checkpoints_cross(
     assert rel_l2(one["final"]["adapter"], two_from_one["final"]["adapter"]) < 1e-4
 
 
+@pytest.mark.timeout(300)
+def test_per_gpu_batch_scaling_two_ranks_take_half_the_steps_at_sqrt2_the_rate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """batch_scaling per_gpu on 2 gloo ranks (the packed job step): each rank trains batch_size
+    rows, so a step is 2x one process's batch and an epoch half its steps, at √2x its rate
+    (the square-root rule for Adam, worker/engine/training_config.lr_scale)."""
+    monkeypatch.setattr(gpu_kernels, "available", lambda: KernelStatus(True, "forced for a test"))
+    # 8 examples one a row: 4 steps of 2 rows in one process, 2 steps of 2 x 2 rows on 2 ranks
+    fields: dict[str, object] = {
+        "train_file": write_dataset(tmp_path / "eight.jsonl", n=8),
+        "validation_file": None,
+        "pack": False,
+        "batch_size": 2,
+        "grad_accum": 1,
+        "max_steps": None,
+        "n_epochs": 1,
+        "batch_scaling": "per_gpu",
+    }
+    one = run_single(make_config(tmp_path, "one", **fields), tmp_path / "one-rec")
+    two, two_r1 = run_ranks(make_config(tmp_path, "two", **fields), tmp_path / "two-rec")
+
+    assert (one["final"]["total_steps"], two["final"]["total_steps"]) == (4, 2)
+    assert [s["step"] for s in two["steps"]] == [1, 2]
+    # every rank holds batch_size rows a step, not half of them
+    assert one["final"]["rank_rows"] == two["final"]["rank_rows"] == two_r1["final"]["rank_rows"] == 2
+    # a 2-rank step is the rows of two one-process steps (the data order does not depend on the
+    # batch): its tokens are theirs, summed
+    tokens = [s["tokens"] for s in one["steps"]]
+    assert [s["tokens"] for s in two["steps"]] == [tokens[0] + tokens[1], tokens[2] + tokens[3]]
+    # the constant schedule's rate: as given in one process (per_gpu there is global), √2x on two
+    assert [s["lr"] for s in one["steps"]] == [pytest.approx(1e-2)] * 4
+    assert [s["lr"] for s in two["steps"]] == [pytest.approx(1e-2 * 2**0.5)] * 2
+    (plan,) = [e for e in two["events"] if e.startswith("Plan: ")]
+    assert "2 row(s) per GPU x 2 GPUs = 4 row(s)" in plan and "peak learning rate 1.4e-02" in plan
+    assert "square-root rule for Adam" in plan
+
+
 def test_flat_grads_accumulate_in_place_at_fixed_addresses() -> None:
     """What capture needs: the backward adds into the buffer's views (no new .grad tensors), so
     the all_reduce reads every gradient at an address that never changes; zero_ re-points a .grad

@@ -18,9 +18,11 @@ from worker.engine.training_config import (
     AUTO_BATCH_SIZE,
     AUTO_MIN_STEPS,
     AUTO_ROW_MULTIPLE,
+    BASE_LEARNING_RATE,
     DataShape,
     TrainingConfig,
     plan_job,
+    plan_sentence,
     plan_steps,
 )
 from worker.engine.types import TrainConfig
@@ -97,6 +99,40 @@ def test_grad_accum_and_gpus_are_counted() -> None:
     assert accum.row_tokens < one.row_tokens  # a step is two micro-batches: each carries half
     two_gpus = plan_job(TrainingConfig(), shape, world_size=2)
     assert two_gpus.batch_size == 2  # every rank takes a row of each step
+
+
+def test_per_gpu_batch_scaling_keeps_each_ranks_rows_and_scales_the_rate() -> None:
+    """batch_scaling per_gpu: batch_size is each rank's rows (auto picks per-rank rows), the global
+    batch is world× that, and the learning rate √world×; the plan sentence (the job's first event,
+    the dry run's `plan`) says so and why. On one GPU it is the global mode."""
+    small = DataShape(examples=64, tokens=3626, longest=61)
+    large = DataShape(examples=10_000, tokens=4_000_000, longest=900)
+    given = TrainingConfig(batch_size=2, learning_rate_multiplier=1.0, batch_scaling="per_gpu")
+    plan = plan_job(given, small, world_size=2)
+    assert (plan.batch_size, plan.global_batch) == (2, 4)
+    assert plan.learning_rate == pytest.approx(BASE_LEARNING_RATE * 2**0.5)
+    assert plan.hyperparameters()["batch_size"] == 2  # the job shows the per-GPU rows it was given
+    sentence = plan_sentence(small, rows=64, steps=16, plan=plan)
+    assert "2 row(s) per GPU x 2 GPUs = 4 row(s)" in sentence
+    assert "peak learning rate 2.8e-04" in sentence
+    assert "batch_scaling per_gpu" in sentence and "square-root rule for Adam" in sentence
+    assert "Malladi et al. 2022" in sentence
+    # global mode on 2 GPUs: the same 2 rows split, the rate as given, and the sentence says so
+    split = plan_job(TrainingConfig(batch_size=2), small, world_size=2)
+    assert (split.global_batch, split.learning_rate) == (2, BASE_LEARNING_RATE)
+    assert "batch_scaling global: the 2 row(s) split over 2 GPUs" in split.reason
+    # on one GPU per_gpu is global: same batch, same rate
+    one = plan_job(given, small)
+    assert (one.global_batch, one.learning_rate) == (2, BASE_LEARNING_RATE)
+    # auto: a large file keeps AUTO_BATCH_SIZE full rows on each rank (global mode: over all ranks)
+    auto = TrainingConfig(batch_scaling="per_gpu")
+    assert plan_job(auto, large, world_size=4).global_batch == 4 * AUTO_BATCH_SIZE
+    assert plan_job(TrainingConfig(), large, world_size=4).global_batch == AUTO_BATCH_SIZE
+    # a small file: one shorter row per rank, each about 1/world of one GPU's, so the run still
+    # makes at least AUTO_MIN_STEPS steps of world rows
+    alone, four = plan_job(auto, small), plan_job(auto, small, world_size=4)
+    assert (four.batch_size, four.global_batch) == (1, 4)
+    assert four.row_tokens < alone.row_tokens
 
 
 @pytest.mark.parametrize("packing", [True, False])

@@ -239,6 +239,8 @@ class LoRAFinetuneRecipe:
             {
                 "hyperparameters": planned.plan.hyperparameters(),
                 "row_tokens": planned.plan.row_tokens,
+                "global_batch_size": planned.plan.global_batch,
+                "learning_rate": planned.plan.learning_rate,
             },
         )
         self.health = HealthMonitor(

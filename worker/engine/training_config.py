@@ -33,6 +33,7 @@ How "auto" plans a run (`plan_auto`; the README's "Engine configuration" states 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -76,6 +77,9 @@ Auto = Literal["auto"]
 SchedulerName = Literal["cosine", "linear", "constant"]
 # How the frozen base is stored (worker/engine/quantize.py); None: dense in the activation dtype
 QuantizationName = Literal["nf4", "int8", "gguf"]
+# How batch_size meets several GPUs (`batch_scaling`): "global" splits it over the ranks (strong
+# scaling), "per_gpu" gives every rank batch_size rows (weak scaling, see `lr_scale`)
+BatchScaling = Literal["global", "per_gpu"]
 
 
 def _auto_or_int(lo: int, hi: int) -> Callable[[object], int | Auto]:
@@ -240,6 +244,13 @@ class TrainingOptions(Strict):
         max_length=MAX_EVAL_PROMPTS,
         description="answered greedily at every checkpoint, shown per checkpoint on the dashboard",
     )
+    batch_scaling: BatchScaling = Field(
+        "global",
+        description="with several GPUs (n_gpus × n_nodes ranks): global splits batch_size over them; "
+        "per_gpu gives each rank batch_size rows (global batch batch_size × ranks, that many times "
+        "fewer steps an epoch) and scales the learning rate by √ranks (the square-root rule for "
+        "Adam, Malladi et al. 2022). On one GPU both are the same",
+    )
 
     def options(self) -> dict[str, Any]:
         """This object's `TrainingOptions` fields, as typed values (a subclass has more fields)."""
@@ -332,6 +343,19 @@ class AutoPlan:
     learning_rate_multiplier: float
     row_tokens: int  # a packed row holds at most this many tokens (max_seq_len unless auto shortened it)
     reason: str  # one sentence for the job's events and the dry run
+    world_size: int = 1  # ranks the run is planned for (n_gpus × n_nodes)
+    batch_scaling: BatchScaling = "global"  # per_gpu: batch_size is each rank's rows
+
+    @property
+    def global_batch(self) -> int:
+        """Rows of one micro-batch over all ranks: what the engine samples and counts steps by."""
+        return global_batch(self.batch_size, self.world_size, self.batch_scaling)
+
+    @property
+    def learning_rate(self) -> float:
+        """The peak learning rate the run trains at (√ranks × the requested one in per_gpu mode)."""
+        scale = lr_scale(self.world_size, self.batch_scaling)
+        return BASE_LEARNING_RATE * self.learning_rate_multiplier * scale
 
     def hyperparameters(self) -> dict[str, int | float]:
         """OpenAI's three, as a job shows them once planned (not range-checked: a local run's
@@ -354,7 +378,23 @@ def plan_job(config: TrainingConfig, data: DataShape, *, world_size: int = 1) ->
         packing=config.packing,
         grad_accum=config.grad_accum,
         world_size=world_size,
+        batch_scaling=config.batch_scaling,
     )
+
+
+def global_batch(batch_size: int, world_size: int, batch_scaling: BatchScaling) -> int:
+    """A micro-batch's rows over all `world_size` ranks: batch_size itself (global), or batch_size
+    on each rank (per_gpu)."""
+    return batch_size * world_size if batch_scaling == "per_gpu" else batch_size
+
+
+def lr_scale(world_size: int, batch_scaling: BatchScaling) -> float:
+    """What per_gpu mode multiplies the learning rate by: √world_size. Its global batch is
+    world_size× one rank's, and for Adam-type optimizers (AdamW here) the square-root scaling rule
+    keeps the training dynamics of the smaller batch: batch ×k, learning rate ×√k (Malladi,
+    Lyu, Panigrahi, Arora 2022, "On the SDEs and Scaling Rules for Adaptive Gradient Algorithms",
+    NeurIPS; SGD's rule is linear instead). Global mode keeps the batch, so the rate too."""
+    return math.sqrt(world_size) if batch_scaling == "per_gpu" else 1.0
 
 
 def auto_epochs(examples: int) -> int:
@@ -381,10 +421,15 @@ def plan_auto(
     packing: bool,
     grad_accum: int = 1,
     world_size: int = 1,
+    batch_scaling: BatchScaling = "global",
 ) -> AutoPlan:
     """Resolve the "auto" hyperparameters for `data` (the rule is the module docstring's). Numbers
     given are kept; the rows stay max_seq_len long unless batch_size is auto. `world_size` GPUs
-    each take at least one row of a step."""
+    each take at least one row of a step. In per_gpu mode auto picks each rank's rows: the same
+    aim of AUTO_MIN_STEPS steps, a step being world_size ranks' rows."""
+    per_gpu = batch_scaling == "per_gpu"
+    # ranks that share one batch_size (global mode), and ranks whose rows make one step
+    sharing, ranks_a_step = (1, world_size) if per_gpu else (world_size, 1)
     seq = max_seq_len
     lr_mult = (
         AUTO_LEARNING_RATE_MULTIPLIER
@@ -409,13 +454,13 @@ def plan_auto(
         batch = int(batch_size)
     else:
         # the tokens one micro-batch should carry for AUTO_MIN_STEPS steps, within [longest, 4 rows]
-        step_tokens = -(-epochs * data.tokens // (AUTO_MIN_STEPS * grad_accum))
+        step_tokens = -(-epochs * data.tokens // (AUTO_MIN_STEPS * grad_accum * ranks_a_step))
         if not packing:
             per_example = max(1, data.tokens // max(data.examples, 1))
-            batch = max(world_size, min(AUTO_BATCH_SIZE, step_tokens // per_example))
+            batch = max(sharing, min(AUTO_BATCH_SIZE, step_tokens // per_example))
             why.append(f"{batch} example(s) a step, so that the run makes at least {AUTO_MIN_STEPS} steps")
         elif step_tokens >= seq:
-            batch = max(world_size, min(AUTO_BATCH_SIZE, step_tokens // seq))
+            batch = max(sharing, min(AUTO_BATCH_SIZE, step_tokens // seq))
             why.append(
                 f"{batch} row(s) of {seq} tokens a step"
                 + (
@@ -426,8 +471,8 @@ def plan_auto(
                 )
             )
         else:  # a small file: shorter packed rows, one a step (per GPU)
-            batch = world_size
-            per_row = -(-step_tokens // world_size)
+            batch = sharing
+            per_row = -(-step_tokens // sharing)
             # rounded down, so rows are no longer than the aim (the step count stays at or above it)
             aim = per_row // AUTO_ROW_MULTIPLE * AUTO_ROW_MULTIPLE
             row_tokens = min(seq, max(_round_up(max(data.longest, 1), AUTO_ROW_MULTIPLE), aim))
@@ -437,8 +482,19 @@ def plan_auto(
             )
     if learning_rate_multiplier == "auto":
         why.append("the learning rate is the usual LoRA one (auto)")
+    if per_gpu and world_size > 1:
+        why.append(
+            f"batch_scaling per_gpu: {batch} row(s) on each of {world_size} GPUs, a global batch of "
+            f"{batch * world_size}, so {world_size}x fewer steps an epoch; the learning rate x "
+            f"sqrt({world_size}) = {math.sqrt(world_size):.3g} by the square-root rule for Adam "
+            "(Malladi et al. 2022, On the SDEs and Scaling Rules for Adaptive Gradient Algorithms)"
+        )
+    elif per_gpu:
+        why.append("batch_scaling per_gpu on one GPU: the same as global")
+    elif world_size > 1:
+        why.append(f"batch_scaling global: the {batch} row(s) split over {world_size} GPUs")
     reason = "; ".join(why) if why else "every hyperparameter set by the request"
-    return AutoPlan(epochs, batch, lr_mult, row_tokens, reason)
+    return AutoPlan(epochs, batch, lr_mult, row_tokens, reason, world_size, batch_scaling)
 
 
 @dataclass(frozen=True)
@@ -470,9 +526,14 @@ def plan_steps(
 
 def plan_sentence(data: DataShape, *, rows: int, steps: int, plan: AutoPlan) -> str:
     """The plan as a job's first training event and its dry run say it."""
+    batch = (
+        f"{plan.batch_size} row(s) per GPU x {plan.world_size} GPUs = {plan.global_batch} row(s)"
+        if plan.batch_scaling == "per_gpu" and plan.world_size > 1
+        else f"{plan.batch_size} row(s)"
+    )
     return (
         f"{data.examples:,} examples, {data.tokens:,} tokens in {rows:,} rows -> {steps:,} optimizer "
-        f"steps over {plan.n_epochs} epoch(s), {plan.batch_size} row(s) of up to {plan.row_tokens} "
-        f"tokens a micro-batch, peak learning rate {BASE_LEARNING_RATE * plan.learning_rate_multiplier:.1e}; "
+        f"steps over {plan.n_epochs} epoch(s), {batch} of up to {plan.row_tokens} "
+        f"tokens a micro-batch, peak learning rate {plan.learning_rate:.1e}; "
         f"because: {plan.reason}"
     )

@@ -19,6 +19,7 @@ from worker.engine.training_config import (
     BASE_LEARNING_RATE,
     LOCAL_N_EPOCHS,
     AutoPlan,
+    BatchScaling,
     DataShape,
     SupervisedTraining,
     TrainingConfig,
@@ -87,6 +88,9 @@ class TrainConfig:
     row_tokens: int | None = None
     # supervised (cross-entropy on the trained tokens) or DPO (preference pairs, its beta)
     method: TrainingMethod = field(default_factory=SupervisedTraining)
+    # per_gpu: batch_size is each rank's rows and the learning rate is scaled by √ranks, until
+    # `planned` folds both into batch_size (global rows) and learning_rate
+    batch_scaling: BatchScaling = _DEFAULT.batch_scaling
 
     def plan(self, data: DataShape, *, world_size: int = 1) -> AutoPlan:
         """The run's hyperparameters for `data`: "auto" ones planned, the others as set."""
@@ -101,18 +105,22 @@ class TrainConfig:
             packing=self.pack,
             grad_accum=self.grad_accum,
             world_size=world_size,
+            batch_scaling=self.batch_scaling,
         )
         if "batch_size" in self.auto:
             return plan
         return replace(plan, row_tokens=self.row_tokens or self.max_seq_len)  # as planned before, if it was
 
     def planned(self, plan: AutoPlan) -> TrainConfig:
-        """This config with `plan`'s numbers in place of "auto" (nothing left to plan)."""
+        """This config with `plan`'s numbers in place of "auto" (nothing left to plan), in the
+        engine's terms: batch_size the global rows of a micro-batch, split over the ranks, and the
+        learning rate the one it trains at (per_gpu's √ranks applied, so batch_scaling is global)."""
         return replace(
             self,
             n_epochs=plan.n_epochs,
-            batch_size=plan.batch_size,
-            learning_rate=BASE_LEARNING_RATE * plan.learning_rate_multiplier,
+            batch_size=plan.global_batch,
+            learning_rate=plan.learning_rate,
+            batch_scaling="global",
             # rows keep their length unless auto chose the batch (then rows are part of the plan)
             row_tokens=plan.row_tokens if plan.row_tokens != self.max_seq_len else None,
             auto=(),
