@@ -164,6 +164,20 @@ def test_dry_run_lists_invalid_lines_and_estimates_gpu_classes(e2e: Service) -> 
         expected = h100_plan("tiny-llama", rows=2, seq=tiny["row_tokens"])
         assert h100["peak_gpu_memory_gib"] == round(expected.peak_bytes / 2**30, 2)
 
+        # batch_scaling per_gpu on 2 GPUs: 2 rows on each GPU (the memory plan's), a global batch
+        # of 4, half the steps of one GPU's 2-row batch, the rate x sqrt(2), and the plan says why
+        one_row = {**big, "model": "tiny-llama", "packing": False}  # 8 examples, 8 rows
+        alone = c.post("/fine_tuning/jobs", json=one_row).json()
+        weak = c.post("/fine_tuning/jobs", json={**one_row, "n_gpus": 2, "batch_scaling": "per_gpu"}).json()
+        assert (alone["global_batch_size"], weak["global_batch_size"]) == (2, 4)
+        assert weak["batch_scaling"] == "per_gpu" and weak["hyperparameters"] == alone["hyperparameters"]
+        assert 2 * weak["steps"] == alone["steps"] > 0
+        assert weak["learning_rate"] == pytest.approx(2**0.5 * alone["learning_rate"])
+        assert "2 row(s) per GPU x 2 GPUs = 4 row(s)" in weak["plan"] and "square-root rule" in weak["plan"]
+        h100 = next(e for e in weak["estimates"] if e["worker_class"] == "h100")
+        expected = h100_plan("tiny-llama", rows=2, seq=weak["row_tokens"])
+        assert h100["peak_gpu_memory_gib"] == round(expected.peak_bytes / 2**30, 2)
+
         missing = c.post("/fine_tuning/jobs", json={**big, "training_file": "file-nope"})
         assert missing.status_code == 404 and missing.json()["error"]["param"] == "training_file"
 
