@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from worker.engine.training_config import BatchScaling
     from worker.engine.types import DeviceName, QuantizationName
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,10 +109,11 @@ def job_config(
     device: DeviceName = "cuda",
     method: Any = None,
     quantization: QuantizationName | None = None,
+    batch_scaling: BatchScaling = "global",
 ) -> Any:
     """The job's TrainConfig (`warmup` steps + `steps` timed ones), its files under `tmp`;
     `method` a worker.engine.training_config method (None: supervised); `quantization` the
-    frozen base's storage (None: bf16)."""
+    frozen base's storage (None: bf16); `batch_scaling` per_gpu: `batch` rows on every rank."""
     from bench.family_shapes import FAMILY_SHAPES
     from worker.engine.training_config import SupervisedTraining
     from worker.engine.types import LoraConfig, TrainConfig
@@ -135,11 +137,18 @@ def job_config(
         device=device,
         method=method or SupervisedTraining(),
         quantization=quantization,
+        batch_scaling=batch_scaling,
     )
 
 
 def job_cell(
-    preset: str, batch: int, seq: int, steps: int, pack: bool = True, n_gpus: int = 1
+    preset: str,
+    batch: int,
+    seq: int,
+    steps: int,
+    pack: bool = True,
+    n_gpus: int = 1,
+    batch_scaling: BatchScaling = "global",
 ) -> dict[str, Any]:
     import torch
 
@@ -150,7 +159,7 @@ def job_cell(
     from worker.engine.tiny import build_tiny_tokenizer
 
     tmp = Path(tempfile.mkdtemp())
-    config = job_config(preset, batch, seq, steps, tmp, pack)
+    config = job_config(preset, batch, seq, steps, tmp, pack, batch_scaling=batch_scaling)
     rec = StepCollector()
     loaded = None
     if preset in FAMILY_SHAPES:  # built here, handed to the job as a worker hands its cached base
@@ -167,7 +176,7 @@ def job_cell(
     readings = job_readings(rec, result, JOB_WARMUP, data.trainable_tokens / data.tokens, mem)
     return {
         "model": preset,
-        "variant": ("job" if pack else "job_unpacked") + (f"_x{n_gpus}" if n_gpus > 1 else ""),
+        "variant": multi_gpu_variant(n_gpus, batch_scaling) if pack else "job_unpacked",
         "n_gpus": n_gpus,
         "batch": batch,
         "seq": seq,
@@ -455,20 +464,31 @@ MULTI_GPU_GOALS: dict[int, dict[str, float]] = {
 MULTI_GPU_PRESETS = ("smollm2-135m", "llama-1b")
 
 
-def multi_gpu_batch(preset: str, n_gpus: int) -> int:
-    """The job's global batch (rows) on one and on N GPUs: the preset's B, raised to a multiple of
-    N so that every rank gets the same number of rows."""
+def multi_gpu_batch(preset: str, n_gpus: int, batch_scaling: BatchScaling = "global") -> int:
+    """The job's batch_size (rows) on one and on N GPUs: the preset's B, raised to a multiple of
+    N so that every rank gets the same number of rows; per_gpu: the preset's B on every GPU (the
+    one-GPU job's step on each, a global batch N× as large)."""
     rows = JOB_SHAPES[preset][0]
-    return -(-rows // n_gpus) * n_gpus
+    return rows if batch_scaling == "per_gpu" else -(-rows // n_gpus) * n_gpus
 
 
-def multi_gpu_cells(presets: list[str], n_gpus: int) -> list[list[str]]:
-    """Per model: the job on one GPU, then the same job on n_gpus GPUs (same batch, same data)."""
+def multi_gpu_variant(n_gpus: int, batch_scaling: BatchScaling = "global") -> str:
+    """A cell's variant: job (one GPU), job_x<N> (N GPUs), job_x<N>_per_gpu (N GPUs, per_gpu)."""
+    if n_gpus == 1:
+        return "job"
+    return f"job_x{n_gpus}" + ("_per_gpu" if batch_scaling == "per_gpu" else "")
+
+
+def multi_gpu_cells(
+    presets: list[str], n_gpus: int, batch_scaling: BatchScaling = "global"
+) -> list[list[str]]:
+    """Per model: the job on one GPU, then the same job on n_gpus GPUs (same batch_size, same
+    data; global: the same global batch split, per_gpu: that batch on each GPU)."""
     out: list[list[str]] = []
     for preset in presets:
         _, seq, examples, steps = JOB_SHAPES[preset]
-        batch = str(multi_gpu_batch(preset, n_gpus))
-        for variant in ("job", f"job_x{n_gpus}"):
+        batch = str(multi_gpu_batch(preset, n_gpus, batch_scaling))
+        for variant in ("job", multi_gpu_variant(n_gpus, batch_scaling)):
             out.append(["--job-cell", preset, variant, batch, str(seq), str(examples), str(steps)])
     return out
 
@@ -476,7 +496,10 @@ def multi_gpu_cells(presets: list[str], n_gpus: int) -> list[list[str]]:
 def summarize_multi_gpu(result: dict[str, Any], n_gpus: int) -> None:
     """`models`: per model the one- and N-GPU tokens/s, step times and how far the two loss curves
     are apart (bf16: the ranks sum in another order); `ratios`: N-GPU / one-GPU tokens/s;
-    `goals`: each ratio against the issue's target where it names one."""
+    `goals`: each ratio against the issue's target where it names one. A per_gpu run (weak
+    scaling: N× the global batch, at √N× the learning rate) trains another run than one GPU's, so
+    its curves are not compared and the issue's targets (same global batch) do not apply."""
+    weak = result.get("batch_scaling") == "per_gpu"
     by = {(r["model"], r.get("n_gpus", 1)): r for r in result["rows"] if "error" not in r}
     models: dict[str, Any] = {}
     ratios: dict[str, float] = {}
@@ -491,10 +514,12 @@ def summarize_multi_gpu(result: dict[str, Any], n_gpus: int) -> None:
             f"tok_s_{n_gpus}_gpus": many["tok_s"],
             "step_ms_1_gpu": one["step_ms"],
             f"step_ms_{n_gpus}_gpus": many["step_ms"],
-            "loss_max_rel_diff": max((abs(a - b) / abs(a) for a, b in curves), default=None),
+            "loss_max_rel_diff": None
+            if weak
+            else max((abs(a - b) / abs(a) for a, b in curves), default=None),
         }
         ratios[model] = round(many["tok_s"] / one["tok_s"], 3)
-        goal = MULTI_GPU_GOALS.get(n_gpus, {}).get(model)
+        goal = None if weak else MULTI_GPU_GOALS.get(n_gpus, {}).get(model)
         if goal is not None:
             goals[model] = {"goal": goal, "ratio": ratios[model], "met": ratios[model] >= goal}
     result["models"] = models
@@ -505,8 +530,10 @@ def summarize_multi_gpu(result: dict[str, Any], n_gpus: int) -> None:
 def run_job_cell(args: list[str]) -> dict[str, Any]:
     preset, variant = args[0], args[1]
     batch, seq, examples, steps = (int(x) for x in args[2:6])
-    if variant.startswith("job_x"):
-        return job_cell(preset, batch, seq, steps, n_gpus=int(variant.removeprefix("job_x")))
+    if variant.startswith("job_x"):  # job_x<N> or job_x<N>_per_gpu (multi_gpu_variant)
+        n, _, mode = variant.removeprefix("job_x").partition("_")
+        scaling: BatchScaling = "per_gpu" if mode == "per_gpu" else "global"
+        return job_cell(preset, batch, seq, steps, n_gpus=int(n), batch_scaling=scaling)
     if variant in ("job", "job_unpacked"):
         return job_cell(preset, batch, seq, steps, pack=variant == "job")
     if variant == "fixed":

@@ -330,6 +330,14 @@ def main() -> int:
         "job runs); --presets defaults to smollm2-135m,llama-1b; --out defaults to "
         "bench/results/multi-gpu-<gpu>-<date>.json (multi-gpu-x<N>-... for N > 2)",
     )
+    parser.add_argument(
+        "--batch-scaling",
+        choices=["global", "per_gpu"],
+        default="global",
+        help="with --job --n-gpus N: global (the one-GPU batch split over the N GPUs) or per_gpu "
+        "(the one-GPU batch on every GPU, as a batch_scaling per_gpu job; weak scaling); "
+        "--out defaults to bench/results/multi-gpu-[x<N>-]per-gpu-<gpu>-<date>.json for per_gpu",
+    )
     parser.add_argument("--job-cell", nargs=6, help=argparse.SUPPRESS)
     parser.add_argument(
         "--dpo",
@@ -549,9 +557,10 @@ def run_job_mode(args: argparse.Namespace) -> int:
     return 0
 
 
-def multi_gpu_out(gpu: str, date: str, n_gpus: int) -> Path:
+def multi_gpu_out(gpu: str, date: str, n_gpus: int, batch_scaling: str = "global") -> Path:
     size = "" if n_gpus == 2 else f"x{n_gpus}-"
-    return ROOT / "bench" / "results" / f"multi-gpu-{size}{gpu}-{date}.json"
+    mode = "per-gpu-" if batch_scaling == "per_gpu" else ""
+    return ROOT / "bench" / "results" / f"multi-gpu-{size}{mode}{gpu}-{date}.json"
 
 
 def run_multi_gpu_mode(args: argparse.Namespace) -> int:
@@ -567,7 +576,8 @@ def run_multi_gpu_mode(args: argparse.Namespace) -> int:
         return 2
     device = torch.cuda.get_device_name(0)
     gpu = device.split()[-1].lower().replace("/", "-")
-    out = args.out or multi_gpu_out(gpu, time.strftime("%Y-%m-%d", time.gmtime()), n)
+    scaling = args.batch_scaling
+    out = args.out or multi_gpu_out(gpu, time.strftime("%Y-%m-%d", time.gmtime()), n, scaling)
     given = "--presets" in sys.argv
     presets = args.presets.split(",") if given else list(job_bench.MULTI_GPU_PRESETS)
     presets = [p for p in presets if p in job_bench.JOB_SHAPES]
@@ -575,15 +585,24 @@ def run_multi_gpu_mode(args: argparse.Namespace) -> int:
         **run_header(device),
         "devices": [torch.cuda.get_device_name(i) for i in range(n)],
         "n_gpus": n,
+        "batch_scaling": scaling,
         "settings": "job path (recipe.train; packing on; checkpoint every "
         f"{job_bench.CHECKPOINT_EVERY} steps; metric callbacks) on bench/data/chat-longtail.jsonl; "
-        f"1 GPU in process vs {n} GPUs under torchrun (one process per GPU, the same global batch "
-        f"split by rows); {job_bench.JOB_WARMUP} warm-up steps not timed; tok_s counts real tokens "
+        f"1 GPU in process vs {n} GPUs under torchrun (one process per GPU, "
+        + (
+            "batch_scaling per_gpu: the one-GPU batch on every GPU, a global batch N× as large, "
+            "learning rate ×√N, so the loss curves are not compared"
+            if scaling == "per_gpu"
+            else "the same global batch split by rows"
+        )
+        + f"); {job_bench.JOB_WARMUP} warm-up steps not timed; tok_s counts real tokens "
         "of the whole global batch per second of rank 0's step time",
-        "shapes": {p: [job_bench.multi_gpu_batch(p, n), job_bench.JOB_SHAPES[p][1]] for p in presets},
+        "shapes": {
+            p: [job_bench.multi_gpu_batch(p, n, scaling), job_bench.JOB_SHAPES[p][1]] for p in presets
+        },
         "rows": [],
     }
-    for cell in job_bench.multi_gpu_cells(presets, n):
+    for cell in job_bench.multi_gpu_cells(presets, n, scaling):
         row = spawn(cell, args.cell_timeout)
         row.setdefault("model", cell[1])
         row.setdefault("variant", cell[2])

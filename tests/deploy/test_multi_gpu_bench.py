@@ -26,6 +26,14 @@ def test_cells_run_the_same_job_on_one_gpu_then_n() -> None:
     assert [job_bench.multi_gpu_batch("llama-1b", n) for n in (1, 2, 4, 8)] == [4, 4, 4, 8]
 
 
+def test_per_gpu_cells_put_the_one_gpu_batch_on_every_gpu() -> None:
+    cells = job_bench.multi_gpu_cells(["smollm2-135m", "llama-1b"], 4, "per_gpu")
+    assert [c[2] for c in cells] == ["job", "job_x4_per_gpu", "job", "job_x4_per_gpu"]
+    # the one-GPU job's batch_size, and on 4 GPUs that batch_size on each (a global batch 4x)
+    assert cells[2][3:] == cells[3][3:] == ["4", "2048", "8", "40"]
+    assert [job_bench.multi_gpu_batch("llama-1b", n, "per_gpu") for n in (1, 2, 8)] == [4, 4, 4]
+
+
 def row(model: str, n_gpus: int, tok_s: int, losses: list[float]) -> dict[str, object]:
     variant = "job" if n_gpus == 1 else f"job_x{n_gpus}"
     return {"model": model, "variant": variant, "n_gpus": n_gpus, "tok_s": tok_s, "step_ms": 1e3 / tok_s,
@@ -55,6 +63,18 @@ def test_summary_gives_each_model_both_rates_and_the_ratio() -> None:
     }
 
 
+def test_a_per_gpu_summary_has_ratios_but_no_curve_comparison_or_goals() -> None:
+    # another global batch and learning rate than one GPU's: another run, not the target
+    result: dict[str, object] = {
+        "batch_scaling": "per_gpu",
+        "rows": [row("smollm2-135m", 1, 1000, [2.0, 1.5]), row("smollm2-135m", 2, 1900, [2.0, 1.2])],
+    }
+    job_bench.summarize_multi_gpu(result, 2)
+    assert result["ratios"] == {"smollm2-135m": 1.9} and result["goals"] == {}
+    models = result["models"]
+    assert isinstance(models, dict) and models["smollm2-135m"]["loss_max_rel_diff"] is None
+
+
 def test_a_model_missing_either_run_has_no_ratio() -> None:
     result: dict[str, object] = {"rows": [row("llama-1b", 1, 500, [3.0]), {"model": "llama-1b", "n_gpus": 4,
                                                                           "error": "timed out"}]}  # fmt: skip
@@ -66,6 +86,8 @@ def test_result_file_names() -> None:
     results = ROOT / "bench" / "results"
     assert train_bench.multi_gpu_out("h200", "2026-11-25", 2) == results / "multi-gpu-h200-2026-11-25.json"
     assert train_bench.multi_gpu_out("h200", "2026-11-25", 8) == results / "multi-gpu-x8-h200-2026-11-25.json"
+    per_gpu = train_bench.multi_gpu_out("h100", "2026-11-27", 4, "per_gpu")
+    assert per_gpu == results / "multi-gpu-x4-per-gpu-h100-2026-11-27.json"
 
 
 def test_refused_on_a_host_with_too_few_gpus(tmp_path: Path) -> None:
