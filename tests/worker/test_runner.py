@@ -171,8 +171,10 @@ def test_unexpected_error_fails_generically_and_logs_details(worker_env: WorkerE
             s, tenant_id=worker_env.tenant_id, job_id=job_id, after=None, limit=100
         )
         operator_view = jobs.operator_events(s, job_id=job_id)
-    assert tenant_view and all(  # data only on the run's plan (its resolved hyperparameters)
-        "\n" not in e.message and (not e.data or set(e.data) == {"hyperparameters", "row_tokens"})
+    # data only on the run's plans: its resolved hyperparameters, and the memory plan's figures
+    plans = ({"hyperparameters", "row_tokens", "global_batch_size", "learning_rate"}, {"memory_plan"})
+    assert tenant_view and all(
+        "\n" not in e.message and (not e.data or set(e.data) in plans)
         for e in tenant_view
         if e.type == "message"
     )
