@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
-from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
-from rich.table import Column, Table
+from rich.table import Column
 from rich.text import Text
 
 from service import cli_format as fmt
+from service import cli_tables
 from service.client import ApiError, ClientError, LoraqClient
 from service.job_status import TERMINAL
 
@@ -44,12 +44,11 @@ console = Console()
 err_console = Console(stderr=True)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"  # real pretrained weights; tiny-llama is random, for tests
-WIDE_COLUMNS = 10_000  # --wide: rows as long as their content
 
 # Unset: LORAQ_URL and LORAQ_API_KEY, through the settings (service/client.py).
 UrlOpt = Annotated[str | None, typer.Option("--url", help="API base URL (default: LORAQ_URL).")]
 KeyOpt = Annotated[str | None, typer.Option("--api-key", help="API key (default: LORAQ_API_KEY).")]
-WideOpt = Annotated[bool, typer.Option("--wide", help="Full ids and every column (past 80 columns).")]
+WideOpt = cli_tables.WideOpt
 
 T = TypeVar("T")
 
@@ -116,18 +115,6 @@ def main() -> None:
         line = f"{type(e).__name__}: {e} (run with --debug for the traceback)"
         err_console.print(Text("error: ", style="red") + Text(line), soft_wrap=True, highlight=False)
         sys.exit(1)
-
-
-def _table(*columns: Column | str) -> Table:
-    """A borderless table: at 80 columns rich shrinks and ellipsizes the flexible columns."""
-    return Table(*columns, box=box.SIMPLE_HEAD, pad_edge=False, expand=False, show_edge=False)
-
-
-def _print_table(table: Table, wide: bool) -> None:
-    if wide:
-        Console(width=WIDE_COLUMNS).print(table, crop=False)
-    else:
-        console.print(table)
 
 
 def _short_ids(ids: list[str], wide: bool) -> dict[str, str]:
@@ -270,7 +257,7 @@ def keys_list() -> None:
     from service.auth import list_keys
     from service.db.session import session_scope
 
-    table = _table(Column("prefix", no_wrap=True), "tenant", "created", "revoked")
+    table = cli_tables.table(Column("prefix", no_wrap=True), "tenant", "created", "revoked")
     with session_scope() as session:
         for row in list_keys(session):
             revoked = fmt.ago(row.revoked_at) if row.revoked_at else ""
@@ -304,7 +291,7 @@ def files_list(url: UrlOpt = None, api_key: KeyOpt = None, wide: WideOpt = False
     with _client(url, api_key) as c:
         data = _api_call(c.list_files)["data"]
     short = _short_ids([f["id"] for f in data], wide)
-    table = _table(
+    table = cli_tables.table(
         Column("id", no_wrap=True),
         Column("filename", overflow="ellipsis", max_width=None if wide else 28),
         Column("size", justify="right", no_wrap=True),
@@ -317,7 +304,7 @@ def files_list(url: UrlOpt = None, api_key: KeyOpt = None, wide: WideOpt = False
         table.add_row(
             short[f["id"]], f["filename"], fmt.size(f["bytes"]), f.get("status") or "", f["purpose"], created
         )
-    _print_table(table, wide)
+    cli_tables.print_table(console, table, wide)
 
 
 # --------------------------------------------------------------------------- jobs
@@ -493,7 +480,7 @@ def jobs_list(
     ]
     if wide:
         columns += [Column("fine_tuned_model", no_wrap=True), Column("error", no_wrap=True)]
-    table = _table(*columns)
+    table = cli_tables.table(*columns)
     for j in data:
         cells = [
             short[j["id"]],
@@ -507,7 +494,7 @@ def jobs_list(
             err = j.get("error") or {}
             cells += [j.get("fine_tuned_model") or "", err.get("code") or ""]
         table.add_row(*cells)
-    _print_table(table, wide)
+    cli_tables.print_table(console, table, wide)
     if page.get("has_more") and data:
         console.print(f"more: --after {data[-1]['id']}", soft_wrap=True)
 

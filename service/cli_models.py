@@ -12,8 +12,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TransferSpeedColumn
-from rich.table import Table
 
+from service import cli_tables
 from service.gpu_fit import min_gpu_words
 from service.settings import get_settings
 from worker.engine.catalog import get_model_info, list_models, register_local_model
@@ -40,7 +40,7 @@ def human_parameters(count: int | None) -> str:
 
 
 @models_app.command("list")
-def list_command() -> None:
+def list_command(wide: cli_tables.WideOpt = False) -> None:
     """List every base model with its family, size, context length, whether it is local and the
     smallest common GPU its default job trains on per precision; random-init ones are labelled
     random."""
@@ -49,8 +49,11 @@ def list_command() -> None:
     except ModelError as exc:
         err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True, highlight=False)
         raise typer.Exit(1) from None
-    table = Table(title=f"Base models ({_store()})")
-    table.add_column("name", style="bold", no_wrap=True)
+    table = cli_tables.table(title=f"Base models ({_store()})")
+    # a name is what the user types next: never shortened (the other columns give way first)
+    table.add_column(
+        "name", style="bold", no_wrap=True, min_width=max((len(i.name) for i in infos), default=4)
+    )
     table.add_column("kind", no_wrap=True)
     table.add_column("family", no_wrap=True)
     table.add_column("parameters", justify="right", no_wrap=True)
@@ -78,7 +81,7 @@ def list_command() -> None:
             min_gpu_words(info.name, _store()),
             info.description,
         )
-    console.print(table)
+    cli_tables.print_table(console, table, wide)
 
 
 @models_app.command("pull")

@@ -88,9 +88,9 @@ def test_cli_models_pull_and_list(pulled_store: Path, cli_env: CliRunner) -> Non
     result = cli_env.invoke(models_app, ["pull", "smollm2-135m-instruct"])
     assert result.exit_code == 0, result.output
     assert "smollm2-135m-instruct ready at" in result.output
-    result = cli_env.invoke(models_app, ["list"])
+    result = cli_env.invoke(models_app, ["list", "--wide"])
     assert result.exit_code == 0, result.output
-    rows = {line.split("│")[1].strip(): line for line in result.output.splitlines() if line.count("│") >= 4}
+    rows = {line.split()[0]: line for line in result.output.splitlines() if line.strip()}
     assert "local" in rows["smollm2-135m-instruct"] and "pretrained" in rows["smollm2-135m-instruct"]
     for name in ("tiny-llama", "llama-1b", "llama-8b", "smollm2-135m"):
         assert "random" in rows[name], rows[name]
@@ -149,7 +149,7 @@ def test_cli_models_add_then_list(tiny: LoadedModel, tmp_path: Path, monkeypatch
         assert result.exit_code == 0, result.output
         assert "registered my-tiny" in result.output
         assert (tmp_path / "data" / "models" / "registry.json").is_file()
-        result = runner.invoke(models_app, ["list"])
+        result = runner.invoke(models_app, ["list", "--wide"])
         (row,) = [line for line in result.output.splitlines() if "my-tiny" in line]
         assert "local" in row and "Llama" in row and "random" not in row
         result = runner.invoke(models_app, ["path", "my-tiny"])

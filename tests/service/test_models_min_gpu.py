@@ -113,14 +113,14 @@ def test_a_local_base_is_planned_from_its_config_and_one_gone_says_nothing(
 def test_the_cli_lists_the_same_sizes(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LORAQ_")}
     out = subprocess.run(
-        [sys.executable, "-m", "service.cli", "models", "list"],
-        env={**env, "COLUMNS": "1000", "LORAQ_DATA_DIR": str(tmp_path)},
+        [sys.executable, "-m", "service.cli", "models", "list", "--wide"],
+        env={**env, "LORAQ_DATA_DIR": str(tmp_path)},
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    (row,) = [line for line in out.stdout.splitlines() if " llama-8b " in line]
+    (row,) = [line for line in out.stdout.splitlines() if line.split()[:1] == ["llama-8b"]]
     dims = ModelDims.from_config(PRESET_SHAPES["llama-8b"].config_kwargs())
     sizes = {
         p: expected(dims, q)["memory_gb"] for p, q in {"bf16": None, "nf4": "nf4", "int8": "int8"}.items()
