@@ -174,14 +174,16 @@ def test_dpo_raises_the_held_out_margin_of_smollm2(dpo_run: DpoRun) -> None:
     assert dpo_run.valid_loss < 0.5  # log 2 = 0.69 before
 
 
-# A product defect this test found (issue 33): the sigmoid DPO loss raises the margin without
-# making the style the greedy answer. Measured on this run (2026-11-27): pirate-styled base 0/10,
-# tuned 2/10, 4 tuned answers looping ("Ah, pencils! Ah, pencils! ..."). Also at 4-6 steps of 8
-# pairs: lr 5e-4 0/10; beta 0.01 3/10; the base's own answers as the rejected ones 0/10 (most
-# loop); rejected answers differing only in style 0/10; DPO + the chosen answers' NLL (RPO,
-# alpha 1) 3/10. The default job (lr 2e-4, 66 steps on 64 pairs) could not be run to its end on
-# the shared CPU. Strict: once the recipe makes the style appear, the XPASS fails the suite and
-# this marker must go.
+# A product defect this test found (issue 33): the sigmoid DPO loss raises the margin without making
+# the style the greedy answer. Measured on this run (2026-11-27): pirate-styled base 0/10, tuned
+# 2/10, 4 tuned answers looping ("Ah, pencils! Ah, pencils! ..."). Also at 4-6 steps of 8 pairs: lr
+# 5e-4 0/10; beta 0.01 3/10; the base's own answers as the rejected ones 0/10 (most loop); rejected
+# answers differing only in style 0/10; DPO + the chosen answers' NLL (RPO, alpha 1) 3/10. With 32
+# pairs, 8 steps of 4, lr 1e-3: DPO 1/10 (most loop or garble), DPO + the chosen answers' NLL 7/10
+# with none looping: the fix is that term in the recipe's loss (TRL's rpo_alpha; eager and captured
+# step), not a hyperparameter. The default job (lr 2e-4, 66 steps on 64 pairs) could not be run to
+# its end on the shared CPU. Strict: once the recipe makes the style appear, the XPASS fails the
+# suite and this marker must go.
 @pytest.mark.xfail(strict=True, reason="issue 33: DPO alone does not make the chosen style appear")
 def test_dpo_adapter_answers_held_out_prompts_in_the_chosen_style(dpo_run: DpoRun) -> None:
     assert styled(dpo_run.base) <= 2, dpo_run.base  # else the style is no change the adapter made
