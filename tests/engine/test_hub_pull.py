@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -254,16 +255,10 @@ def test_cli_pulls_a_revision_with_progress_and_lists_each_base(fake_hub: FakeHu
     )
     assert json.loads((hub_dir(REPO, tmp_path / "models") / HUB_MARKER).read_text())["revision"] == commit
 
-    listed = subprocess.run([*cli, "list"], cwd=ROOT, env=env, capture_output=True, text=True)
+    listed = subprocess.run([*cli, "list", "--wide"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert listed.returncode == 0, listed.stderr
-    rows = {
-        r[0]: r[1:]
-        for r in (
-            [c.strip() for c in line.split("│")[1:-1]]
-            for line in listed.stdout.splitlines()
-            if line.count("│") >= 7
-        )
-    }
+    # a borderless table: columns are apart by 2+ spaces, a cell never holds two in a row
+    rows = {r[0]: r[1:] for r in (re.split(r"\s{2,}", line.strip()) for line in listed.stdout.splitlines())}
     assert get_model_info(REPO, tmp_path / "models").parameters == 51392  # 51.4K
     assert rows[REPO][:5] == ["hub", "Qwen3", "51.4K", "256", "local"]
     assert rows["smollm2-135m-instruct"][:5] == ["pretrained", "Llama", "135M", "8192", "not pulled"]
