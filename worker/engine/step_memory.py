@@ -116,9 +116,11 @@ def plan_on_device(
     (the base is loaded: the plan counts its weights), no more than the process's cap where one
     is set (`torch.cuda.set_per_process_memory_fraction`: a GPU shared with other work, or a
     benchmark that measures at a smaller card's size)."""
-    free, total = torch.cuda.mem_get_info(device)
-    budget = free + torch.cuda.memory_allocated(device)
-    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    # An indexed device: torch.cuda.get_per_process_memory_fraction refuses a bare "cuda".
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(index)
+    budget = free + torch.cuda.memory_allocated(index)
+    fraction = torch.cuda.get_per_process_memory_fraction(index)
     if fraction < 1.0:
         budget = min(budget, int(fraction * total))
     dims = ModelDims.from_config(getattr(model, "config").to_dict())  # noqa: B009 (a PreTrainedModel)
