@@ -14,7 +14,10 @@ in its own subprocess (train_bench.spawn, as `--job` runs its cells):
   trl_precomputed   the same with `precompute_ref_log_probs=True` (TRL's reference pass runs once
                     before training, as ours does): reported, not the issue's target
 
-Both sides: beta 0.1, the sigmoid loss, clipping at 1.0, no gradient checkpointing, lr 1e-4.
+Both sides: beta 0.1, the sigmoid loss plus rpo_alpha (our default, 1) × the chosen answers' NLL per
+token (ours: `DpoTraining.rpo_alpha`; TRL 1.16: `loss_type=["sigmoid", "sft"]`,
+`loss_weights=[1, rpo_alpha]`, the same term: tests/engine/test_dpo_trl.py), clipping at 1.0, no
+gradient checkpointing, lr 1e-4.
 
 What tokens/s counts (the same on both sides): every real (non-padding) token a step feeds
 forward -- a pair is two sequences, prompt + chosen and prompt + rejected, so its prompt counts
@@ -36,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.job_bench import StepCollector
+from worker.engine.training_config import AUTO_RPO_ALPHA
 
 if TYPE_CHECKING:
     from worker.engine.types import DeviceName
@@ -43,6 +47,7 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parents[1]
 DATASET = ROOT / "bench" / "data" / "preference-longtail.jsonl"
 BETA = 0.1
+RPO_ALPHA = AUTO_RPO_ALPHA  # the job's default weight of the chosen answers' NLL, on both sides
 # (rows B of T tokens for dpo_job, TRL pairs per step E, timed steps, warm-up steps) per preset:
 # B·T = 8,192 packed tokens hold ~20 pairs (mean 404 tokens); E = 8 pairs is 16 padded sequences
 DPO_SHAPES: dict[str, tuple[int, int, int, int, int]] = {
@@ -93,7 +98,7 @@ def dpo_job_cell(
     tmp = Path(tempfile.mkdtemp())
     config = job_config(
         preset, batch, seq, steps, tmp, train_file=data, warmup=warmup, device=device,
-        method=DpoTraining(beta=BETA),
+        method=DpoTraining(beta=BETA, rpo_alpha=RPO_ALPHA),
     )  # fmt: skip
     rec = TimedCollector()
     if device == "cuda":
@@ -183,6 +188,8 @@ def trl_cell(
         lr_scheduler_type="constant",
         max_steps=warmup + steps,
         beta=BETA,
+        loss_type=["sigmoid", "sft"],  # TRL's former rpo_alpha: the chosen answers' token-mean NLL
+        loss_weights=[1.0, RPO_ALPHA],
         max_length=seq,
         max_grad_norm=1.0,
         gradient_checkpointing=False,
@@ -325,7 +332,10 @@ def run_dpo_mode(args: Any) -> int:
     )
     result: dict[str, Any] = {
         **run_header(device),
-        "settings": f"beta {BETA}, sigmoid loss; LoRA r=16 alpha=32 on q,k,v,o,gate,up,down; bf16 base, "
+        "rpo_alpha": RPO_ALPHA,
+        "settings": f"beta {BETA}, sigmoid loss + {RPO_ALPHA} x the chosen answers' NLL per token (TRL: "
+        f"loss_type sigmoid+sft, loss_weights [1, {RPO_ALPHA}]); LoRA r=16 alpha=32 on "
+        "q,k,v,o,gate,up,down; bf16 base, "
         "fp32 adapters; fused AdamW lr 1e-4; clip 1.0; no gradient checkpointing. dpo_job = recipe.train "
         "(method dpo, packing on, reference precomputed); trl_padded = TRL DPOTrainer + PEFT, padded "
         "batches, reference forward every step (TRL's default); trl_precomputed = the same with "

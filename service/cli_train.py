@@ -67,15 +67,20 @@ class ProgressCallbacks:
         return self.stop_requested
 
 
-def method_overrides(method: MethodType | None, beta: float | None) -> dict[str, Any]:
-    """The config's `method` as `--method`/`--beta` set it ({} when neither is given)."""
+def method_overrides(
+    method: MethodType | None, beta: float | None, rpo_alpha: float | None = None
+) -> dict[str, Any]:
+    """The config's `method` as `--method`/`--beta`/`--rpo-alpha` set it ({} when none is given)."""
     from worker.engine.types import ConfigError
 
-    if beta is not None and method != "dpo":
-        raise ConfigError("beta", "--beta is DPO's beta: give it with --method dpo")
+    dpo = {name: value for name, value in (("beta", beta), ("rpo_alpha", rpo_alpha)) if value is not None}
+    for name in dpo:
+        if method != "dpo":
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(name, f"{flag} is DPO's {name}: give it with --method dpo")
     if method is None:
         return {}
-    return {"method": {"type": method, **({"beta": beta} if beta is not None else {})}}
+    return {"method": {"type": method, **dpo}}
 
 
 def train_command(
@@ -93,6 +98,13 @@ def train_command(
         float | None,
         typer.Option(help="DPO's beta (with --method dpo; else the config's, or auto: 0.1)"),
     ] = None,
+    rpo_alpha: Annotated[
+        float | None,
+        typer.Option(
+            help="DPO's weight of the chosen answers' NLL, 0 for DPO alone (with --method dpo; else "
+            "the config's, or auto: 1)"
+        ),
+    ] = None,
 ) -> None:
     """Fine-tune a LoRA adapter locally from a YAML config (no service needed)."""
     from service.settings import get_settings
@@ -103,7 +115,7 @@ def train_command(
         train_config = load_config_file(
             config,
             default_model_store=get_settings().model_store,
-            overrides=method_overrides(method, beta),
+            overrides=method_overrides(method, beta, rpo_alpha),
         )
     except EngineError as e:
         err_console.print(f"[red]error:[/red] {e}", soft_wrap=True, highlight=False)

@@ -467,8 +467,9 @@ def requested_method(spec: JobCreate) -> tuple[TrainingMethod, Hyperparameters |
     """The request's training method and its hyperparameters, 400 naming the field otherwise.
 
     Supervised: from `method.supervised.hyperparameters` (current API) or `hyperparameters`
-    (deprecated), not both. DPO: from `method.dpo.hyperparameters` (beta among them) only. A
-    method type Loraq does not train (`reinforcement`) is `unsupported_method`."""
+    (deprecated), not both. DPO: from `method.dpo.hyperparameters` (beta, and Loraq's rpo_alpha,
+    among them) only. A method type Loraq does not train (`reinforcement`) is
+    `unsupported_method`."""
     method = spec.method
     kind = method.type if method is not None else "supervised"
     if kind not in METHOD_TYPES:
@@ -495,9 +496,10 @@ def requested_method(spec: JobCreate) -> tuple[TrainingMethod, Hyperparameters |
                 param="hyperparameters",
             )
         dpo_hp = method.dpo.hyperparameters if method.dpo is not None else None
-        beta = dpo_hp.beta if dpo_hp is not None else "auto"
-        three = Hyperparameters(**dpo_hp.model_dump(exclude={"beta"})) if dpo_hp is not None else None
-        return DpoTraining(beta=beta), three
+        if dpo_hp is None:
+            return DpoTraining(), None
+        three = Hyperparameters(**dpo_hp.model_dump(exclude=set(DpoTraining.model_fields)))
+        return DpoTraining(beta=dpo_hp.beta, rpo_alpha=dpo_hp.rpo_alpha), three
     method_hp = method.supervised.hyperparameters if method and method.supervised else None
     if method_hp is not None and spec.hyperparameters is not None:
         raise InvalidRequestError(

@@ -123,8 +123,8 @@ class SupervisedPublic(BaseModel):
 
 
 class DpoHyperparametersPublic(DpoHyperparameters):
-    """A DPO job's hyperparameters: as `HyperparametersPublic`, with beta ("auto" resolved once
-    the run is planned)."""
+    """A DPO job's hyperparameters: as `HyperparametersPublic`, with beta and rpo_alpha ("auto"
+    resolved once the run is planned)."""
 
 
 class DpoPublic(BaseModel):

@@ -78,9 +78,12 @@ def job_public(job: Job) -> JobPublic:
     echoed = (
         DpoMethodPublic(
             dpo=DpoPublic(
-                # beta needs no data: once the run is planned it shows what "auto" resolved to
+                # beta and rpo_alpha need no data: once the run is planned they show what "auto"
+                # resolved to
                 hyperparameters=DpoHyperparametersPublic(
-                    **planned, beta=method.beta_value if job.plan else method.beta
+                    **planned,
+                    beta=method.beta_value if job.plan else method.beta,
+                    rpo_alpha=method.rpo_alpha_value if job.plan else method.rpo_alpha,
                 )
             ),
         )

@@ -1,7 +1,10 @@
 """The DPO recipe against TRL's DPOTrainer (issue 33, point 3): the same tiny model, the same
 LoRA start, the same pairs, the same optimizer settings; the first steps' losses and rewards agree.
 
-Every step takes all 4 pairs (one batch), so neither side's data order matters. Both sides run
+Every step takes all 4 pairs (one batch), so neither side's data order matters. Two cases: DPO alone
+(rpo_alpha 0; TRL's loss_type ["sigmoid"]) and DPO + the chosen answers' NLL (our rpo_alpha; TRL
+1.16's loss_type ["sigmoid", "sft"] with loss_weights [1, rpo_alpha], its former rpo_alpha), where
+TRL's "sft" term is the token mean over the batch's chosen answers, as ours over the step's. Both sides run
 AdamW at a constant learning rate with clipping at 1.0 and no weight decay; TRL's reference is the
 PEFT model with its adapter disabled, ours the pass with every LoRA scale 0. TRL tokenizes the
 conversation with the chat template and trains what follows the prompt; ours trains the answer
@@ -33,7 +36,8 @@ LORA = LoraConfig(r=4, alpha=8.0)
 
 
 @pytest.mark.slow
-def test_first_steps_equal_trls_dpo_trainer(tiny: LoadedModel, tmp_path: Path) -> None:
+@pytest.mark.parametrize("rpo_alpha", [0.0, 0.7], ids=["dpo", "rpo"])
+def test_first_steps_equal_trls_dpo_trainer(tiny: LoadedModel, tmp_path: Path, rpo_alpha: float) -> None:
     from datasets import Dataset
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model, set_peft_model_state_dict
@@ -56,7 +60,7 @@ def test_first_steps_equal_trls_dpo_trainer(tiny: LoadedModel, tmp_path: Path) -
         seed=SEED,
         device="cpu",
         pack=False,
-        method=DpoTraining(beta=BETA),
+        method=DpoTraining(beta=BETA, rpo_alpha=rpo_alpha),
     )
     train(config, rec, loaded=tiny)
     ours = rec.steps
@@ -95,6 +99,8 @@ def test_first_steps_equal_trls_dpo_trainer(tiny: LoadedModel, tmp_path: Path) -
         warmup_steps=0,
         max_steps=STEPS,
         beta=BETA,
+        loss_type=["sigmoid", "sft"] if rpo_alpha else ["sigmoid"],
+        loss_weights=[1.0, rpo_alpha] if rpo_alpha else None,
         weight_decay=0.0,
         max_grad_norm=1.0,
         optim="adamw_torch",
@@ -130,5 +136,8 @@ def test_first_steps_equal_trls_dpo_trainer(tiny: LoadedModel, tmp_path: Path) -
     for loss, trl_loss, margin, trl_margin in report:
         assert loss == pytest.approx(trl_loss, rel=1e-5), report  # measured: 3e-7
         assert margin == pytest.approx(trl_margin, rel=1e-4, abs=1e-7), report  # measured: 4e-6
-    assert report[-1][2] > report[0][2] == pytest.approx(0.0, abs=1e-9)  # it learnt, from log 2 at step 1
+    assert report[-1][2] > report[0][2] == pytest.approx(0.0, abs=1e-9)  # it learnt, from r_w = r_l at step 1
+    nll = [o.preference.chosen_nll for o in ours if o.preference is not None]
+    assert nll[-1] is not None and nll[0] is not None and nll[-1] < nll[0]
+    assert (report[0][0] > 1.0) == bool(rpo_alpha)  # log 2 alone, or with 0.7 × the chosen NLL
     print(json.dumps(report))

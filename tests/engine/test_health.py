@@ -24,7 +24,7 @@ from tests.engine.recipe_helpers import (
     tiny_config,
     write_animal_chats,
 )
-from worker.engine.health import DPO_MEMORIZE_BELOW, LN2, HealthMonitor
+from worker.engine.health import DPO_MEMORIZE_BELOW, LN2, RULES, HealthMonitor, dpo_rules
 from worker.engine.recipe import train
 from worker.engine.types import DivergedError, NonFiniteError
 
@@ -106,6 +106,41 @@ def test_dpo_rules_measure_the_preference_loss_from_ln_2() -> None:
     (flat,) = at_start.check_progress(10)
     assert flat.kind == "not_training" and "near ln 2" in flat.message
     assert flat.message.startswith("Nothing trained: DPO loss flat over 10 steps (0.6931 -> 0.6921)")
+
+
+def test_dpo_rules_with_the_nll_term_start_at_ln_2_plus_alpha_nll() -> None:
+    """With rpo_alpha α, the loss DPO + α · NLL starts at ln 2 + α · NLL₀ (the base's NLL of the
+    chosen answers): divergence, "nothing trained" and memorizing count from there; α 0 is DPO's
+    rules unchanged."""
+    assert dpo_rules(0.0, 2.0) == RULES["dpo"]
+    rules = dpo_rules(1.0, 2.0)
+    start = LN2 + 2.0
+    assert rules.start == pytest.approx(start)
+    # a run at its start, then down by 0.5 nats: trained; DPO's bare rules would call it diverged
+    # (2.69 is over 3 ln 2) and the level one flat
+    run, bare = HealthMonitor(method="dpo", rules=rules), HealthMonitor(method="dpo")
+    run.check_step(1, start)
+    with pytest.raises(DivergedError):
+        for step in range(2, 4):
+            bare.check_step(step, start)
+    for step in range(2, 11):
+        assert run.check_step(step, start - 0.5) == []
+    assert run.check_progress(10) == []
+    # level at its start: nothing trained, said from ln 2 + α · NLL₀
+    level = HealthMonitor(method="dpo", rules=rules)
+    for step in range(1, 11):
+        level.check_step(step, start - 0.001)
+    (flat,) = level.check_progress(10)
+    assert flat.message.startswith("Nothing trained: DPO + NLL loss flat over 10 steps (2.6931 -> 2.6921)")
+    # over 3x the start: diverged
+    with pytest.raises(DivergedError, match=r"DPO \+ NLL loss 8.1 is over 3x where every run starts, 2.693"):
+        run.check_step(11, 8.1)
+    # memorizing below DPO's bar + α · 0.05: a DPO term of 0.03 with an NLL of 0.02 (reciting the
+    # chosen answers); 0.1 (a healthy DPO term, NLL 0.07) is not
+    recite = HealthMonitor(method="dpo", rules=dpo_rules(1.0, 2.0))
+    said = [f.kind for step in range(1, 6) for f in recite.check_step(step, 0.1)]
+    said += [f.kind for step in range(6, 11) for f in recite.check_step(step, 0.05)]
+    assert said == ["memorizing"]
 
 
 # --------------------------------------------------------------------------- on the tiny model

@@ -3,8 +3,10 @@
 The DPO recipe on tiny-llama with packed preference pairs must take the captured step (fused
 modules, CUDA graph, PreferenceObjective's static buffers) and train like the eager step: its
 per-step losses and readings within bf16 tolerance of the same run on the CPU in fp32 (the eager
-Hugging Face step, checked in fp64 against the formula in tests/engine/test_dpo.py). Its first
-loss is log 2: the reference pre-pass (adapter off, the packed forward) equals the policy at B = 0.
+Hugging Face step, checked in fp64 against the formula in tests/engine/test_dpo.py), with the
+default rpo_alpha (1: the chosen answers' NLL in the loss, from the static 1/N_w buffer). Its first
+loss is log 2 + that NLL: the reference pre-pass (adapter off, the packed forward) equals the
+policy at B = 0. (The NLL term's part of this test has not run on a GPU yet.)
 
 Not run in this session's CPU suite (written for the lead's GPU run; the CPU twin is
 tests/engine/test_dpo.py::test_captured_step_objective_equals_the_formula).
@@ -47,7 +49,7 @@ def config(tmp: Path, device: str) -> TrainConfig:
         device=device,  # type: ignore[arg-type]
         pack=True,  # several pairs a row: the varlen path
         eval_every=4,
-        method=DpoTraining(beta=0.1),
+        method=DpoTraining(beta=0.1),  # rpo_alpha: auto (1)
     )
 
 
@@ -79,10 +81,21 @@ def test_dpo_takes_the_captured_step_and_matches_eager(
         abs(g.preference.margin - c.preference.margin)  # type: ignore[union-attr]
         for g, c in zip(gpu.steps, cpu.steps, strict=True)
     ]
-    record_property("dpo", {"loss_diffs": diffs, "margin_diffs": margins, "first": gpu.steps[0].train_loss})
-    assert abs(gpu.steps[0].train_loss - LOG2) < 1e-2  # policy == reference at B = 0
+    nll = [
+        abs(g.preference.chosen_nll - c.preference.chosen_nll)  # type: ignore[union-attr,operator]
+        for g, c in zip(gpu.steps, cpu.steps, strict=True)
+    ]
+    first = gpu.steps[0]
+    record_property(
+        "dpo", {"loss_diffs": diffs, "margin_diffs": margins, "nll_diffs": nll, "first": first.train_loss}
+    )
+    assert first.preference is not None and first.preference.chosen_nll is not None
+    alpha = DpoTraining().rpo_alpha_value
+    # policy == reference at B = 0: the DPO term is log 2
+    assert abs(first.train_loss - alpha * first.preference.chosen_nll - LOG2) < 1e-2
     assert max(diffs) < BF16_LOSS_TOL
     assert max(margins) < BF16_LOSS_TOL
+    assert max(nll) < BF16_LOSS_TOL
     assert all(s.preference is not None and math.isfinite(s.preference.accuracy) for s in gpu.steps)
     validated = [s for s in gpu.steps if s.valid_loss is not None]
     assert validated and all(s.valid_preference is not None for s in validated)

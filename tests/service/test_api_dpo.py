@@ -46,7 +46,8 @@ def dpo_body(file_id: str, **spec: Any) -> dict[str, Any]:
 def test_dpo_job_echoes_method_and_reaches_the_engine_typed(api: ApiClient, tmp_path: Path) -> None:
     file_id = api.upload(PAIRS)
     assert api.get(f"/v1/files/{file_id}").json()["status"] == "processed"
-    hp = {"beta": 0.25, "n_epochs": 2, "batch_size": 1, "learning_rate_multiplier": "auto"}
+    # rpo_alpha: Loraq's extension beside OpenAI's beta, taken and echoed the same way
+    hp = {"beta": 0.25, "rpo_alpha": 0.5, "n_epochs": 2, "batch_size": 1, "learning_rate_multiplier": "auto"}
     r = api.post(
         "/v1/fine_tuning/jobs", json=dpo_body(file_id, method={"type": "dpo", "dpo": {"hyperparameters": hp}})
     )
@@ -57,15 +58,26 @@ def test_dpo_job_echoes_method_and_reaches_the_engine_typed(api: ApiClient, tmp_
     assert api.get(f"/v1/fine_tuning/jobs/{job['id']}").json() == job
     with session_scope() as session:
         claim = jobs.claim(session, job_id=job["id"], worker_id="test-worker")
-    assert claim is not None and claim.training.method == DpoTraining(beta=0.25)
+    assert claim is not None and claim.training.method == DpoTraining(beta=0.25, rpo_alpha=0.5)
     # as the worker builds its engine config from the claim (worker.runner.build_train_config)
     config = TrainConfig.build(
         claim.training, model=claim.model, train_file=tmp_path, output_dir=tmp_path, model_store=tmp_path
     )
-    assert config.method == DpoTraining(beta=0.25) and config.n_epochs == 2 and config.batch_size == 1
-    # beta "auto" stays "auto" until the run is planned, then shows 0.1
+    assert config.method == DpoTraining(beta=0.25, rpo_alpha=0.5)
+    assert config.n_epochs == 2 and config.batch_size == 1
+    # beta and rpo_alpha "auto" stay "auto" until the run is planned, then show 0.1 and 1
     auto = api.post("/v1/fine_tuning/jobs", json=dpo_body(file_id, method={"type": "dpo"})).json()
     assert auto["method"]["dpo"]["hyperparameters"]["beta"] == "auto"
+    assert auto["method"]["dpo"]["hyperparameters"]["rpo_alpha"] == "auto"
+    with session_scope() as session:
+        planned = jobs.claim(session, job_id=auto["id"], worker_id="test-worker")
+    assert planned is not None and planned.training.method == DpoTraining()
+    assert DpoTraining().rpo_alpha_value == 1.0 and DpoTraining().beta_value == 0.1
+    # DPO alone: rpo_alpha 0
+    alone = {"type": "dpo", "dpo": {"hyperparameters": {"rpo_alpha": 0}}}
+    r = api.post("/v1/fine_tuning/jobs", json=dpo_body(file_id, method=alone))
+    assert r.status_code == 200, r.text
+    assert r.json()["method"]["dpo"]["hyperparameters"]["rpo_alpha"] == 0
 
 
 def test_supervised_method_and_top_level_hyperparameters_still_work(api: ApiClient) -> None:
@@ -91,6 +103,13 @@ def test_unsupported_and_inconsistent_methods_are_400(api: ApiClient) -> None:
     assert_error(api.post("/v1/fine_tuning/jobs", json=mixed), 400, "method.supervised")
     bad_beta = dpo_body(pairs, method={"type": "dpo", "dpo": {"hyperparameters": {"beta": 0}}})
     assert_error(api.post("/v1/fine_tuning/jobs", json=bad_beta), 400)
+    for alpha in (-1, "high"):
+        bad_alpha = dpo_body(pairs, method={"type": "dpo", "dpo": {"hyperparameters": {"rpo_alpha": alpha}}})
+        err = assert_error(api.post("/v1/fine_tuning/jobs", json=bad_alpha), 400)
+        assert "rpo_alpha" in str(err["param"]) + str(err["message"])
+    # an extension of DPO's block only
+    sft_alpha = {"type": "supervised", "supervised": {"hyperparameters": {"rpo_alpha": 1}}}
+    assert_error(api.post("/v1/fine_tuning/jobs", json=dpo_body(sft, method=sft_alpha)), 400)
 
 
 def test_file_format_must_match_the_method_at_submit(api: ApiClient) -> None:

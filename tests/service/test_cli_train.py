@@ -109,39 +109,42 @@ def _pairs(tmp_path: Path) -> Path:
 
 
 def test_method_dpo_with_beta_from_the_command_line(tmp_path: Path) -> None:
-    """`--method dpo --beta 0.2` trains a config that names no method with DPO at that beta (as
-    its checkpoint records); --beta without --method dpo is refused before anything runs."""
+    """`--method dpo --beta 0.2 --rpo-alpha 0.5` trains a config that names no method with DPO at
+    that beta and NLL weight (as its checkpoint records); --beta or --rpo-alpha without --method dpo
+    is refused before anything runs."""
     cfg = _pairs(tmp_path)
     proc = subprocess.run(
-        [*LORAQ, "train", str(cfg), "--method", "dpo", "--beta", "0.2"],
+        [*LORAQ, "train", str(cfg), "--method", "dpo", "--beta", "0.2", "--rpo-alpha", "0.5"],
         env=_env(tmp_path), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "Preparing DPO" in proc.stdout and "Done: 2 steps" in proc.stdout
     state = json.loads((tmp_path / "out" / "checkpoints" / "step-000002" / "trainer_state.json").read_text())
-    assert state["config"]["method"] == {"type": "dpo", "beta": 0.2}
+    assert state["config"]["method"] == {"type": "dpo", "beta": 0.2, "rpo_alpha": 0.5}
 
-    refused = subprocess.run(
-        [*LORAQ, "train", str(cfg), "--beta", "0.2"], env=_env(tmp_path), capture_output=True, text=True
-    )
-    assert refused.returncode == 2
-    assert "--beta is DPO's beta: give it with --method dpo" in " ".join(refused.stderr.split())
+    for flag, said in (("--beta", "--beta is DPO's beta"), ("--rpo-alpha", "--rpo-alpha is DPO's rpo_alpha")):
+        refused = subprocess.run(
+            [*LORAQ, "train", str(cfg), flag, "0.2"], env=_env(tmp_path), capture_output=True, text=True
+        )
+        assert refused.returncode == 2
+        assert f"{said}: give it with --method dpo" in " ".join(refused.stderr.split())
 
 
 def test_method_flags_override_the_files_method(tmp_path: Path) -> None:
-    """--method replaces the file's method; --method dpo keeps the file's DPO beta unless --beta
-    gives one."""
+    """--method replaces the file's method; --method dpo keeps the file's DPO beta and rpo_alpha
+    unless --beta or --rpo-alpha gives one."""
     from service.cli_train import method_overrides
     from worker.engine.config_file import load_config_file
     from worker.engine.training_config import DpoTraining, MethodType, SupervisedTraining
 
     cfg = _pairs(tmp_path)
-    cfg.write_text(cfg.read_text() + "method: {type: dpo, beta: 0.3}\n")
+    cfg.write_text(cfg.read_text() + "method: {type: dpo, beta: 0.3, rpo_alpha: 0.25}\n")
 
-    def method(flag: MethodType | None, beta: float | None) -> object:
-        overrides = method_overrides(flag, beta)
+    def method(flag: MethodType | None, beta: float | None, rpo_alpha: float | None = None) -> object:
+        overrides = method_overrides(flag, beta, rpo_alpha)
         return load_config_file(cfg, default_model_store=tmp_path / "models", overrides=overrides).method
 
-    assert method(None, None) == method("dpo", None) == DpoTraining(beta=0.3)
-    assert method("dpo", 0.5) == DpoTraining(beta=0.5)
+    assert method(None, None) == method("dpo", None) == DpoTraining(beta=0.3, rpo_alpha=0.25)
+    assert method("dpo", 0.5) == DpoTraining(beta=0.5, rpo_alpha=0.25)
+    assert method("dpo", None, 0.0) == DpoTraining(beta=0.3, rpo_alpha=0.0)
     assert method("supervised", None) == SupervisedTraining()

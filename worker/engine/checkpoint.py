@@ -48,7 +48,7 @@ RESUME_MUST_MATCH = (
     "pack",
     "row_tokens",
     "lora",
-    "method",  # a DPO checkpoint never resumes a supervised run (nor another beta)
+    "method",  # a DPO checkpoint never resumes a supervised run (nor another beta or rpo_alpha)
 )
 # what a checkpoint written before a key existed held: its run's value then
 RESUME_DEFAULTS: dict[str, Any] = {"method": {"type": "supervised"}}
@@ -143,7 +143,10 @@ def check_resumable(checkpoint: Path, config: TrainConfig) -> None:
     saved = json.loads((checkpoint / TRAINER_STATE).read_text())["config"]
     current = config.to_dict()
     for key in RESUME_MUST_MATCH:
-        if saved.get(key, RESUME_DEFAULTS.get(key)) != current.get(key):
+        was = saved.get(key, RESUME_DEFAULTS.get(key))
+        if key == "method" and isinstance(was, dict) and was.get("type") == "dpo":
+            was = {"rpo_alpha": 0.0, **was}  # a DPO checkpoint from before rpo_alpha trained DPO alone
+        if was != current.get(key):
             raise ConfigError(
                 key,
                 f"cannot resume from {checkpoint}: {key} was {saved.get(key)!r} there, "

@@ -3,15 +3,16 @@
 Everything that does not depend on the objective -- data planning, schedule, health checks,
 validation cadence, checkpoints, limits, the captured step and its run-ahead -- is the supervised
 recipe's (worker/engine/recipe.py). This recipe changes what a step minimises (the sigmoid DPO loss
-of worker/engine/preference.py, averaged over the step's pairs), adds one pass before training
-that computes the reference log-probabilities with the adapter off, and reports DPO's readings
-(rewards of the chosen and rejected answers, their margin, the accuracy) per step and per
-validation pass. A row holds whole pairs, so `batch_size` counts rows of pairs (one pair a row
-without packing, as OpenAI's batch_size counts pairs).
+of worker/engine/preference.py, averaged over the step's pairs, plus rpo_alpha × the chosen answers'
+NLL per token), adds one pass before training that computes the reference log-probabilities with
+the adapter off, and reports DPO's readings (rewards of the chosen and rejected answers, their
+margin, the accuracy, the chosen answers' NLL) per step and per validation pass. A row holds whole
+pairs, so `batch_size` counts rows of pairs (one pair a row without packing, as OpenAI's batch_size
+counts pairs).
 
 The same code runs eagerly (CPU, families without the fused path) and captured on the GPU: the
 captured step takes `PreferenceObjective`, whose static buffers (each loss position's sequence
-slot, the reference values, the real-pair mask) `_host_step` fills on the host.
+slot, the reference values, the real-pair mask, the step's 1/N_w) `_host_step` fills on the host.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from worker.engine import distributed
 from worker.engine.data import IGNORE_INDEX, Batch, BatchSampler, TokenizedDataset, pair_slots
 from worker.engine.dataset_rules import PREFERENCE_FORMAT
 from worker.engine.fused_model import PackedInputs
+from worker.engine.health import dpo_rules
 from worker.engine.preference import (
     READINGS,
     PreferenceObjective,
     ReferenceTable,
     batch_logps,
+    chosen_tokens,
     eager_loss,
     host_pairs,
     loss_slots,
@@ -50,10 +53,18 @@ class DpoRecipe(LoRAFinetuneRecipe):
     READINGS = READINGS
 
     @property
-    def beta(self) -> float:
+    def method(self) -> DpoTraining:
         method = self.config.method
         assert isinstance(method, DpoTraining)
-        return method.beta_value
+        return method
+
+    @property
+    def beta(self) -> float:
+        return self.method.beta_value
+
+    @property
+    def rpo_alpha(self) -> float:
+        return self.method.rpo_alpha_value
 
     # ------------------------------------------------------------------ hooks of the shared loop
 
@@ -81,9 +92,11 @@ class DpoRecipe(LoRAFinetuneRecipe):
                 self.model, self.valid_data, batch, self._sequence_logps, should_stop=stop
             )
         self._valid_metrics: PreferenceMetrics | None = None
+        # where this run's loss starts: ln 2 + α · the base's NLL of the chosen answers
+        self.health.rules = dpo_rules(self.rpo_alpha, self.reference.chosen_nll)
 
     def _objective(self) -> StepObjective | None:
-        return PreferenceObjective(self.beta)
+        return PreferenceObjective(self.beta, self.rpo_alpha)
 
     def _host_step(self, micro: list[Batch]) -> HostStep:
         host = super()._host_step(micro)
@@ -93,20 +106,26 @@ class DpoRecipe(LoRAFinetuneRecipe):
         host.pairs = host_pairs(
             parts, host.loss_index, shape.micro_batches, shape.pairs, shape.rows, shape.seq, self.reference
         )
-        host.pairs.pairs = sum(pair_slots(b)[1] for b in micro)  # the whole step's, on all ranks
+        # the whole step's, on all ranks
+        host.pairs.pairs = sum(pair_slots(b)[1] for b in micro)
+        host.pairs.chosen_tokens = sum(chosen_tokens(b) for b in micro)
         return host
 
     def _eager_step(self, micro_batches: list[Batch]) -> torch.Tensor:
         """Forward + backward of each micro-batch's pairs (this rank's rows), loss Σ / P over the
-        step's pairs; then clip. (2 + READINGS,) values, the optimizer not stepped yet."""
+        step's pairs (+ α · Σ NLL / N_w over its chosen tokens); then clip. (2 + READINGS,) values,
+        the optimizer not stepped yet."""
         step_pairs = sum(pair_slots(b)[1] for b in micro_batches)
+        step_chosen = sum(chosen_tokens(b) for b in micro_batches)
         values = torch.zeros(1 + READINGS, device=self.device)
         if self.grads is not None:
             self.grads.zero_()
         for part in self._rank_parts(micro_batches):  # this rank's rows, in the memory plan's passes
             with offloaded(self.memory.offload, self.device):
                 policy = self._sequence_logps(part)
-                loss, readings = eager_loss(policy, self.reference.for_batch(part), self.beta, step_pairs)
+                loss, readings = eager_loss(
+                    policy, self.reference.for_batch(part), self.beta, self.rpo_alpha, step_pairs, step_chosen
+                )
             loss.backward()
             values += torch.cat([loss.detach().reshape(1), readings]).float()
         if self.grads is not None:
@@ -116,36 +135,40 @@ class DpoRecipe(LoRAFinetuneRecipe):
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean DPO loss over the held-out pairs (dropout off); their readings go in the step's
-        report (`_method_metrics`)."""
+        """The step's loss over all the held-out pairs (dropout off): mean DPO loss + α · their
+        chosen answers' NLL per token; their readings go in the step's report (`_method_metrics`)."""
         if self.valid_data is None or self.valid_reference is None:
             return None
-        sums, pairs = self._score(self.valid_data, self.valid_reference)
-        self._valid_metrics = metrics_of((sums[1:] / max(pairs, 1)).tolist())
-        return float(sums[0]) / max(pairs, 1)
+        sums, pairs, tokens = self._score(self.valid_data, self.valid_reference)
+        means = torch.cat([sums[:-1] / max(pairs, 1), sums[-1:] / max(tokens, 1)])  # (1 + READINGS,)
+        self._valid_metrics = metrics_of(means[1:].tolist())
+        return float(means[0]) + self.rpo_alpha * float(means[-1])
 
-    def _score(self, data: TokenizedDataset, table: ReferenceTable) -> tuple[torch.Tensor, int]:
-        """(Σ loss, Σ r_w, Σ r_l, Σ correct) over a dataset's pairs (all ranks), and its pairs."""
+    def _score(self, data: TokenizedDataset, table: ReferenceTable) -> tuple[torch.Tensor, int, int]:
+        """(Σ DPO loss, Σ r_w, Σ r_l, Σ correct, Σ chosen NLL) over a dataset's pairs (all ranks),
+        its pairs and its chosen tokens."""
         sampler = BatchSampler(data, self.config.batch_size, self.config.seed, shuffle=False)
         total = torch.zeros(1 + READINGS, dtype=torch.float64, device=self.device)
-        pairs = 0
+        counts = torch.zeros(2, dtype=torch.float64, device=self.device)  # pairs, chosen tokens
         self.model.eval()
         try:
             for i in range(len(sampler)):
                 batch = distributed.shard_rows(sampler.batch(0, i), self.dist)
                 if batch is None:
                     continue
-                n = pair_slots(batch)[1]
-                loss, readings = eager_loss(self._sequence_logps(batch), table.for_batch(batch), self.beta, 1)
+                # α 0 and both scales 1: the loss is the Σ of the DPO terms, the readings sums
+                policy = self._sequence_logps(batch)
+                loss, readings = eager_loss(policy, table.for_batch(batch), self.beta, 0.0, 1, 1)
                 total += torch.cat([loss.reshape(1), readings]).double()
-                pairs += n
+                counts[0] += pair_slots(batch)[1]
+                counts[1] += chosen_tokens(batch)
         finally:
             self.model.train()
         if self.dist.active:
-            stats = torch.cat([total, torch.tensor([float(pairs)], dtype=torch.float64, device=self.device)])
+            stats = torch.cat([total, counts])
             distributed.all_reduce_sum(stats, self.dist)
-            return stats[:-1].cpu(), int(stats[-1].item())
-        return total.cpu(), pairs
+            total, counts = stats[:-2], stats[-2:]
+        return total.cpu(), int(counts[0].item()), int(counts[1].item())
 
     def _method_metrics(self, metrics: StepMetrics, readings: list[float], validated: bool) -> None:
         if len(readings) == READINGS and all(math.isfinite(x) for x in readings):

@@ -26,6 +26,13 @@ is preferred, and L falls to 0 only as the margin grows without bound. So for DP
   (5/β nats of log-ratio gap: 50 at β = 0.1): the policy has moved far from the reference to
   separate these very pairs, which fits them rather than the preference;
 - not_training: the last fifth's mean loss is compared with ln 2, where every DPO run starts.
+
+With the chosen answers' NLL in the loss (rpo_alpha α > 0: L = DPO + α · NLL, the NLL a mean over
+the chosen answers' tokens), a run starts at ln 2 + α · NLL₀, NLL₀ the base's NLL of the training
+set's chosen answers, which the reference pass gives for free (`dpo_rules`; one batch's start
+differs from it by α times that batch's deviation, as a supervised run's first batch does). Each
+rule above is measured from there; memorizing is below DPO's bar + α × the supervised bar (0.05):
+the loss can only fall below it when the DPO term is under its bar or the NLL under 0.05.
 """
 
 from __future__ import annotations
@@ -85,6 +92,25 @@ RULES: dict[MethodType, LossRules] = {
 }
 
 
+def dpo_rules(rpo_alpha: float, chosen_nll: float) -> LossRules:
+    """DPO's rules for a loss of DPO + `rpo_alpha` × the chosen answers' NLL per token, the base's
+    NLL of the training set's chosen answers being `chosen_nll` (the module docstring says why)."""
+    dpo = RULES["dpo"]
+    if rpo_alpha == 0:
+        return dpo
+    start = LN2 + rpo_alpha * chosen_nll
+    return LossRules(
+        "DPO + NLL loss",
+        start,
+        DPO_MEMORIZE_BELOW + rpo_alpha * MEMORIZE_BELOW,
+        f"either the training pairs are separated by a margin over {DPO_MEMORIZE_MARGIN:g} or the "
+        f"chosen answers' NLL is below {MEMORIZE_BELOW:g} a token: the adapter fits these very pairs; use "
+        "fewer epochs, a larger beta or more pairs, and watch the validation loss",
+        f"it stayed near its start ln 2 + rpo_alpha x the base's NLL of the chosen answers = {start:.4f}; "
+        "raise the learning rate, or check that the preferred and non-preferred answers differ",
+    )
+
+
 @dataclass(frozen=True)
 class Finding:
     kind: HealthKind
@@ -100,12 +126,17 @@ class Finding:
 class HealthMonitor:
     warmup_steps: int = 0
     method: MethodType = "supervised"
+    rules: LossRules | None = None  # the method's RULES unless set (a DPO run's `dpo_rules`)
     first_loss: float | None = None
     losses: list[float] = field(default_factory=list)
     # (step, validation loss, mean train loss since the evaluation before)
     evals: list[tuple[int, float, float]] = field(default_factory=list)
     reported: set[HealthKind] = field(default_factory=set)
     _since_eval: list[float] = field(default_factory=list)
+
+    @property
+    def loss_rules(self) -> LossRules:
+        return self.rules if self.rules is not None else RULES[self.method]
 
     def _once(self, kind: HealthKind, step: int, message: str) -> list[Finding]:
         if kind in self.reported:
@@ -117,7 +148,7 @@ class HealthMonitor:
         """Before the optimizer applies this step: raise if it diverged, else the new findings."""
         if not math.isfinite(loss):
             raise NonFiniteError(step, "loss")
-        rules = RULES[self.method]
+        rules = self.loss_rules
         if self.first_loss is None:
             self.first_loss = loss
         elif step > self.warmup_steps:
@@ -163,7 +194,7 @@ class HealthMonitor:
         """Has the train loss moved at all? Called mid-run and at the end."""
         if len(self.losses) < FLAT_MIN_STEPS:
             return []
-        rules = RULES[self.method]
+        rules = self.loss_rules
         n = max(1, len(self.losses) // 5)
         head = fmean(self.losses[:n]) if rules.start is None else rules.start
         tail = fmean(self.losses[-n:])

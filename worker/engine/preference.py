@@ -1,18 +1,24 @@
 """DPO on the recipe's step: the sigmoid loss, sequence log-probabilities and the reference table.
 
-Direct Preference Optimization (Rafailov et al. 2023; TRL's `loss_type="sigmoid"`). For a pair
-(x, y_w, y_l) -- prompt, preferred (chosen) and non-preferred (rejected) answer -- with the policy
-π (the base with the adapter) and the reference π_ref (the same base, adapter off):
+Direct Preference Optimization (Rafailov et al. 2023; TRL's `loss_type="sigmoid"`) with the chosen
+answers' negative log-likelihood beside it (RPO, Pang et al. 2024; TRL's `rpo_alpha`, in TRL 1.16
+`loss_type=["sigmoid", "sft"]` with `loss_weights=[1, α]`). For a pair (x, y_w, y_l) -- prompt,
+preferred (chosen) and non-preferred (rejected) answer -- with the policy π (the base with the
+adapter) and the reference π_ref (the same base, adapter off):
 
     logp(y | x) = Σ_{t in the answer} log π(y_t | x, y_<t)          the answer's trained tokens
     r_w = β · (logp_π(y_w | x) - logp_ref(y_w | x))                the chosen "reward"
     r_l = β · (logp_π(y_l | x) - logp_ref(y_l | x))                the rejected one
-    L   = Σ_pairs -log σ(r_w - r_l) / P,      P = the pairs of the whole optimizer step
+    L   = Σ_pairs -log σ(r_w - r_l) / P  +  α · Σ_pairs -logp_π(y_w | x) / N_w
 
-P counts every micro-batch and every rank of the step, so accumulating micro-batches (or ranks)
-gives the gradient of one large batch, as the supervised loss divides by the step's tokens. The
-readings are TRL's `rewards/*`, means over the step's pairs: chosen r_w, rejected r_l, margin
-r_w - r_l, accuracy [r_w > r_l].
+P = the pairs of the whole optimizer step, N_w = the trained tokens of its chosen answers: the NLL
+term is a mean over the chosen answers' tokens, as TRL's "sft" term (its `-logps[chosen_mask].mean()`
+over the batch; per-sequence means would weigh a short answer's tokens more). P and N_w count every
+micro-batch and every rank of the step, so accumulating micro-batches (or ranks) gives the gradient
+of one large batch, as the supervised loss divides by the step's tokens. (TRL divides each
+micro-batch by its own counts and averages the micro-batches: the same for one micro-batch a step.)
+The readings are TRL's `rewards/*`, means over the step's pairs: chosen r_w, rejected r_l, margin
+r_w - r_l, accuracy [r_w > r_l]; and the chosen answers' NLL per token, Σ / N_w (TRL's `nll_loss`).
 
 Layout: a pair is one example of two sequences (worker/engine/data.py); a row holds whole pairs,
 and `pair_slots` numbers a batch's sequences 2·pair + side (side 0 chosen, 1 rejected). A sequence's
@@ -42,7 +48,9 @@ from worker.engine.fused_model import PackedInputs, packed_loss_states
 from worker.engine.lora import lora_modules
 from worker.engine.types import PreferenceMetrics, StopRequested
 
-READINGS = 3  # Σ r_w, Σ r_l, Σ [r_w > r_l] over a micro-batch's pairs (each × the step's 1/P)
+# Σ r_w, Σ r_l, Σ [r_w > r_l] over a micro-batch's pairs (each × the step's 1/P) and Σ of its chosen
+# answers' token NLLs (× the step's 1/N_w)
+READINGS = 4
 
 
 def token_logps(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
@@ -73,17 +81,47 @@ def dpo_terms(
 
 
 def pair_readings(chosen: torch.Tensor, rejected: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(READINGS,) sums over the real pairs (mask 1; padding 0): Σ r_w, Σ r_l, Σ [r_w > r_l]."""
+    """(3,) sums over the real pairs (mask 1; padding 0): Σ r_w, Σ r_l, Σ [r_w > r_l]."""
     mask = mask.to(chosen.dtype)
     return torch.stack(
         [(chosen * mask).sum(), (rejected * mask).sum(), ((chosen > rejected).to(chosen.dtype) * mask).sum()]
     ).detach()
 
 
+def preference_loss(
+    policy: torch.Tensor,
+    reference: torch.Tensor,
+    mask: torch.Tensor,
+    beta: float,
+    rpo_alpha: float,
+    pair_scale: torch.Tensor | float,
+    token_scale: torch.Tensor | float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, readings (READINGS,)) of one micro-batch's sequences (2Q,) (`pair_slots` order), its
+    real pairs `mask` (Q,): Σ -log σ(r_w - r_l) · pair_scale + α · Σ -logp(y_w) · token_scale, where
+    the scales are the step's 1/P and 1/N_w. The eager and the captured step both take it."""
+    losses, chosen, rejected = dpo_terms(policy, reference, beta)
+    mask = mask.to(losses.dtype)
+    # Σ of the chosen answers' token NLLs: a sequence's log-prob is the Σ of its tokens' (0 on padding)
+    nll = -(policy[..., 0::2] * mask).sum()
+    loss = (losses * mask).sum() * pair_scale + rpo_alpha * (nll * token_scale)
+    readings = torch.cat(
+        [pair_readings(chosen, rejected, mask) * pair_scale, (nll * token_scale).detach().reshape(1)]
+    )
+    return loss, readings
+
+
+def chosen_tokens(batch: Batch) -> int:
+    """N_w of a batch: the trained tokens of its chosen answers (even `pair_slots` slots)."""
+    slots, _ = pair_slots(batch)
+    keep = batch.labels[:, 1:] != IGNORE_INDEX  # label t + 1 is predicted at position t
+    return int((slots[:, 1:][keep] % 2 == 0).sum())
+
+
 def metrics_of(means: Sequence[float]) -> PreferenceMetrics:
-    """The readings' step means (Σ / P, as the step returns them) as the job reports them."""
-    chosen, rejected, accuracy = (float(x) for x in means)
-    return PreferenceMetrics(chosen, rejected, chosen - rejected, accuracy)
+    """The readings' step means (Σ / P and Σ / N_w, as the step returns them) as the job reports them."""
+    chosen, rejected, accuracy, nll = (float(x) for x in means)
+    return PreferenceMetrics(chosen, rejected, chosen - rejected, accuracy, nll)
 
 
 @contextmanager
@@ -111,6 +149,12 @@ class ReferenceTable:
 
     values: torch.Tensor  # (S,) float64, S = 2 · the dataset's pairs
     starts: torch.Tensor  # (rows + 1,) int64
+    chosen_tokens: int  # N_w of the whole dataset: its chosen answers' trained tokens
+
+    @property
+    def chosen_nll(self) -> float:
+        """The base's NLL of the dataset's chosen answers per token: where the NLL term starts."""
+        return -float(self.values[0::2].sum()) / max(self.chosen_tokens, 1)
 
     def for_batch(self, batch: Batch) -> torch.Tensor:
         """(2P,) float64: the batch's sequences in `pair_slots` order (its rows in batch order)."""
@@ -138,6 +182,7 @@ def reference_table(
     is: at step 1 (B = 0) the two are equal and the loss is log 2."""
     sampler = BatchSampler(data, batch_size, seed=0, shuffle=False)
     values: list[torch.Tensor] = []
+    tokens = 0
     was_training = model.training
     model.eval()
     try:
@@ -149,14 +194,16 @@ def reference_table(
                     and should_stop()
                 ):
                     raise StopRequested("stopped while computing the reference log-probabilities")
-                values.append(logps(sampler.batch(0, i)).detach().double().cpu())
+                batch = sampler.batch(0, i)
+                values.append(logps(batch).detach().double().cpu())
+                tokens += chosen_tokens(batch)
     finally:
         model.train(was_training)
     per_row = data.rows.segments()  # (rows,) sequences: two a pair
     starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(per_row, 0)])
     flat = torch.cat(values) if values else torch.zeros(0, dtype=torch.float64)
     assert flat.numel() == int(starts[-1]), (flat.numel(), int(starts[-1]))
-    return ReferenceTable(flat, starts)
+    return ReferenceTable(flat, starts, tokens)
 
 
 # ----------------------------------------------------------------------------- eager step
@@ -178,14 +225,25 @@ def batch_logps(model: nn.Module, batch: Batch, autocast: Callable[[], torch.aut
 
 
 def eager_loss(
-    policy: torch.Tensor, reference: torch.Tensor, beta: float, step_pairs: int
+    policy: torch.Tensor,
+    reference: torch.Tensor,
+    beta: float,
+    rpo_alpha: float,
+    step_pairs: int,
+    step_chosen_tokens: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, readings) of one micro-batch's sequences (2P,) as a share of a step of `step_pairs`
-    pairs: Σ -log σ(r_w - r_l) / step_pairs and the readings' sums / step_pairs."""
-    losses, chosen, rejected = dpo_terms(policy, reference.to(policy.device), beta)
-    scale = 1.0 / max(step_pairs, 1)
-    mask = torch.ones_like(chosen)
-    return losses.sum() * scale, pair_readings(chosen, rejected, mask) * scale
+    pairs whose chosen answers have `step_chosen_tokens` trained tokens (`preference_loss`)."""
+    mask = torch.ones(policy.shape[-1] // 2, dtype=policy.dtype, device=policy.device)
+    return preference_loss(
+        policy,
+        reference.to(policy.device),
+        mask,
+        beta,
+        rpo_alpha,
+        1.0 / max(step_pairs, 1),
+        1.0 / max(step_chosen_tokens, 1),
+    )
 
 
 # ----------------------------------------------------------------------------- captured step
@@ -199,6 +257,7 @@ class HostPairs:
     reference: torch.Tensor  # (k, 2Q) float64: π_ref of each slot (0 on padding pairs)
     pair_mask: torch.Tensor  # (k, Q): 1 on real pairs
     pairs: int  # P: real pairs of the whole step (all ranks): the loss divides by it
+    chosen_tokens: int  # N_w: the whole step's chosen answers' trained tokens (the NLL's divisor)
 
 
 def host_pairs(
@@ -224,7 +283,13 @@ def host_pairs(
         reference[i, : 2 * pairs] = table.for_batch(batch)
         mask[i, :pairs] = 1.0
     slots = loss_slots(batches, loss_index, rows, seq)
-    return HostPairs(slots, reference, mask, sum(pair_slots(b)[1] for b in batches))
+    return HostPairs(
+        slots,
+        reference,
+        mask,
+        sum(pair_slots(b)[1] for b in batches),
+        sum(chosen_tokens(b) for b in batches),
+    )
 
 
 def loss_slots(batches: Sequence[Batch], loss_index: torch.Tensor, rows: int, seq: int) -> torch.Tensor:
@@ -242,42 +307,54 @@ def loss_slots(batches: Sequence[Batch], loss_index: torch.Tensor, rows: int, se
 
 class PreferenceObjective:
     """The DPO objective of the captured packed step (train_step.StepObjective): static buffers
-    for the pair layout and the reference values, refilled by every `load`."""
+    for the pair layout, the reference values and the step's 1/N_w, refilled by every `load`."""
 
     readings = READINGS
 
-    def __init__(self, beta: float) -> None:
+    def __init__(self, beta: float, rpo_alpha: float) -> None:
         self.beta = beta
+        self.rpo_alpha = rpo_alpha  # a constant of the captured graph, as beta
         self.loss_slot: torch.Tensor | None = None
         self.reference: torch.Tensor | None = None
         self.pair_mask: torch.Tensor | None = None
+        self.token_scale: torch.Tensor | None = None  # () 1 / N_w of the step
 
     def allocate(self, micro_batches: int, loss_tokens: int, max_pairs: int, device: torch.device) -> None:
         self.loss_slot = torch.zeros(micro_batches, loss_tokens, dtype=torch.int64, device=device)
         dtype = torch.float32 if device.type == "cuda" else torch.float64
         self.reference = torch.zeros(micro_batches, 2 * max_pairs, dtype=dtype, device=device)
         self.pair_mask = torch.zeros(micro_batches, max_pairs, dtype=dtype, device=device)
+        self.token_scale = torch.ones((), dtype=dtype, device=device)
 
     def copies(self, pairs: HostPairs) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(static buffer, host tensor) pairs for the step's loader."""
         assert self.loss_slot is not None and self.reference is not None and self.pair_mask is not None
+        assert self.token_scale is not None
         return [
             (self.loss_slot, pairs.loss_slot),
             (self.reference, pairs.reference),
             (self.pair_mask, pairs.pair_mask),
+            (self.token_scale, torch.tensor(1.0 / max(pairs.chosen_tokens, 1), dtype=torch.float64)),
         ]
 
     def micro_loss(self, model: nn.Module, packed: PackedInputs, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss, readings) of micro-batch i, both × the step's 1/P (`packed.loss_scale`)."""
+        """(loss, readings) of micro-batch i: its pairs × the step's 1/P (`packed.loss_scale`), its
+        chosen answers' NLL × the step's 1/N_w (`token_scale`), as `preference_loss`."""
         assert self.loss_slot is not None and self.reference is not None and self.pair_mask is not None
+        assert self.token_scale is not None
         head = getattr(model, "get_output_embeddings")()  # noqa: B009
         states = packed_loss_states(model, packed, i)  # (M, d)
         lp = token_logps(states, head, packed.loss_targets[i])  # (M,), 0 on padding entries
         policy = sequence_logps(lp, self.loss_slot[i], self.reference.shape[1])  # (2Q,)
-        losses, chosen, rejected = dpo_terms(policy, self.reference[i], self.beta)
-        mask = self.pair_mask[i].to(losses.dtype)
-        scale = packed.loss_scale.to(losses.dtype)
-        return (losses * mask).sum() * scale, pair_readings(chosen, rejected, mask) * scale
+        return preference_loss(
+            policy,
+            self.reference[i],
+            self.pair_mask[i],
+            self.beta,
+            self.rpo_alpha,
+            packed.loss_scale.to(policy.dtype),
+            self.token_scale.to(policy.dtype),
+        )
 
 
-LOG2 = math.log(2.0)  # the DPO loss of a policy equal to its reference (r_w = r_l = 0)
+LOG2 = math.log(2.0)  # the DPO term of a policy equal to its reference (r_w = r_l = 0)

@@ -173,6 +173,8 @@ class PreferenceMetrics:
     rejected_reward: float
     margin: float  # chosen_reward - rejected_reward
     accuracy: float  # share of pairs whose chosen reward is above the rejected one
+    # the chosen answers' NLL per token under the policy (TRL's nll_loss; the loss adds it × rpo_alpha)
+    chosen_nll: float | None = None
 
 
 @dataclass
