@@ -186,6 +186,7 @@ def test_on_a_gpu_the_plan_comes_from_its_free_memory_and_is_announced(
     monkeypatch.setattr(step_memory.torch.cuda, "mem_get_info", lambda device: (free - (1 << 20), total))
     monkeypatch.setattr(step_memory.torch.cuda, "memory_allocated", lambda device: 1 << 20)
     monkeypatch.setattr(step_memory.torch.cuda, "get_per_process_memory_fraction", lambda device: fraction)
+    monkeypatch.setattr(step_memory.torch.cuda, "current_device", lambda: 0)  # device "cuda": index 0
     events: list[tuple[str, str, Any]] = []
     model = copy.deepcopy(tiny.model)
     cfg = tiny_config(tmp_path, batch_size=4, max_seq_len=64, lora=LoraConfig(r=8, alpha=16.0))

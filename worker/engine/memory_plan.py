@@ -15,7 +15,9 @@ i = intermediate, L = layers, V = vocabulary, T = tokens of one micro-batch = mi
                  (the two norms' inputs and outputs, q, k, v, the attention output, gate, up
                  and their product); one layer's are alive again while it is recomputed
         none       L·a·T
-        selective  L·(a − b·(h + 3i))·T + b·(h + 3i)·T   (each MLP recomputed in the backward)
+        selective  L·(a − b·3i − b·r·m)·T + b·(h + 3i)·T  (each MLP recomputed in the backward:
+                   its gate, up and product, and its m LoRA targets' x·Aᵀ, are not kept; its
+                   input, the second norm's output, still is)
         full       L·b·h·T + a·T                        (each layer recomputed from its input)
         full + offload: the layer inputs wait in host memory: 2·b·h·T + a·T
     loss         the chunked LM head's logits (CHUNK_BYTES, gpu_kernels.ops.cross_entropy) and
@@ -68,6 +70,7 @@ GGUF_BITS = {
     "Q6_K": 6.5625,
 }
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MLP_LINEAR = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -199,12 +202,14 @@ def predict_peak(
     lora = targeted(dims, targets)
     adapter = 18 * dims.layers * sum(rank * (n_in + n_out) for n_in, n_out in lora.values())
     per_token = BF16 * (6 * h + 2 * kv + 3 * i) + BF16 * rank * len(lora)  # one layer, nothing checkpointed
-    mlp = BF16 * (h + 3 * i)
+    mlp_targets = sum(1 for name in lora if name in MLP_LINEAR)
+    mlp_dropped = BF16 * 3 * i + BF16 * rank * mlp_targets  # what a checkpointed MLP does not keep
+    mlp = BF16 * (h + 3 * i)  # one MLP's tensors, alive again while it is recomputed
     layers, t = dims.layers, micro_tokens
     if choice.checkpointing == "none":
         activations = layers * per_token * t
     elif choice.checkpointing == "selective":
-        activations = layers * (per_token - mlp) * t + mlp * t
+        activations = layers * (per_token - mlp_dropped) * t + mlp * t
     elif choice.offload:
         activations = 2 * BF16 * h * t + per_token * t
     else:

@@ -55,7 +55,7 @@ from worker.engine.lora import apply_lora, lora_modules, remove_lora, trainable_
 from worker.engine.models import LoadedModel, load_base_model
 from worker.engine.sampling import greedy_samples
 from worker.engine.schedule import build_scheduler, warmup_steps
-from worker.engine.step_memory import obey, offloaded, remove_checkpointing, split_rows
+from worker.engine.step_memory import expandable_segments, obey, offloaded, remove_checkpointing, split_rows
 from worker.engine.train_step import CapturedTrainStep, HostStep, StepObjective, StepShape, host_step
 from worker.engine.training_config import plan_sentence, plan_steps
 from worker.engine.types import (
@@ -164,6 +164,7 @@ class LoRAFinetuneRecipe:
         self.callbacks = distributed.wrap_callbacks(self.callbacks, self.dist)
         self.on_cuda = self.device.type == "cuda"
         if self.on_cuda:
+            expandable_segments()  # before the base's weights take their segments
             try:
                 gpu_kernels.require_compiled()
             except RuntimeError as exc:
