@@ -193,12 +193,18 @@ def test_dpo_raises_the_held_out_margin_of_smollm2(dpo_run: DpoRun) -> None:
 # topic word garbled twice ("Zebers", "Maggots" for magnets). So the style now appears; staying on
 # topic does not yet hold on every prompt. Strict: once it does, the XPASS fails the suite and this
 # marker must go.
+def test_dpo_adapter_answers_most_held_out_prompts_in_the_chosen_style(dpo_run: DpoRun) -> None:
+    """Issue 33's sentence: the style on most held-out prompts, and no answer a loop."""
+    assert styled(dpo_run.base) <= 2, dpo_run.base  # else the style is no change the adapter made
+    assert styled(dpo_run.tuned) >= 7, dpo_run.tuned
+    assert not any(loops(answer) for answer in dpo_run.tuned), dpo_run.tuned
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="issue 33: with the chosen answers' NLL the style appears (7/10), not every answer on topic",
 )
-def test_dpo_adapter_answers_held_out_prompts_in_the_chosen_style(dpo_run: DpoRun) -> None:
-    assert styled(dpo_run.base) <= 2, dpo_run.base  # else the style is no change the adapter made
-    assert styled(dpo_run.tuned) >= 7, dpo_run.tuned
+def test_dpo_adapter_keeps_every_held_out_answer_on_its_topic(dpo_run: DpoRun) -> None:
+    """Stricter than the issue asks: every tuned answer names its prompt's topic."""
     for (_, topic), answer in zip(dpo_run.prompts, dpo_run.tuned, strict=True):
-        assert on_topic(answer, topic) and not loops(answer), (topic, answer)
+        assert on_topic(answer, topic), (topic, answer)
