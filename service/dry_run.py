@@ -107,7 +107,7 @@ def plan(spec: JobCreate, request: dict[str, Any], done: dict[str, Any], setting
     trained_tokens = n_epochs * trained.tokens
     row_tokens = planned["row_tokens"] if planned else spec.max_seq_len
     # what the worker plans: one GPU's rows of the micro-batch, of row_tokens each
-    rows = memory_check.gpu_rows(batch_size, spec.n_gpus, spec.batch_scaling)
+    rows = memory_check.gpu_rows(batch_size, spec)
     step = memory_check.spec_step(spec, rows=rows, seq=row_tokens)
     found = estimates.estimates(
         spec.model,
@@ -155,6 +155,6 @@ def _memory(spec: JobCreate, batch_size: int, row_tokens: int, settings: Setting
     from service.broker import celery_queue
 
     queue = celery_queue(spec.queue or settings.worker_queue, spec.n_gpus)
-    rows = memory_check.gpu_rows(batch_size, spec.n_gpus, spec.batch_scaling)
+    rows = memory_check.gpu_rows(batch_size, spec)
     found = memory_check.plans(spec, memory_check.queue_gpu_bytes(workers, queue), rows=rows, seq=row_tokens)
     return [MemoryPlanPublic(**p) for p in memory_check.public(found)]

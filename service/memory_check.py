@@ -21,7 +21,7 @@ from service.schemas import JobCreate
 from service.settings import get_settings
 from worker.engine.catalog import PRETRAINED
 from worker.engine.memory_plan import MemoryPlan, refusal
-from worker.engine.training_config import AUTO_BATCH_SIZE, BatchScaling
+from worker.engine.training_config import AUTO_BATCH_SIZE
 
 
 @dataclass(frozen=True)
@@ -62,11 +62,12 @@ def plans(spec: JobCreate, gpu_bytes: dict[int, int], *, rows: int, seq: int) ->
     return [GpuPlan(size, count, step.plan(size)) for size, count in sorted(gpu_bytes.items())]
 
 
-def gpu_rows(batch_size: int | str, n_gpus: int, batch_scaling: BatchScaling) -> int:
+def gpu_rows(batch_size: int | str, spec: JobCreate) -> int:
     """Rows a micro-batch gives each GPU: batch_size ("auto": at most AUTO_BATCH_SIZE) over the
-    GPUs, or all of it on each (batch_scaling per_gpu)."""
+    job's ranks (n_gpus on each of n_nodes hosts), or all of it on each (batch_scaling per_gpu)."""
     rows = AUTO_BATCH_SIZE if batch_size == "auto" else int(batch_size)
-    return rows if batch_scaling == "per_gpu" else -(-rows // n_gpus)
+    ranks = spec.n_gpus * spec.n_nodes
+    return rows if spec.batch_scaling == "per_gpu" else -(-rows // ranks)
 
 
 def check_fits(
@@ -75,7 +76,7 @@ def check_fits(
     """400 when the queue's live GPU workers are known and the job fits none of their GPUs."""
     if workers is None:
         return
-    rows = gpu_rows(batch_size, spec.n_gpus, spec.batch_scaling)
+    rows = gpu_rows(batch_size, spec)
     found = plans(spec, queue_gpu_bytes(workers, celery_queue), rows=rows, seq=spec.max_seq_len)
     if not found or any(p.plan.fits for p in found):
         return

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 
-from service import dry_run, worker_registry
+from service import dry_run, memory_check, worker_registry
 from service.schemas import JobCreate
 from service.settings import get_settings
 from tests.conftest import DATASET, ApiClient, job_body
@@ -80,3 +80,25 @@ def test_the_dry_run_shows_the_plan_on_each_gpu_size(
     # a queue whose workers have no GPU (or none live) shows no plan
     cpu = JobCreate(model="llama-8b", training_file="file-x", queue="nobody-here", max_seq_len=4096)
     assert dry_run._memory(cpu, 8, 4096, get_settings()) == []
+
+
+def test_a_gpus_rows_divide_the_batch_over_every_rank_of_every_host() -> None:
+    spec = JobCreate(model="llama-8b", training_file="file-x", n_gpus=2, n_nodes=2)
+    assert memory_check.gpu_rows(8, spec) == 2  # 4 ranks
+    assert memory_check.gpu_rows(8, spec.model_copy(update={"n_nodes": 1})) == 4
+    assert memory_check.gpu_rows(3, spec) == 1  # a rank's rows round up
+    assert memory_check.gpu_rows(8, spec.model_copy(update={"batch_scaling": "per_gpu"})) == 8
+
+
+def test_the_dry_run_plans_a_multi_host_jobs_share_of_the_batch(
+    api: ApiClient, gpu_worker: Callable[[int], str]
+) -> None:
+    queue = gpu_worker(80)
+    one = JobCreate(model="llama-8b", training_file="file-x", queue=queue, max_seq_len=4096)
+    (alone,) = dry_run._memory(one, 8, 4096, get_settings())
+    (shared,) = dry_run._memory(one.model_copy(update={"n_nodes": 4}), 8, 4096, get_settings())
+    # 2 rows a GPU on 4 hosts instead of 8 on one: less to hold, so less split or recomputed
+    assert shared.predicted_peak_gib < alone.predicted_peak_gib or (
+        (shared.micro_batch_rows, shared.activation_checkpointing)
+        != (alone.micro_batch_rows, alone.activation_checkpointing)
+    )
