@@ -157,7 +157,10 @@ PRETRAINED: dict[str, PretrainedSource] = {"smollm2-135m-instruct": SMOLLM2_SOUR
 SHAPE_OF_PRETRAINED = {"smollm2-135m-instruct": "smollm2-135m"}
 
 _DESCRIPTIONS = {
-    "smollm2-135m-instruct": "SmolLM2-135M-Instruct, pretrained (GGUF Q4_1, dequantized on load)",
+    "smollm2-135m-instruct": (
+        "SmolLM2-135M-Instruct, pretrained (GGUF Q4_1: dequantized to bf16 on load, "
+        "or kept in its blocks with quantization 'gguf')"
+    ),
     "tiny-llama": "random-init Llama, 0.14M parameters: for tests only, learns nothing real",
     "llama-1b": "random-init Llama-3.2-1B shape, benchmarks only",
     "llama-8b": "random-init Llama-3.1-8B shape, benchmarks only",
