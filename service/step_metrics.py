@@ -27,8 +27,9 @@ from worker.engine.types import StepMetrics
 
 class PreferenceReadings(BaseModel):
     """DPO only (worker/engine/preference.py): the step's rewards β·(log π - log π_ref) of the
-    chosen and rejected answers, their margin and the share of pairs ranked right; the validation
-    pass's margin and accuracy on the steps that ran one. None on supervised steps."""
+    chosen and rejected answers, their margin, the share of pairs ranked right and the chosen
+    answers' NLL per token (the term the loss adds × rpo_alpha); the validation pass's margin,
+    accuracy and chosen NLL on the steps that ran one. None on supervised steps."""
 
     chosen_reward: float | None = None
     rejected_reward: float | None = None
@@ -36,6 +37,8 @@ class PreferenceReadings(BaseModel):
     reward_accuracy: float | None = None
     valid_reward_margin: float | None = None
     valid_reward_accuracy: float | None = None
+    chosen_nll: float | None = None
+    valid_chosen_nll: float | None = None
 
 
 PREFERENCE_FIELDS = tuple(PreferenceReadings.model_fields)
@@ -61,9 +64,9 @@ class StepRow(PreferenceReadings):
         return cls(**plain, **preference_fields(m))
 
 
-def preference_fields(m: StepMetrics) -> dict[str, float]:
+def preference_fields(m: StepMetrics) -> dict[str, float | None]:
     """A DPO step's readings under the names a stored step and a metrics event give them."""
-    out: dict[str, float] = {}
+    out: dict[str, float | None] = {}
     if m.preference is not None:
         p = m.preference
         out |= {
@@ -71,11 +74,13 @@ def preference_fields(m: StepMetrics) -> dict[str, float]:
             "rejected_reward": p.rejected_reward,
             "reward_margin": p.margin,
             "reward_accuracy": p.accuracy,
+            "chosen_nll": p.chosen_nll,
         }
     if m.valid_preference is not None:
         out |= {
             "valid_reward_margin": m.valid_preference.margin,
             "valid_reward_accuracy": m.valid_preference.accuracy,
+            "valid_chosen_nll": m.valid_preference.chosen_nll,
         }
     return out
 

@@ -209,6 +209,8 @@ class JobMetric(Base):
     reward_accuracy: Mapped[float | None] = mapped_column(Float, default=None)
     valid_reward_margin: Mapped[float | None] = mapped_column(Float, default=None)
     valid_reward_accuracy: Mapped[float | None] = mapped_column(Float, default=None)
+    chosen_nll: Mapped[float | None] = mapped_column(Float, default=None)  # migration 0012
+    valid_chosen_nll: Mapped[float | None] = mapped_column(Float, default=None)
     created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
 
 

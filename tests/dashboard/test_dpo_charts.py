@@ -1,8 +1,8 @@
-"""A DPO job's own curves (issue 33, point 3): its steps' rewards, margin and accuracy are stored
-with the step (job_metrics, migration 0010), served by the dashboard's metrics API and the job's
-metrics events, and drawn on the job page beside the loss; a supervised job's page has no DPO
-charts. The app on a real HTTP server in a real Chromium; the worker's side through the state
-machine (tests/engine/test_dpo.py runs the engine)."""
+"""A DPO job's own curves (issue 33, point 3): its steps' rewards, margin, accuracy and chosen
+answers' NLL per token are stored with the step (job_metrics, migrations 0010 and 0012), served by
+the dashboard's metrics API and the job's metrics events, and drawn on the job page beside the
+loss; a supervised job's page has no DPO charts. The app on a real HTTP server in a real
+Chromium; the worker's side through the state machine (tests/engine/test_dpo.py runs the engine)."""
 
 from __future__ import annotations
 
@@ -37,9 +37,10 @@ def served(api: ApiClient) -> Iterator[str]:
 
 
 def dpo_step(n: int) -> StepMetrics:
-    """Step n of a DPO run whose chosen reward rises and rejected one falls; validated at step 3."""
-    readings = PreferenceMetrics(0.1 * n, -0.1 * n, 0.2 * n, min(1.0, 0.3 * n))
-    valid = PreferenceMetrics(0.05, -0.05, 0.1, 0.75) if n == 3 else None
+    """Step n of a DPO run whose chosen reward rises, rejected one falls and chosen NLL falls;
+    validated at step 3."""
+    readings = PreferenceMetrics(0.1 * n, -0.1 * n, 0.2 * n, min(1.0, 0.3 * n), chosen_nll=2.0 - 0.25 * n)
+    valid = PreferenceMetrics(0.05, -0.05, 0.1, 0.75, chosen_nll=1.5) if n == 3 else None
     return dataclasses.replace(
         step(n, total=4, loss=0.69 - 0.05 * n),
         valid_loss=0.6 if n == 3 else None,
@@ -72,9 +73,12 @@ def test_dpo_job_page_draws_rewards_and_accuracy(served: str, api: ApiClient, ar
     stored = api.get(f"/dashboard/api/jobs/{dpo}/metrics").json()["data"]
     assert [r["reward_margin"] for r in stored] == pytest.approx([0.2, 0.4, 0.6])
     assert [r["valid_reward_accuracy"] for r in stored] == [None, None, 0.75]
+    assert [r["chosen_nll"] for r in stored] == pytest.approx([1.75, 1.5, 1.25])
+    assert [r["valid_chosen_nll"] for r in stored] == [None, None, 1.5]
     events = api.get(f"/v1/fine_tuning/jobs/{dpo}/events", params={"limit": 50}).json()["data"]
     metrics = [e["data"] for e in events if e["type"] == "metrics"]
     assert sorted(m["reward_accuracy"] for m in metrics) == pytest.approx([0.3, 0.6, 0.9])
+    assert sorted(m["chosen_nll"] for m in metrics) == pytest.approx([1.25, 1.5, 1.75])
 
     chromium = require_binary("chromium")
     with sync_playwright() as p:
@@ -92,6 +96,9 @@ def test_dpo_job_page_draws_rewards_and_accuracy(served: str, api: ApiClient, ar
                     [-0.1, -0.2, -0.3]
                 )
                 assert reward[4] == [None, None, 0.1]  # the validation margin where a pass ran
+                assert reward[5] == pytest.approx([1.75, 1.5, 1.25]) and reward[6] == [None, None, 1.5]
+                labels = page.evaluate("window.loraqCharts.reward.series.map((s) => [s.label, s.scale])")
+                assert labels[5:] == [["chosen NLL / token", "nll"], ["validation chosen NLL / token", "nll"]]
                 acc = page.evaluate("window.loraqCharts.acc.data")
                 assert acc[1] == pytest.approx([0.3, 0.6, 0.9]) and acc[2] == [None, None, 0.75]
                 fits(page)

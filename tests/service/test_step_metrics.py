@@ -48,13 +48,14 @@ def test_the_schemas_fields_come_from_the_engine_and_the_table() -> None:
 def test_a_dpo_steps_readings_are_stored_and_sent_flat() -> None:
     dpo = dataclasses.replace(
         step(valid_loss=0.6),
-        preference=PreferenceMetrics(0.3, -0.1, 0.4, 0.75),
-        valid_preference=PreferenceMetrics(0.2, 0.0, 0.2, 0.5),
+        preference=PreferenceMetrics(0.3, -0.1, 0.4, 0.75, chosen_nll=1.8),
+        valid_preference=PreferenceMetrics(0.2, 0.0, 0.2, 0.5, chosen_nll=2.1),
     )
     assert set(preference_fields(dpo)) == set(PREFERENCE_FIELDS)
     row = StepRow.from_metrics(dpo)
     assert (row.chosen_reward, row.reward_margin, row.valid_reward_accuracy) == (0.3, 0.4, 0.5)
-    assert event_data(dpo)["reward_accuracy"] == 0.75
+    assert (row.chosen_nll, row.valid_chosen_nll) == (1.8, 2.1)
+    assert (event_data(dpo)["reward_accuracy"], event_data(dpo)["chosen_nll"]) == (0.75, 1.8)
     assert StepRow.from_metrics(step()).reward_margin is None  # a supervised step has none
     record = dataclasses.asdict(dpo)  # what a torchrun rank writes, read back by the launcher
     assert StepMetrics.from_record(record) == dpo

@@ -14,9 +14,10 @@ const dashPath = `/dashboard/api/jobs/${encodeURIComponent(jobId)}`;
 // Column arrays, one entry per step (uPlot's data layout). tokens and time are running sums of
 // each step's tokens and seconds: the "tokens seen" and "wall time" x-axes.
 const rows = { step: [], tokens: [], time: [], train: [], valid: [], lr: [], gn: [] };
-// a DPO job's readings (null on supervised jobs): chosen/rejected rewards, margin, accuracy
+// a DPO job's readings (null on supervised jobs): chosen/rejected rewards, margin, accuracy,
+// the chosen answers' NLL per token
 const DPO_FIELDS = ["chosen_reward", "rejected_reward", "reward_margin", "reward_accuracy",
-  "valid_reward_margin", "valid_reward_accuracy"];
+  "valid_reward_margin", "valid_reward_accuracy", "chosen_nll", "valid_chosen_nll"];
 for (const f of DPO_FIELDS) rows[f] = [];
 const charts = {};
 let job = null;
@@ -210,10 +211,14 @@ function makeSmallChart(id, label, color) {
   }, [xs(), rows[id === "lrchart" ? "lr" : "gn"]], el);
 }
 
-// DPO's own curves, on the steps that have them; validation points where a pass ran
+// DPO's own curves, on the steps that have them; validation points where a pass ran. A line's
+// fourth entry names its y scale: the chosen answers' NLL is in nats per token, not reward units
+// (about 1-3 where rewards are within ±1), so it has its own axis on the right.
 const DPO_CHARTS = {
   reward: ["rewardchart", [["chosen", "chosen_reward", "#2b8a3e"], ["rejected", "rejected_reward", "#c92a2a"],
-    ["margin", "reward_margin", "#1864ab"], ["validation margin", "valid_reward_margin", "#d9480f"]]],
+    ["margin", "reward_margin", "#1864ab"], ["validation margin", "valid_reward_margin", "#d9480f"],
+    ["chosen NLL / token", "chosen_nll", "#862e9c", "nll"],
+    ["validation chosen NLL / token", "valid_chosen_nll", "#e67700", "nll"]]],
   acc: ["accchart", [["train", "reward_accuracy", "#1864ab"], ["validation", "valid_reward_accuracy", "#d9480f"]]],
 };
 
@@ -229,13 +234,17 @@ function makeDpoChart(key) {
   const [id, lines] = DPO_CHARTS[key];
   const el = document.getElementById(id);
   const axis = X_AXES[xMode()];
+  const scales = { x: { time: false }, y: key === "acc" ? { range: [0, 1] } : {} };
+  const axes = [{ incrs: axis.incrs, values: axis.values }, { size: 70, values: distinctTicks }];
+  for (const scale of new Set(lines.map((line) => line[3]).filter(Boolean))) {
+    scales[scale] = {};
+    axes.push({ scale, side: 1, size: 60, values: distinctTicks, grid: { show: false } });
+  }
   return new uPlot({
-    width: chartWidth(el), height: 200,
-    scales: { x: { time: false }, y: key === "acc" ? { range: [0, 1] } : {} },
-    axes: [{ incrs: axis.incrs, values: axis.values }, { size: 70, values: distinctTicks }],
+    width: chartWidth(el), height: 200, scales, axes,
     legend: { show: true },
-    series: [{}, ...lines.map(([label, field, color]) => ({
-      label, stroke: color, width: 1.5, spanGaps: field.startsWith("valid_"),
+    series: [{}, ...lines.map(([label, field, color, scale]) => ({
+      label, scale: scale || "y", stroke: color, width: 1.5, spanGaps: field.startsWith("valid_"),
       points: { show: field.startsWith("valid_"), size: 5 },
     }))],
   }, dpoData(key), el);
