@@ -199,6 +199,7 @@ def create_job(
     return job_public(job)
 
 
+NO_NUL = r"^[^\u0000]*$"
 # OpenAI's `metadata[k]=v` filter: a query parameter per key (the openai client's `metadata=`)
 METADATA_FILTER = {
     "name": "metadata",
@@ -206,7 +207,12 @@ METADATA_FILTER = {
     "required": False,
     "style": "deepObject",
     "explode": True,
-    "schema": {"type": "object", "additionalProperties": {"type": "string"}},
+    # no NUL in a key or value (refused with 400 invalid_query: PostgreSQL's text cannot hold it)
+    "schema": {
+        "type": "object",
+        "propertyNames": {"pattern": NO_NUL},
+        "additionalProperties": {"type": "string", "pattern": NO_NUL},
+    },
     "description": "metadata[k]=v: only jobs whose metadata has every given pair",
 }
 

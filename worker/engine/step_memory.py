@@ -104,11 +104,11 @@ def offloaded(enabled: bool, device: torch.device) -> Iterator[None]:
 
 def expandable_segments() -> bool:
     """Have the CUDA caching allocator grow segments in place (`expandable_segments`) unless the
-    operator configured it (PYTORCH_CUDA_ALLOC_CONF) or LORAQ_EXPANDABLE_SEGMENTS=0. Without it,
-    an 8B NF4 step capped at 8.9 GiB ran out of memory with 6.9 GiB live: the rest was blocks cut
-    for other sizes (the eager warm-up step, the graph's pool), which the plan cannot predict.
-    Returns whether it is on. Takes effect for the segments allocated after the call."""
-    if not torch.cuda.is_available() or os.environ.get("LORAQ_EXPANDABLE_SEGMENTS") == "0":
+    operator configured it in PYTORCH_CUDA_ALLOC_CONF (`expandable_segments:False` keeps it off).
+    Without it, an 8B NF4 step capped at 8.9 GiB ran out of memory with 6.9 GiB live: the rest was
+    blocks cut for other sizes (the eager warm-up step, the graph's pool), which the plan cannot
+    predict. Returns whether it is on. Takes effect for the segments allocated after the call."""
+    if not torch.cuda.is_available():
         return False
     configured = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     if "expandable_segments" in configured:
