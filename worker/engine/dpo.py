@@ -40,6 +40,7 @@ from worker.engine.preference import (
     packed_loss_states,
     reference_table,
     sequence_logps,
+    step_counts,
     token_logps,
 )
 from worker.engine.recipe import LoRAFinetuneRecipe
@@ -104,19 +105,22 @@ class DpoRecipe(LoRAFinetuneRecipe):
         shape = self.step_fn.shape
         parts = self._rank_parts(micro)  # as super() laid them out
         host.pairs = host_pairs(
-            parts, host.loss_index, shape.micro_batches, shape.pairs, shape.rows, shape.seq, self.reference
+            parts,
+            host.loss_index,
+            shape.micro_batches,
+            shape.pairs,
+            shape.rows,
+            shape.seq,
+            self.reference,
+            step=micro,  # P and N_w of the whole step, on all ranks
         )
-        # the whole step's, on all ranks
-        host.pairs.pairs = sum(pair_slots(b)[1] for b in micro)
-        host.pairs.chosen_tokens = sum(chosen_tokens(b) for b in micro)
         return host
 
     def _eager_step(self, micro_batches: list[Batch]) -> torch.Tensor:
         """Forward + backward of each micro-batch's pairs (this rank's rows), loss Σ / P over the
         step's pairs (+ α · Σ NLL / N_w over its chosen tokens); then clip. (2 + READINGS,) values,
         the optimizer not stepped yet."""
-        step_pairs = sum(pair_slots(b)[1] for b in micro_batches)
-        step_chosen = sum(chosen_tokens(b) for b in micro_batches)
+        step_pairs, step_chosen = step_counts(micro_batches)
         values = torch.zeros(1 + READINGS, device=self.device)
         if self.grads is not None:
             self.grads.zero_()

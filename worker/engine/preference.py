@@ -118,6 +118,12 @@ def chosen_tokens(batch: Batch) -> int:
     return int((slots[:, 1:][keep] % 2 == 0).sum())
 
 
+def step_counts(batches: Sequence[Batch]) -> tuple[int, int]:
+    """(P, N_w) of a step's micro-batches: their pairs and their chosen answers' trained tokens,
+    the divisors of the DPO term and of the NLL term."""
+    return sum(pair_slots(b)[1] for b in batches), sum(chosen_tokens(b) for b in batches)
+
+
 def metrics_of(means: Sequence[float]) -> PreferenceMetrics:
     """The readings' step means (Σ / P and Σ / N_w, as the step returns them) as the job reports them."""
     chosen, rejected, accuracy, nll = (float(x) for x in means)
@@ -268,12 +274,14 @@ def host_pairs(
     rows: int,
     seq: int,
     table: ReferenceTable,
+    step: Sequence[Batch] | None = None,
 ) -> HostPairs:
     """Lay the micro-batches' pairs out for a step of `micro_batches` × `max_pairs` (Q) pair slots:
     the slot of each of `loss_index` (k, M)'s positions (flat b·T + t in the step's (B, T) =
     (`rows`, `seq`) layout, train_step.host_step, predicting
     t + 1, of the same sequence: a sequence's first token is never trained), the reference values
-    and the mask of real pairs. Padding entries (target -100) contribute a log-prob of 0."""
+    and the mask of real pairs. Padding entries (target -100) contribute a log-prob of 0. P and
+    N_w count `step`, the whole step's micro-batches on every rank (default: `batches`)."""
     reference = torch.zeros(micro_batches, 2 * max_pairs, dtype=torch.float64)
     mask = torch.zeros(micro_batches, max_pairs, dtype=torch.float64)
     for i, batch in enumerate(batches):
@@ -283,13 +291,7 @@ def host_pairs(
         reference[i, : 2 * pairs] = table.for_batch(batch)
         mask[i, :pairs] = 1.0
     slots = loss_slots(batches, loss_index, rows, seq)
-    return HostPairs(
-        slots,
-        reference,
-        mask,
-        sum(pair_slots(b)[1] for b in batches),
-        sum(chosen_tokens(b) for b in batches),
-    )
+    return HostPairs(slots, reference, mask, *step_counts(batches if step is None else step))
 
 
 def loss_slots(batches: Sequence[Batch], loss_index: torch.Tensor, rows: int, seq: int) -> torch.Tensor:
