@@ -8,6 +8,7 @@ gpu_kernels.build and loaded with ctypes) run, and if a GPU is present but the b
 path. `configure(KernelConfig(...))` sets the switches (see gpu_kernels.config).
 """
 
+from gpu_kernels.backend import get_backend, set_backend
 from gpu_kernels.config import KernelConfig, configure, current_config
 from gpu_kernels.dispatch import (
     KernelStatus,
@@ -16,7 +17,6 @@ from gpu_kernels.dispatch import (
     clip_grad_norm_,
     dropout_seed_step_,
     fused_linear_cross_entropy,
-    get_backend,
     lora_linear,
     lora_linear_grouped,
     lora_linear_multi,
@@ -24,7 +24,6 @@ from gpu_kernels.dispatch import (
     require_compiled,
     rms_norm,
     rope_qkv,
-    set_backend,
     swiglu,
     swiglu_packed,
     varlen_attention,

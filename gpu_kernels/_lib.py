@@ -60,6 +60,9 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     ),
     "loraq_lora_multi_workspace": (_i64, [_i64, _i64, _i32]),
     "loraq_lora_multi": (_i32, [_p, _p, _i32, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _i64, _i32, _p, _p]),
+    # (packed, absmax, dq_codes, dq_scale, dq_mean, first_block, rows, n_in, block, out, stream)
+    "loraq_nf4_dequant": (_i32, [*[_p] * 5, _i64, _i64, _i64, _i32, _p, _p]),
+    "loraq_int8_dequant": (_i32, [_p, _p, _i64, _i64, _p, _p]),
     "loraq_error_string": (ctypes.c_char_p, [_i32]),
 }
 

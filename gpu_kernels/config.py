@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpu_kernels import dispatch
-from gpu_kernels.dispatch import Backend
+from gpu_kernels import backend
+from gpu_kernels.backend import Backend
 from gpu_kernels.ops import lora
 from gpu_kernels.ops.lora import RankUpdate
 
@@ -28,7 +28,7 @@ def configure(config: KernelConfig) -> None:
     """Apply `config` to this process (raises ValueError on an unknown backend or order)."""
     from gpu_kernels import build  # lazy, as in _lib: `python -m gpu_kernels.build` runs it as __main__
 
-    dispatch.set_backend(config.backend)
+    backend.set_backend(config.backend)
     lora.set_rank_update(config.rank_update)
     build.set_cache_dir(config.cache_dir)
 
@@ -37,4 +37,4 @@ def current_config() -> KernelConfig:
     """What this process runs with now."""
     from gpu_kernels import build
 
-    return KernelConfig(dispatch.get_backend(), lora.get_rank_update(), build._cache_dir)
+    return KernelConfig(backend.get_backend(), lora.get_rank_update(), build._cache_dir)

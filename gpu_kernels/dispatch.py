@@ -1,28 +1,22 @@
-"""Chooses the compiled or the reference implementation of each op, per call.
-
-The compiled path runs when every tensor of the call is on a CUDA device, the kernels built and
-loaded, and the backend is "auto" (the default). `set_backend("reference")` forces the plain-torch
-twins everywhere, which is how the GPU check trains the same model on both paths (a worker sets it
-from LORAQ_KERNELS through `gpu_kernels.configure`: this package reads no environment).
-"""
+"""Chooses the compiled or the reference implementation of each op, per call, by the rule of
+gpu_kernels.backend (all tensors on CUDA, the kernels built, the backend not forced to
+"reference")."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from gpu_kernels import _lib, reference
+from gpu_kernels.backend import compiled as _compiled
+from gpu_kernels.backend import get_backend
 from gpu_kernels.ops import lora_multi
 from gpu_kernels.ops.adapter_casts import AdapterCasts
 from gpu_kernels.ops.norm_act_reference import Activation
 from gpu_kernels.ops.rope_reference import HeadNorm
 from gpu_kernels.quant.frozen import FrozenWeight
-
-Backend = Literal["auto", "reference"]
-_backend: Backend = "auto"
 
 
 @dataclass(frozen=True)
@@ -31,22 +25,11 @@ class KernelStatus:
     reason: str
 
 
-def set_backend(backend: Backend) -> None:
-    global _backend
-    if backend not in ("auto", "reference"):
-        raise ValueError(f"backend must be 'auto' or 'reference', not {backend!r}")
-    _backend = backend
-
-
-def get_backend() -> Backend:
-    return _backend
-
-
 def available() -> KernelStatus:
     """Whether the compiled path is in use, and why (not)."""
     if not torch.cuda.is_available():
         return KernelStatus(False, "no CUDA device: using the plain-torch reference path")
-    if _backend == "reference":
+    if get_backend() == "reference":
         return KernelStatus(False, "reference backend forced (LORAQ_KERNELS=reference or set_backend)")
     try:
         lib = _lib.load()
@@ -58,20 +41,8 @@ def available() -> KernelStatus:
 def require_compiled() -> None:
     """Raise when a GPU is present but the compiled path is not usable (build failed)."""
     status = available()
-    if torch.cuda.is_available() and not status.compiled and _backend != "reference":
+    if torch.cuda.is_available() and not status.compiled and get_backend() != "reference":
         raise RuntimeError(f"GPU present but compiled kernels unavailable: {status.reason}")
-
-
-def _compiled(*tensors: torch.Tensor | None) -> bool:
-    if _backend == "reference":
-        return False
-    if not all(t is None or t.is_cuda for t in tensors):
-        return False
-    try:
-        _lib.load()
-    except RuntimeError:
-        return False
-    return True
 
 
 def _kernel_dtype(*tensors: torch.Tensor) -> bool:

@@ -186,6 +186,7 @@ def bench_ops() -> list[dict[str, Any]]:
         lambda: torch.nn.functional.cross_entropy((h @ wv.t()).float(), t).backward(),
     )
     bench_attention(add, rows)
+    bench_quantized(rows)
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     cross_entropy.fused_linear_cross_entropy(h, wv, t).backward()
@@ -208,6 +209,54 @@ def bench_ops() -> list[dict[str, Any]]:
         lambda: torch.nn.utils.clip_grad_norm_(params, 1e9, foreach=True),
     )
     return rows
+
+
+def _dense_step(w: torch.Tensor, x: torch.Tensor, gy: torch.Tensor) -> None:
+    (x @ w.t()).backward(gy)
+
+
+def _quantized_step(w: Any, x: torch.Tensor, gy: torch.Tensor) -> None:
+    w.matmul(x).backward(gy)
+
+
+def bench_quantized(rows: list[dict[str, Any]]) -> None:
+    """The frozen-base GEMM of an 8B layer at 2,048 tokens (a micro-batch of one row), forward +
+    input gradient: NF4 and int8 tiles dequantized by the compiled kernel (ours) against the same
+    op with the torch tiles (backend "reference": what ran before csrc/quant.cu) and the dense
+    bf16 GEMM it stands in for (its floor)."""
+    from gpu_kernels.quant import quantize_int8, quantize_nf4
+
+    bf = torch.bfloat16
+    for n, k, label in [(4096, 4096, "q"), (28672, 4096, "gate+up"), (4096, 14336, "down")]:
+        dense = torch.randn(n, k, device="cuda", dtype=bf) * k**-0.5
+        x = torch.randn(2048, k, device="cuda", dtype=bf, requires_grad=True)
+        gy = torch.randn(2048, n, device="cuda", dtype=bf)
+        t_dense = time_ms(partial(_dense_step, dense, x, gy))
+        for name, weight in [("nf4", quantize_nf4(dense)), ("nf4-dq", quantize_nf4(dense, double_quant=True)),
+                             ("int8", quantize_int8(dense))]:  # fmt: skip
+            step = partial(_quantized_step, weight, x, gy)
+            t_ours = time_ms(step)
+            gpu_kernels.set_backend("reference")
+            try:
+                t_torch = time_ms(step)
+            finally:
+                gpu_kernels.set_backend("auto")
+            op = f"{name} GEMM fwd+dx {label} M2048 N{n} K{k}"
+            rows.append(
+                {
+                    "op": op,
+                    "ours_ms": round(t_ours, 4),
+                    "torch_tiles_ms": round(t_torch, 4),
+                    "dense_bf16_ms": round(t_dense, 4),
+                    "speedup": round(t_torch / t_ours, 2),
+                    "vs_dense": round(t_ours / t_dense, 2),
+                }
+            )
+            print(
+                f"{op:<48} ours {t_ours:8.3f} ms   torch tiles {t_torch:8.3f} ms   dense {t_dense:8.3f} ms",
+                flush=True,
+            )
+        del dense
 
 
 def _rope_attention_ours(

@@ -1,7 +1,8 @@
 """Frozen base weights in compact formats (NF4, int8, GGML blocks) and the tiled matmul over them.
 
-Plain torch: the reference twins of a fused dequantize-GEMM kernel, and what runs today on both
-the CPU and the GPU (inside the captured step: no host syncs). See frozen.py for the contract.
+The tiles are dequantized in plain torch (on the CPU, for the GGML blocks, and as the reference),
+or on the GPU by one compiled launch a tile for NF4 and int8 (compiled.py, csrc/quant.cu), then
+multiplied by cuBLAS; no host syncs, so it runs inside the captured step. See frozen.py.
 """
 
 from gpu_kernels.quant.frozen import TILE_ELEMENTS, DenseWeight, FrozenWeight, StackedWeight, stack_frozen

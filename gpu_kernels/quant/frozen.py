@@ -28,6 +28,11 @@ import torch
 # enough that a layer's dense copy never exists at once (an 8192 x 8192 NF4 layer's fwd + bwd
 # measured 70+ MiB above its inputs on an H100 with 2^22 and int64 code indices).
 TILE_ELEMENTS = 1 << 21
+# A tile that a compiled kernel dequantizes (NF4, int8: gpu_kernels.quant.compiled) has no fp32
+# temporaries, only itself in bf16 (16 MiB here): 4x larger tiles, so that a step's GEMMs fill the
+# GPU (2,048 rows of a 4,096-wide layer: at 2,048 tokens a micro-batch, 256 output tiles of 128 x
+# 128 where 2^21 gave 64 on 132 SMs) and the backward's K is as long as the forward's N.
+COMPILED_TILE_ELEMENTS = 1 << 23
 
 
 class FrozenWeight(ABC):
@@ -74,10 +79,20 @@ class FrozenWeight(ABC):
         """Bytes this weight holds (its packed tensors; views of one buffer count once each)."""
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
-    def tiles(self) -> Iterator[tuple[int, int]]:
-        """(start, stop) row ranges of at most TILE_ELEMENTS elements each, covering all rows."""
+    def tile(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows start:stop of W in `dtype`, (stop - start, in): what the tiled GEMM multiplies by.
+        Formats with a compiled kernel override it (one launch, no fp32 temporaries)."""
+        return self.dequant_rows(start, stop).to(dtype)
+
+    def tile_elements(self, dtype: torch.dtype) -> int:
+        """The largest tile `tile(.., dtype)` is asked for, in weight elements."""
+        return TILE_ELEMENTS
+
+    def tiles(self, elements: int | None = None) -> Iterator[tuple[int, int]]:
+        """(start, stop) row ranges of at most `elements` (default TILE_ELEMENTS) elements each,
+        covering all rows."""
         out, n_in = self.shape
-        step = max(1, TILE_ELEMENTS // max(n_in, 1))
+        step = max(1, (elements or TILE_ELEMENTS) // max(n_in, 1))
         for start in range(0, out, step):
             yield start, min(start + step, out)
 
@@ -118,8 +133,8 @@ class _FrozenMatmul(torch.autograd.Function):
         dtype = _compute_dtype(x)
         out = x.new_empty((*x.shape[:-1], weight.out_features), dtype=dtype)
         xc = x.to(dtype)
-        for start, stop in weight.tiles():
-            out[..., start:stop] = xc @ weight.dequant_rows(start, stop).to(dtype).t()
+        for start, stop in weight.tiles(weight.tile_elements(dtype)):
+            out[..., start:stop] = xc @ weight.tile(start, stop, dtype).t()
         return out
 
     @staticmethod
@@ -128,11 +143,14 @@ class _FrozenMatmul(torch.autograd.Function):
             return None, None
         weight: FrozenWeight = ctx.weight
         dtype = grad_out.dtype
-        grad_x = grad_out.new_zeros((*grad_out.shape[:-1], weight.in_features))
-        for start, stop in weight.tiles():
-            # (..., tile) @ (tile, in): this tile's share of ∂L/∂x
-            grad_x += grad_out[..., start:stop] @ weight.dequant_rows(start, stop).to(dtype)
-        return grad_x, None
+        g = grad_out.reshape(-1, weight.out_features)  # (N, out)
+        grad_x: torch.Tensor | None = None  # (N, in)
+        for start, stop in weight.tiles(weight.tile_elements(dtype)):
+            # (N, tile) @ (tile, in): this tile's share of ∂L/∂x, added in the GEMM's epilogue
+            w = weight.tile(start, stop, dtype)
+            grad_x = g[:, start:stop] @ w if grad_x is None else grad_x.addmm_(g[:, start:stop], w)
+        assert grad_x is not None
+        return grad_x.view(*grad_out.shape[:-1], weight.in_features), None
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -186,10 +204,19 @@ class StackedWeight(FrozenWeight):
             parts.append(p.with_tensors(mine, dtype))
         return StackedWeight(parts)
 
-    def tiles(self) -> Iterator[tuple[int, int]]:
+    def tiles(self, elements: int | None = None) -> Iterator[tuple[int, int]]:
         for offset, part in zip(self.offsets, self.parts, strict=False):
-            for start, stop in part.tiles():
+            for start, stop in part.tiles(elements):
                 yield offset + start, offset + stop
+
+    def tile_elements(self, dtype: torch.dtype) -> int:
+        return min(p.tile_elements(dtype) for p in self.parts)
+
+    def tile(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        for offset, part in zip(self.offsets, self.parts, strict=False):
+            if offset <= start and stop <= offset + part.out_features:  # every tile of tiles()
+                return part.tile(start - offset, stop - offset, dtype)
+        return super().tile(start, stop, dtype)
 
     def dequant_rows(self, start: int, stop: int) -> torch.Tensor:
         chunks = []

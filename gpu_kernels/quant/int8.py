@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from gpu_kernels.quant.frozen import FrozenWeight
+from gpu_kernels import backend
+from gpu_kernels.quant import compiled
+from gpu_kernels.quant.frozen import COMPILED_TILE_ELEMENTS, FrozenWeight
 
 
 class Int8Weight(FrozenWeight):
@@ -32,6 +34,21 @@ class Int8Weight(FrozenWeight):
 
     def dequant_rows(self, start: int, stop: int) -> torch.Tensor:
         return self.codes[start:stop].float() * self.scale[start:stop].unsqueeze(-1)
+
+    def _compiled_tiles(self, dtype: torch.dtype) -> bool:
+        return (
+            dtype == torch.bfloat16
+            and backend.compiled(self.codes, self.scale)
+            and compiled.fits(self.in_features, self.codes, self.scale)
+        )
+
+    def tile(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        if not self._compiled_tiles(dtype):
+            return super().tile(start, stop, dtype)
+        return compiled.int8_tile(self.codes[start:stop], self.scale[start:stop])
+
+    def tile_elements(self, dtype: torch.dtype) -> int:
+        return COMPILED_TILE_ELEMENTS if self._compiled_tiles(dtype) else super().tile_elements(dtype)
 
 
 def quantize_int8(weight: torch.Tensor, *, dtype: torch.dtype | None = None) -> Int8Weight:

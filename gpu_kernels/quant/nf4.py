@@ -20,7 +20,9 @@ import functools
 
 import torch
 
-from gpu_kernels.quant.frozen import FrozenWeight
+from gpu_kernels import backend
+from gpu_kernels.quant import compiled
+from gpu_kernels.quant.frozen import COMPILED_TILE_ELEMENTS, FrozenWeight
 
 NF4_CODE = (
     -1.0,
@@ -118,6 +120,29 @@ class NF4Weight(FrozenWeight):
         values = torch.index_select(_pair_code(packed.device), 0, packed.reshape(-1).int())
         blocks = values.view(stop - start, -1, self.block)
         return blocks.mul_(self.block_absmax(start, stop).unsqueeze(-1)).view(stop - start, self.in_features)
+
+    def _compiled_tiles(self, dtype: torch.dtype) -> bool:
+        return (
+            dtype == torch.bfloat16
+            and self.block % compiled.WEIGHTS_PER_THREAD == 0
+            and backend.compiled(*self.tensors().values())
+            and compiled.fits(self.in_features, *self.tensors().values())
+        )
+
+    def tile(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        if not self._compiled_tiles(dtype):
+            return super().tile(start, stop, dtype)
+        per_row = self.in_features // self.block
+        absmax = self.absmax[start:stop] if self.absmax is not None else None
+        dq = None
+        if absmax is None:
+            assert self.dq_codes is not None and self.dq_scale is not None and self.dq_mean is not None
+            dq = (self.dq_codes, self.dq_scale, self.dq_mean)
+        packed = self.packed[start:stop]
+        return compiled.nf4_tile(packed, absmax, dq, start * per_row, self.in_features, self.block)
+
+    def tile_elements(self, dtype: torch.dtype) -> int:
+        return COMPILED_TILE_ELEMENTS if self._compiled_tiles(dtype) else super().tile_elements(dtype)
 
 
 def quantize_nf4(

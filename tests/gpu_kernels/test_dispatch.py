@@ -28,10 +28,10 @@ def test_set_backend_validates() -> None:
 
 
 def test_configure_sets_every_switch_and_validates(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpu_kernels import build, dispatch
+    from gpu_kernels import backend, build
     from gpu_kernels.ops import lora
 
-    monkeypatch.setattr(dispatch, "_backend", "auto")  # put back after the test
+    monkeypatch.setattr(backend, "_backend", "auto")  # put back after the test
     monkeypatch.setattr(lora, "_RANK_UPDATE", "epilogue")
     monkeypatch.setattr(build, "_cache_dir", None)
     assert gpu_kernels.current_config() == gpu_kernels.KernelConfig()  # the defaults: no environment read

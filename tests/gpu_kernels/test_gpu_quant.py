@@ -64,10 +64,36 @@ def test_quantized_matmul_in_bf16_matches_the_fp64_oracle(name: str, record_prop
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["nf4", "nf4-dq", "int8"])
+def test_the_compiled_tile_is_the_reference_tile_bit_for_bit(name: str) -> None:
+    """csrc/quant.cu writes a tile of rows in bf16 in one launch: exactly the torch reference's
+    `dequant_rows(...).to(bfloat16)` (the same fp32 products, rounded once), for tiles that start
+    anywhere (double quantization's groups of 256 blocks straddle tile starts), and the compiled
+    path is the one that runs on CUDA (bigger tiles, the kernel's)."""
+    from gpu_kernels.quant.frozen import COMPILED_TILE_ELEMENTS
+
+    weight = formats(1536, 768)[name].to("cuda")  # 12 blocks a row: groups of 256 cross rows
+    assert weight.tile_elements(torch.bfloat16) == COMPILED_TILE_ELEMENTS
+    for start, stop in [(0, 1536), (0, 1), (37, 301), (1535, 1536), (500, 1100)]:
+        compiled = weight.tile(start, stop, torch.bfloat16)
+        reference = weight.dequant_rows(start, stop).to(torch.bfloat16)
+        assert compiled.dtype == torch.bfloat16 and compiled.shape == (stop - start, 768)
+        assert torch.equal(compiled, reference), (name, start, stop)
+    gpu_kernels.set_backend("reference")
+    try:  # forced off, the same call takes the torch tile (and the reference's tile size)
+        assert weight.tile_elements(torch.bfloat16) < COMPILED_TILE_ELEMENTS
+        torch_tile = weight.dequant_rows(37, 301).to(torch.bfloat16)
+        assert torch.equal(weight.tile(37, 301, torch.bfloat16), torch_tile)
+    finally:
+        gpu_kernels.set_backend("auto")
+
+
+@pytest.mark.gpu
 def test_the_tiled_matmul_never_holds_a_whole_dense_weight(record_property: Recorder) -> None:
     """An 8192 x 8192 NF4 layer (128 MiB in bf16): forward and backward allocate a tile's
-    temporaries (4 MiB bf16, 8 MiB fp32 values, 4 MiB int32 byte index) beyond the input, output
-    and packed weight, never the dense weight."""
+    temporaries (the compiled path: a 16 MiB bf16 tile; the torch one: 4 MiB bf16, 8 MiB fp32
+    values, 4 MiB int32 byte index) beyond the input, output and packed weight, never the dense
+    weight."""
     weight = quantize_nf4(torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) * 0.02)
     x = torch.randn(16, 8192, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     torch.cuda.synchronize()
