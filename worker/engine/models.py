@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from transformers import (
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from worker.engine.catalog import PRESET_SHAPES, PRETRAINED, PresetShape, get_model_info, validate_model_dir
-from worker.engine.gguf_tokenizer import write_tokenizer_files
+from worker.engine.gguf_tokenizer import load_gguf_tokenizer
 from worker.engine.quantize import QuantizeReport, quantize_model, use_gguf_blocks
 from worker.engine.tiny import build_tiny_llama, build_tiny_tokenizer
 from worker.engine.types import ConfigError, ModelError, QuantizationName
@@ -95,8 +96,7 @@ def load_tokenizer(name: str, *, store: Path) -> PreTrainedTokenizerBase:
         source = PRETRAINED[name]
         if not (store / name / source.filename).is_file():
             raise ModelError(f"model {name!r} is not pulled yet; run `loraq models pull {name}`")
-        tokenizer = AutoTokenizer.from_pretrained(store / name, gguf_file=source.filename)
-        write_tokenizer_files(tokenizer, store / name)  # a store pulled before the API counted tokens
+        tokenizer = load_gguf_tokenizer(store / name, source.filename)
     else:
         assert info.path is not None
         if info.kind == "local":  # a Hub model's tokenizer is there before its weights (a submit)
@@ -199,15 +199,29 @@ def random_quantized_llama(
     return model, report
 
 
+def _share_gguf_name_maps() -> None:
+    """Build gguf's tensor name map once per (architecture, layer count) in this process.
+
+    transformers maps a GGUF's tensor names by walking every submodule of the model (hundreds for
+    SmolLM2's 30 layers) and building the architecture's whole TensorNameMap at each, the same map
+    every time: about 9 s of a 30 s SmolLM2 load on a CPU. The map is only read once built, so one
+    shared instance gives the same names. (transformers imports the function from `gguf` at each
+    call, so the module attribute is what it finds.)"""
+    import gguf
+
+    if not hasattr(gguf.get_tensor_name_map, "cache_info"):
+        setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))  # noqa: B010
+
+
 def _load_pretrained(
     name: str, store: Path, device: torch.device, dtype: torch.dtype, *, keep_blocks: bool = False
 ) -> LoadedModel:
     source = PRETRAINED[name]
+    _share_gguf_name_maps()
     directory = store / name
     if not (directory / source.filename).is_file():
         raise ModelError(f"model {name!r} is not pulled yet; run `loraq models pull {name}`")
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=source.filename)
-    write_tokenizer_files(tokenizer, directory)  # a store pulled before the API counted tokens
+    tokenizer = load_gguf_tokenizer(directory, source.filename)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=source.filename, dtype=dtype)
     _drop_gguf_marks(model)
     if not keep_blocks:
