@@ -1,8 +1,10 @@
 """`load_base_model(name)`: one entry point for every base model in the catalog.
 
 - pretrained (smollm2-135m-instruct): the pulled GGUF, dequantized by transformers' GGUF support
-  (~30 s on a CPU; nothing is cached globally, so a caller that loads it repeatedly keeps the
-  returned LoadedModel).
+  (~17 s of CPU on a 2-core machine, of which ~9 s parse the GGUF's metadata twice, for the config
+  and for the weights; the tokenizer comes from its converted files and gguf's name map is built
+  once: see `_share_gguf_name_maps`). Nothing is cached globally, so a caller that loads it
+  repeatedly keeps the returned LoadedModel.
 - random presets (tiny-llama, llama-1b, llama-8b, smollm2-135m): seeded random init, created
   directly on the target device (an 8B model never passes through host memory); with nf4/int8
   quantization, a decoder layer at a time, each quantized as it is made (a 70B shape fits one
