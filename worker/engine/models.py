@@ -1,10 +1,9 @@
 """`load_base_model(name)`: one entry point for every base model in the catalog.
 
 - pretrained (smollm2-135m-instruct): the pulled GGUF, dequantized by transformers' GGUF support
-  (~17 s of CPU on a 2-core machine, of which ~9 s parse the GGUF's metadata twice, for the config
-  and for the weights; the tokenizer comes from its converted files and gguf's name map is built
-  once: see `_share_gguf_name_maps`). Nothing is cached globally, so a caller that loads it
-  repeatedly keeps the returned LoadedModel.
+  (~13 s of CPU on a 2-core machine: the tokenizer comes from its converted files, and the GGUF's
+  metadata is parsed once and gguf's name map built once, see `_gguf_parsed_once`). Nothing is
+  cached across loads, so a caller that loads it repeatedly keeps the returned LoadedModel.
 - random presets (tiny-llama, llama-1b, llama-8b, smollm2-135m): seeded random init, created
   directly on the target device (an 8B model never passes through host memory); with nf4/int8
   quantization, a decoder layer at a time, each quantized as it is made (a 70B shape fits one
@@ -15,6 +14,8 @@
 from __future__ import annotations
 
 import functools
+import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -201,30 +202,54 @@ def random_quantized_llama(
     return model, report
 
 
-def _share_gguf_name_maps() -> None:
-    """Build gguf's tensor name map once per (architecture, layer count) in this process.
+# Held while a GGUF load swaps gguf's functions (below): two loads at once never restore each
+# other's swap.
+_GGUF_LOAD_LOCK = threading.Lock()
 
-    transformers maps a GGUF's tensor names by walking every submodule of the model (hundreds for
-    SmolLM2's 30 layers) and building the architecture's whole TensorNameMap at each, the same map
-    every time: about 9 s of a 30 s SmolLM2 load on a CPU. The map is only read once built, so one
-    shared instance gives the same names. (transformers imports the function from `gguf` at each
-    call, so the module attribute is what it finds.)"""
+
+@contextmanager
+def _gguf_parsed_once(path: Path) -> Iterator[None]:
+    """While a load of the GGUF at `path` runs: its metadata parsed once, its name map built once.
+
+    transformers parses the whole GGUF with gguf's GGUFReader once for the config and again for
+    the weights (again for the tokenizer if it converts one), and each parse of SmolLM2's file
+    (49k vocabulary strings, 49k merges) takes ~4 s on a CPU; it maps tensor names by walking every
+    submodule (hundreds for 30 layers) and building the architecture's whole TensorNameMap at each,
+    ~9 s more. Both give the same objects every time and are only read, so meanwhile one parsed
+    reader of `path` and one map per (architecture, layer count) serve every call. transformers
+    imports both from `gguf` at each call, so the module attributes are what it finds; other files,
+    and writable opens, get gguf's own."""
     import gguf
 
-    if not hasattr(gguf.get_tensor_name_map, "cache_info"):
-        setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))  # noqa: B010
+    with _GGUF_LOAD_LOCK:
+        reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        parsed = reader_class(path)
+        resolved = os.path.realpath(path)
+
+        def reader(file: str | os.PathLike[str], mode: str = "r") -> gguf.GGUFReader:
+            if mode == "r" and os.path.realpath(file) == resolved:
+                return parsed
+            return reader_class(file, mode)  # type: ignore[arg-type]
+
+        setattr(gguf, "GGUFReader", reader)  # noqa: B010
+        setattr(gguf, "get_tensor_name_map", functools.cache(name_map))  # noqa: B010
+        try:
+            yield
+        finally:
+            setattr(gguf, "GGUFReader", reader_class)  # noqa: B010
+            setattr(gguf, "get_tensor_name_map", name_map)  # noqa: B010
 
 
 def _load_pretrained(
     name: str, store: Path, device: torch.device, dtype: torch.dtype, *, keep_blocks: bool = False
 ) -> LoadedModel:
     source = PRETRAINED[name]
-    _share_gguf_name_maps()
     directory = store / name
     if not (directory / source.filename).is_file():
         raise ModelError(f"model {name!r} is not pulled yet; run `loraq models pull {name}`")
-    tokenizer = load_gguf_tokenizer(directory, source.filename)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=source.filename, dtype=dtype)
+    with _gguf_parsed_once(directory / source.filename):
+        tokenizer = load_gguf_tokenizer(directory, source.filename)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=source.filename, dtype=dtype)
     _drop_gguf_marks(model)
     if not keep_blocks:
         return LoadedModel(_move(model, device), tokenizer, name, is_random=False)
