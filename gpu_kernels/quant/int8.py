@@ -25,6 +25,7 @@ class Int8Weight(FrozenWeight):
     ) -> None:
         super().__init__(shape, dtype)
         self.codes, self.scale = codes, scale
+        self._kernel_ok: bool | None = None  # csrc/quant.cu takes these tensors (asked once)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"codes": self.codes, "scale": self.scale}
@@ -36,16 +37,16 @@ class Int8Weight(FrozenWeight):
         return self.codes[start:stop].float() * self.scale[start:stop].unsqueeze(-1)
 
     def _compiled_tiles(self, dtype: torch.dtype) -> bool:
-        return (
-            dtype == torch.bfloat16
-            and backend.compiled(self.codes, self.scale)
-            and compiled.fits(self.in_features, self.codes, self.scale)
-        )
+        if self._kernel_ok is None:  # the packed tensors never change: asked once
+            self._kernel_ok = compiled.takes(
+                self.in_features, compiled.WEIGHTS_PER_THREAD, self.codes, self.scale
+            )
+        return self._kernel_ok and dtype == torch.bfloat16 and backend.compiled()
 
-    def tile(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-        if not self._compiled_tiles(dtype):
-            return super().tile(start, stop, dtype)
-        return compiled.int8_tile(self.codes[start:stop], self.scale[start:stop])
+    def tile_into(self, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+        if not (out.is_contiguous() and self._compiled_tiles(out.dtype)):
+            return super().tile_into(start, stop, out)
+        return compiled.int8_into(out, start, self.codes, self.scale)
 
     def tile_elements(self, dtype: torch.dtype) -> int:
         return COMPILED_TILE_ELEMENTS if self._compiled_tiles(dtype) else super().tile_elements(dtype)

@@ -79,6 +79,7 @@ class NF4Weight(FrozenWeight):
         super().__init__(shape, dtype)
         self.packed, self.absmax, self.block = packed, absmax, block
         self.dq_codes, self.dq_scale, self.dq_mean = dq_codes, dq_scale, dq_mean
+        self._kernel_ok: bool | None = None  # csrc/quant.cu takes these tensors (asked once)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         named = {
@@ -122,24 +123,18 @@ class NF4Weight(FrozenWeight):
         return blocks.mul_(self.block_absmax(start, stop).unsqueeze(-1)).view(stop - start, self.in_features)
 
     def _compiled_tiles(self, dtype: torch.dtype) -> bool:
-        return (
-            dtype == torch.bfloat16
-            and self.block % compiled.WEIGHTS_PER_THREAD == 0
-            and backend.compiled(*self.tensors().values())
-            and compiled.fits(self.in_features, *self.tensors().values())
-        )
+        if self._kernel_ok is None:  # the packed tensors never change: asked once
+            self._kernel_ok = compiled.takes(self.in_features, self.block, *self.tensors().values())
+        return self._kernel_ok and dtype == torch.bfloat16 and backend.compiled()
 
-    def tile(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-        if not self._compiled_tiles(dtype):
-            return super().tile(start, stop, dtype)
-        per_row = self.in_features // self.block
-        absmax = self.absmax[start:stop] if self.absmax is not None else None
+    def tile_into(self, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+        if not (out.is_contiguous() and self._compiled_tiles(out.dtype)):
+            return super().tile_into(start, stop, out)
         dq = None
-        if absmax is None:
+        if self.absmax is None:
             assert self.dq_codes is not None and self.dq_scale is not None and self.dq_mean is not None
             dq = (self.dq_codes, self.dq_scale, self.dq_mean)
-        packed = self.packed[start:stop]
-        return compiled.nf4_tile(packed, absmax, dq, start * per_row, self.in_features, self.block)
+        return compiled.nf4_into(out, start, self.packed, self.absmax, dq, self.block)
 
     def tile_elements(self, dtype: torch.dtype) -> int:
         return COMPILED_TILE_ELEMENTS if self._compiled_tiles(dtype) else super().tile_elements(dtype)
