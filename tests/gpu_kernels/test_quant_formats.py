@@ -196,6 +196,23 @@ def test_tiled_matmul_and_input_grad_equal_dequantize_then_matmul(
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-12, atol=1e-12)
 
 
+def test_tiles_start_on_aligned_rows_and_share_one_buffer() -> None:
+    """Tiles of a wide layer start on TILE_ROW_ALIGN-row boundaries (cuBLAS's fast paths read and
+    write column blocks from there: a 14,336-wide layer's tiles were 585 rows) and cover every row;
+    each_tile writes every tile into one buffer in turn, equal to the dequantized rows."""
+    weight = quantize_int8(torch.randn(1000, 14336, dtype=torch.float64))
+    tiles = list(weight.tiles())
+    assert tiles[0][0] == 0 and tiles[-1][1] == 1000
+    assert all(b == c for (_, b), (c, _) in zip(tiles, tiles[1:], strict=False))  # contiguous cover
+    assert all(a % quant.frozen.TILE_ROW_ALIGN == 0 for a, _ in tiles) and len(tiles) > 1
+    dense = weight.dequantize(torch.float64)
+    pointers = set()
+    for start, stop, tile in weight.each_tile(torch.float64):
+        assert torch.equal(tile, dense[start:stop])
+        pointers.add(tile.data_ptr())
+    assert len(pointers) == 1  # one buffer, every tile written at its start
+
+
 def test_lora_op_on_a_frozen_weight_equals_the_dense_lora_op() -> None:
     g = torch.Generator().manual_seed(7)
     weight = quantize_nf4(torch.randn(40, 128, generator=g), dtype=torch.float64)
