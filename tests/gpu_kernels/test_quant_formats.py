@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import itertools
 from statistics import NormalDist
 
 import numpy as np
@@ -203,7 +204,7 @@ def test_tiles_start_on_aligned_rows_and_share_one_buffer() -> None:
     weight = quantize_int8(torch.randn(1000, 14336, dtype=torch.float64))
     tiles = list(weight.tiles())
     assert tiles[0][0] == 0 and tiles[-1][1] == 1000
-    assert all(b == c for (_, b), (c, _) in zip(tiles, tiles[1:], strict=False))  # contiguous cover
+    assert all(b == c for (_, b), (c, _) in itertools.pairwise(tiles))  # contiguous cover
     assert all(a % quant.frozen.TILE_ROW_ALIGN == 0 for a, _ in tiles) and len(tiles) > 1
     dense = weight.dequantize(torch.float64)
     pointers = set()
