@@ -17,11 +17,14 @@ gguf-py do) and is cast to the activation dtype once per tile.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from gpu_kernels import backend
 
 # One tile dequantizes at most this many weight elements (4 MiB in bf16; its fp32 temporaries
 # 8-16 MiB): large enough that the GEMMs stay efficient (256 rows of an 8192-wide layer), small
@@ -84,14 +87,30 @@ class FrozenWeight(ABC):
         """Bytes this weight holds (its packed tensors; views of one buffer count once each)."""
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
+    @functools.cached_property
+    def _kernel_fits(self) -> bool:
+        """Whether a compiled kernel (gpu_kernels.quant.compiled) takes this weight's tensors; they
+        never change, so it is asked once. Formats with a kernel override it."""
+        return False
+
+    def _compiled_tile_into(self, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+        """`tile_into` by the format's compiled kernel (only called where `_kernel_fits`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no compiled tile")
+
+    def _compiled_tiles(self, dtype: torch.dtype) -> bool:
+        return dtype == torch.bfloat16 and self._kernel_fits and backend.compiled()
+
     def tile_into(self, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
         """Rows start:stop of W written into `out` ((stop - start, in), the compute dtype); returns
-        `out`. Formats with a compiled kernel override it (one launch, no fp32 temporaries)."""
+        `out`. One compiled launch where the format has a kernel (no fp32 temporaries), else the
+        torch dequantization."""
+        if out.is_contiguous() and self._compiled_tiles(out.dtype):
+            return self._compiled_tile_into(start, stop, out)
         return out.copy_(self.dequant_rows(start, stop))
 
     def tile_elements(self, dtype: torch.dtype) -> int:
         """The largest tile `each_tile(dtype)` makes, in weight elements."""
-        return TILE_ELEMENTS
+        return COMPILED_TILE_ELEMENTS if self._compiled_tiles(dtype) else TILE_ELEMENTS
 
     def each_tile(self, dtype: torch.dtype) -> Iterator[tuple[int, int, torch.Tensor]]:
         """(start, stop, rows start:stop of W in `dtype`) for every tile, in order. The tiles are

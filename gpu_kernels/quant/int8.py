@@ -6,11 +6,12 @@ s_r = max_j |W[r, j]| / 127,    q[r, j] = round(W[r, j] / s_r) ∈ [−127, 127]
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from gpu_kernels import backend
 from gpu_kernels.quant import compiled
-from gpu_kernels.quant.frozen import COMPILED_TILE_ELEMENTS, FrozenWeight
+from gpu_kernels.quant.frozen import FrozenWeight
 
 
 class Int8Weight(FrozenWeight):
@@ -25,7 +26,6 @@ class Int8Weight(FrozenWeight):
     ) -> None:
         super().__init__(shape, dtype)
         self.codes, self.scale = codes, scale
-        self._kernel_ok: bool | None = None  # csrc/quant.cu takes these tensors (asked once)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"codes": self.codes, "scale": self.scale}
@@ -36,20 +36,12 @@ class Int8Weight(FrozenWeight):
     def dequant_rows(self, start: int, stop: int) -> torch.Tensor:
         return self.codes[start:stop].float() * self.scale[start:stop].unsqueeze(-1)
 
-    def _compiled_tiles(self, dtype: torch.dtype) -> bool:
-        if self._kernel_ok is None:  # the packed tensors never change: asked once
-            self._kernel_ok = compiled.takes(
-                self.in_features, compiled.WEIGHTS_PER_THREAD, self.codes, self.scale
-            )
-        return self._kernel_ok and dtype == torch.bfloat16 and backend.compiled()
+    @functools.cached_property
+    def _kernel_fits(self) -> bool:
+        return compiled.takes(self.in_features, compiled.WEIGHTS_PER_THREAD, self.codes, self.scale)
 
-    def tile_into(self, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
-        if not (out.is_contiguous() and self._compiled_tiles(out.dtype)):
-            return super().tile_into(start, stop, out)
+    def _compiled_tile_into(self, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
         return compiled.int8_into(out, start, self.codes, self.scale)
-
-    def tile_elements(self, dtype: torch.dtype) -> int:
-        return COMPILED_TILE_ELEMENTS if self._compiled_tiles(dtype) else super().tile_elements(dtype)
 
 
 def quantize_int8(weight: torch.Tensor, *, dtype: torch.dtype | None = None) -> Int8Weight:

@@ -20,9 +20,8 @@ import functools
 
 import torch
 
-from gpu_kernels import backend
 from gpu_kernels.quant import compiled
-from gpu_kernels.quant.frozen import COMPILED_TILE_ELEMENTS, FrozenWeight
+from gpu_kernels.quant.frozen import FrozenWeight
 
 NF4_CODE = (
     -1.0,
@@ -79,7 +78,6 @@ class NF4Weight(FrozenWeight):
         super().__init__(shape, dtype)
         self.packed, self.absmax, self.block = packed, absmax, block
         self.dq_codes, self.dq_scale, self.dq_mean = dq_codes, dq_scale, dq_mean
-        self._kernel_ok: bool | None = None  # csrc/quant.cu takes these tensors (asked once)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         named = {
@@ -122,22 +120,16 @@ class NF4Weight(FrozenWeight):
         blocks = values.view(stop - start, -1, self.block)
         return blocks.mul_(self.block_absmax(start, stop).unsqueeze(-1)).view(stop - start, self.in_features)
 
-    def _compiled_tiles(self, dtype: torch.dtype) -> bool:
-        if self._kernel_ok is None:  # the packed tensors never change: asked once
-            self._kernel_ok = compiled.takes(self.in_features, self.block, *self.tensors().values())
-        return self._kernel_ok and dtype == torch.bfloat16 and backend.compiled()
+    @functools.cached_property
+    def _kernel_fits(self) -> bool:
+        return compiled.takes(self.in_features, self.block, *self.tensors().values())
 
-    def tile_into(self, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
-        if not (out.is_contiguous() and self._compiled_tiles(out.dtype)):
-            return super().tile_into(start, stop, out)
+    def _compiled_tile_into(self, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
         dq = None
         if self.absmax is None:
             assert self.dq_codes is not None and self.dq_scale is not None and self.dq_mean is not None
             dq = (self.dq_codes, self.dq_scale, self.dq_mean)
         return compiled.nf4_into(out, start, self.packed, self.absmax, dq, self.block)
-
-    def tile_elements(self, dtype: torch.dtype) -> int:
-        return COMPILED_TILE_ELEMENTS if self._compiled_tiles(dtype) else super().tile_elements(dtype)
 
 
 def quantize_nf4(
