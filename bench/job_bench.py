@@ -325,6 +325,17 @@ def peft_cell(preset: str, variant: str, batch: int, seq: int, examples: int, st
     }
 
 
+def smaller_peer_cell(cell: list[str], row: dict[str, Any]) -> list[str] | None:
+    """The HF+PEFT padded cell again with half its examples per batch, when `row` says it ran out
+    of GPU memory (its fp32 logits over a 128k-262k vocabulary: E x 2,004 x V x 4 bytes): the
+    peer is measured at the largest E that fits, halving from the shape's E down to 1. None when
+    the cell is another kind, did not run out of memory, or already had one example a batch."""
+    if cell[2] != "peft_padded" or "OutOfMemoryError" not in str(row.get("error", "")):
+        return None
+    examples = int(cell[5])
+    return None if examples <= 1 else [*cell[:5], str(examples // 2), *cell[6:]]
+
+
 def dataset_stats(seq: int = 2048, path: Path = DATASET) -> dict[str, Any]:
     from bench.chat_dataset import length_stats
 

@@ -544,6 +544,13 @@ def run_job_mode(args: argparse.Namespace) -> int:
     print(json.dumps(result["dataset"]), flush=True)
     for cell in job_bench.cells(presets):
         row = spawn(cell, args.cell_timeout)
+        out_of_memory_at: list[int] = []
+        while (smaller := job_bench.smaller_peer_cell(cell, row)) is not None:
+            out_of_memory_at.append(int(cell[5]))
+            cell = smaller
+            row = spawn(cell, args.cell_timeout)
+        if out_of_memory_at:  # the peer's batches of E examples that did not fit, before this one
+            row["out_of_memory_at_examples"] = out_of_memory_at
         row.setdefault("model", cell[1])
         row.setdefault("variant", cell[2])
         row.setdefault("seq", int(cell[4]))

@@ -58,6 +58,17 @@ def test_cells_run_job_and_padded_rows_first_then_padding_free() -> None:
     assert cells[0][3:] == ["2", "2048", "4", "12"] and cells[2][3:] == ["4", "2048", "8", "20"]
 
 
+def test_an_out_of_memory_padded_peer_is_retried_with_half_the_examples_down_to_one() -> None:
+    oom = {"error": "OutOfMemoryError('CUDA out of memory. Tried to allocate 3.83 GiB.')"}
+    cell = ["--job-cell", "llama-3.1-8b", "peft_padded", "2", "2048", "4", "12"]
+    assert job_bench.smaller_peer_cell(cell, oom) == [*cell[:5], "2", "12"]
+    assert job_bench.smaller_peer_cell([*cell[:5], "1", "12"], oom) is None
+    assert job_bench.smaller_peer_cell(cell, {"error": "timed out after 120s"}) is None
+    assert job_bench.smaller_peer_cell(cell, {"tok_s": 2_000}) is None
+    job = ["--job-cell", "llama-3.1-8b", "job", "2", "2048", "4", "12"]
+    assert job_bench.smaller_peer_cell(job, oom) is None
+
+
 def row(model: str, variant: str, tok_s: int, mem: int) -> dict[str, Any]:
     seq = FAMILY_SHAPES[model].job[1]
     return {"model": model, "variant": variant, "seq": seq, "tok_s": tok_s, "trainable_tok_s": tok_s // 2,
