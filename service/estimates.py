@@ -79,9 +79,11 @@ class FamilyRow:
 FAMILIES_FILE = "families-h100-2026-11-27.json"
 
 
-def _measured(architecture: str, parameters: int, rows: int, tok_s: int, gib: float) -> FamilyRow:
-    """A FAMILIES_FILE row: `rows` rows of 2,048 tokens a step."""
-    return FamilyRow(architecture, parameters, BenchRow(FAMILIES_FILE, rows, 2048, tok_s, gib))
+def _measured(
+    architecture: str, parameters: int, rows: int, tok_s: int, gib: float, source: str = FAMILIES_FILE
+) -> FamilyRow:
+    """A row of `source` (FAMILIES_FILE unless said): `rows` rows of 2,048 tokens a step."""
+    return FamilyRow(architecture, parameters, BenchRow(source, rows, 2048, tok_s, gib))
 
 
 # worker class -> family shape name -> row (the job path, packed, on the long-tail chat set)
@@ -91,6 +93,9 @@ FAMILY_TABLES: dict[str, dict[str, FamilyRow]] = {
         "qwen3-8b": _measured("Qwen3ForCausalLM", 8190735360, 2, 16597, 35.36),
         "mistral-7b": _measured("MistralForCausalLM", 7241732096, 2, 17433, 31.47),
         "gemma-3-4b": _measured("Gemma3ForCausalLM", 3880263168, 2, 29379, 22.59),
+        "gemma-3-12b": _measured(
+            "Gemma3ForCausalLM", 11766034176, 1, 10186, 39.55, "families-h100-2026-11-28-8b-class.json"
+        ),
         "phi-4-mini": _measured("Phi3ForCausalLM", 3836021760, 2, 29766, 18.76),
         "llama-3.2-1b": _measured("LlamaForCausalLM", 1235814400, 4, 88926, 12.13),
         "qwen3-1.7b": _measured("Qwen3ForCausalLM", 1720574976, 4, 60170, 19.58),
