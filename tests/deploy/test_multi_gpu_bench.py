@@ -99,3 +99,22 @@ def test_refused_on_a_host_with_too_few_gpus(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "--n-gpus 2: this host has 0 CUDA GPU(s)" in proc.stderr
     assert not out.exists()
+
+
+def test_the_straggler_reading_predicts_each_split_step_by_its_slowest_row() -> None:
+    from bench.straggler import straggler_reading
+
+    # 2 GPUs, 1 warm-up step, then 3 timed steps: rows (10, 14), (12, 12), (9, 17) ms alone
+    one_row = [0.5, 0.5, 0.010, 0.014, 0.012, 0.012, 0.009, 0.017]
+    split = [0.9, 0.015, 0.013, 0.018]  # measured 2-GPU steps: 1 ms more than the slowest row
+    r = straggler_reading(one_row, 2, split, one_gpu_step_ms=24.0, warmup=1)
+    assert r["steps"] == 3
+    assert r["predicted_step_ms_slowest_row"] == round((14 + 12 + 17) / 3, 2)
+    assert r["measured_step_ms"] == round((15 + 13 + 18) / 3, 2)
+    assert r["communication_and_waiting_ms"] == 1.0
+    assert r["one_row_step_ms"] == {"mean": 12.33, "sd": 2.62, "min": 9.0, "max": 17.0}
+    assert r["one_gpu_step_ms_per_gpu"] == 12.0
+    assert r["ratio_ceiling_without_communication"] == round(24 / ((14 + 12 + 17) / 3), 3)
+    assert r["correlation_predicted_measured"] == 1.0
+    with pytest.raises(ValueError, match="cover fewer"):
+        straggler_reading(one_row[:6], 2, split, one_gpu_step_ms=24.0, warmup=1)
