@@ -141,6 +141,18 @@ def job_config(
     )
 
 
+def family_base(preset: str) -> Any:
+    """A family shape's random-init base (a LoadedModel), built here and handed to the job as a
+    worker hands its cached base; None for a catalog preset, which the job loads itself."""
+    from bench.family_shapes import FAMILY_SHAPES, random_family_model
+    from worker.engine.models import LoadedModel
+    from worker.engine.tiny import build_tiny_tokenizer
+
+    if preset not in FAMILY_SHAPES:
+        return None
+    return LoadedModel(random_family_model(preset), build_tiny_tokenizer(), preset, is_random=True)
+
+
 def job_cell(
     preset: str,
     batch: int,
@@ -152,18 +164,13 @@ def job_cell(
 ) -> dict[str, Any]:
     import torch
 
-    from bench.family_shapes import FAMILY_SHAPES, random_family_model
     from worker.engine.distributed import run_torchrun
-    from worker.engine.models import LoadedModel
     from worker.engine.recipe import train
-    from worker.engine.tiny import build_tiny_tokenizer
 
     tmp = Path(tempfile.mkdtemp())
     config = job_config(preset, batch, seq, steps, tmp, pack, batch_scaling=batch_scaling)
     rec = StepCollector()
-    loaded = None
-    if preset in FAMILY_SHAPES:  # built here, handed to the job as a worker hands its cached base
-        loaded = LoadedModel(random_family_model(preset), build_tiny_tokenizer(), preset, is_random=True)
+    loaded = family_base(preset)
     torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
     if n_gpus == 1:

@@ -37,7 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.job_bench import JOB_SHAPES, JOB_WARMUP, StepCollector, job_config, job_shape  # noqa: E402
+from bench.job_bench import JOB_SHAPES, JOB_WARMUP, StepCollector, family_base, job_config, job_shape  # noqa: E402
 
 REPO_DIRS = ("/worker/", "/gpu_kernels/", "/bench/", "/service/")
 
@@ -276,18 +276,6 @@ def part_kernels(preset: str, steps: int) -> dict[str, Any]:
     config = job_config(preset, batch, seq, max(steps, 4), Path(tempfile.mkdtemp()))
     train(config, Collector(), loaded=family_base(preset))
     return report
-
-
-def family_base(preset: str) -> Any:
-    """A family shape's random-init base, handed to the job as job_bench.job_cell does (None for
-    a catalog preset: the job loads it)."""
-    from bench.family_shapes import FAMILY_SHAPES, random_family_model
-    from worker.engine.models import LoadedModel
-    from worker.engine.tiny import build_tiny_tokenizer
-
-    if preset not in FAMILY_SHAPES:
-        return None
-    return LoadedModel(random_family_model(preset), build_tiny_tokenizer(), preset, is_random=True)
 
 
 def part_fixed(preset: str, steps: int) -> dict[str, Any]:
