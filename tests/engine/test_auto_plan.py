@@ -121,6 +121,11 @@ def test_per_gpu_batch_scaling_keeps_each_ranks_rows_and_scales_the_rate() -> No
     split = plan_job(TrainingConfig(batch_size=2), small, world_size=2)
     assert (split.global_batch, split.learning_rate) == (2, BASE_LEARNING_RATE)
     assert "batch_scaling global: the 2 row(s) split over 2 GPUs" in split.reason
+    # one row a GPU: the plan says the step waits for the slowest row, and what scales further
+    assert "one row a GPU: each step lasts as long as its slowest row" in split.reason
+    assert "batch_size 4 or more, or batch_scaling per_gpu" in split.reason
+    two_each = plan_job(TrainingConfig(batch_size=4), small, world_size=2)
+    assert "split over 2 GPUs" in two_each.reason and "slowest row" not in two_each.reason
     # on one GPU per_gpu is global: same batch, same rate
     one = plan_job(given, small)
     assert (one.global_batch, one.learning_rate) == (2, BASE_LEARNING_RATE)

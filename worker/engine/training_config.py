@@ -522,7 +522,18 @@ def plan_auto(
     elif per_gpu:
         why.append("batch_scaling per_gpu on one GPU: the same as global")
     elif world_size > 1:
-        why.append(f"batch_scaling global: the {batch} row(s) split over {world_size} GPUs")
+        why.append(
+            f"batch_scaling global: the {batch} row(s) split over {world_size} GPUs"
+            # measured (bench/straggler.py): a step waits for its slowest row, and packed rows
+            # differ in attention work, so one row a GPU leaves the GPUs short of world_size×
+            + (
+                f", one row a GPU: each step lasts as long as its slowest row, so {world_size} GPUs "
+                f"gain less than {world_size}x; batch_size {2 * world_size} or more, or batch_scaling "
+                "per_gpu, keeps them busier"
+                if batch <= world_size
+                else ""
+            )
+        )
     reason = "; ".join(why) if why else "every hyperparameter set by the request"
     return AutoPlan(epochs, batch, lr_mult, row_tokens, reason, world_size, batch_scaling)
 
