@@ -51,6 +51,16 @@ def test_family_rows_are_the_committed_job_rows_at_their_shapes(name: str) -> No
     assert (family_row.architecture, family_row.parameters) == (bench.architecture, shape.parameters)
 
 
+@pytest.mark.parametrize("name", list(FAMILY_TABLES["h100"]))
+def test_the_memory_plan_predicts_every_family_rows_peak_within_ten_percent(name: str) -> None:
+    # issue 32's bound, held on the family rows too: the plan reads only the shape and the step
+    row = FAMILY_TABLES["h100"][name].row
+    bench = FAMILY_SHAPES[name]
+    config = {**bench.config, "architectures": [bench.architecture]}
+    plan = Step(ModelDims.from_config(config), 16, "all-linear", row.batch, row.seq).plan(H100.memory_bytes)
+    assert plan.peak_bytes / GIB == pytest.approx(row.mem_gib, rel=0.10)
+
+
 def _step(model: str, rows: int, seq: int, quantization: str | None = None) -> Step | None:
     return job_step(
         model,
