@@ -193,6 +193,10 @@ class Settings(BaseSettings):
     # long, instead of the bytes through the API.
     storage_presign_downloads: bool = False
     storage_presign_seconds: int = Field(3600, ge=1, le=7 * 24 * 3600)
+    # The bucket's address as the API's clients reach it, for those presigned URLs: a URL is
+    # signed for one host, and s3_endpoint_url is often one only the hosts of the deployment
+    # resolve (http://minio:9000 in docker/two-hosts). Unset: s3_endpoint_url's.
+    s3_public_endpoint_url: str | None = None
 
     @property
     def redis_timeouts(self) -> dict[str, float]:

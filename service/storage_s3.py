@@ -22,7 +22,7 @@ import hashlib
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -58,6 +58,7 @@ class S3Config:
     cache_dir: Path
     cache_bytes: int
     presign_seconds: int
+    public_endpoint_url: str | None = None  # presigned URLs' host; None: endpoint_url's
 
     @classmethod
     def from_settings(cls, settings: Settings) -> S3Config:
@@ -78,6 +79,7 @@ class S3Config:
             cache_dir=settings.storage_cache_dir,
             cache_bytes=settings.storage_cache_bytes,
             presign_seconds=settings.storage_presign_seconds,
+            public_endpoint_url=settings.s3_public_endpoint_url,
         )
 
 
@@ -193,6 +195,13 @@ class S3Store(Store):
     def __init__(self, config: S3Config) -> None:
         self.config = config
         self.client = _client(config)
+        # signs download URLs for the address the API's clients reach (no request goes through it)
+        public = config.public_endpoint_url
+        self.presign_client = (
+            self.client
+            if public in (None, config.endpoint_url)
+            else _client(replace(config, endpoint_url=public))
+        )
 
     def name(self, key: str) -> str:
         """The bucket's key for our `key`: under the configured prefix."""
@@ -260,7 +269,7 @@ class S3Store(Store):
             "ResponseContentType": media_type,
         }
         with s3_errors(f"sign a URL for {key}"):
-            url: str = self.client.generate_presigned_url(
+            url: str = self.presign_client.generate_presigned_url(
                 "get_object", Params=params, ExpiresIn=self.config.presign_seconds
             )
         return url

@@ -99,6 +99,29 @@ def test_downloads_redirect_to_a_presigned_url(
     assert httpx.get(tampered).status_code == 403  # the signature covers the key
 
 
+def test_presigned_urls_are_signed_for_the_public_endpoint(
+    s3: S3Store, api: ApiClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The API reaches the bucket at one address, its clients at another (docker/two-hosts:
+    http://minio:9000 inside, which no client resolves, the host's address outside): the
+    redirect names the public one, and the object downloads from there."""
+    from service.settings import get_settings
+
+    file_id = api.upload(DATASET)
+    internal = s3.config.endpoint_url
+    assert internal is not None and "127.0.0.1" in internal
+    public = internal.replace("127.0.0.1", "localhost")  # the same server under another host name
+    monkeypatch.setenv("LORAQ_STORAGE_PRESIGN_DOWNLOADS", "1")
+    monkeypatch.setenv("LORAQ_S3_PUBLIC_ENDPOINT_URL", public)
+    get_settings.cache_clear()
+    r = api.get(f"/v1/files/{file_id}/content", follow_redirects=False)
+    assert r.status_code == 307, r.text
+    location = r.headers["location"]
+    assert location.startswith(f"{public}/"), location
+    direct = httpx.get(location)
+    assert direct.status_code == 200 and direct.content == DATASET
+
+
 @pytest.mark.slow
 def test_a_large_upload_streams_to_s3_with_bounded_memory(tmp_path: Path) -> None:
     server: S3Server = shared_s3()
