@@ -11,7 +11,9 @@ worker's answer from a reply list of its own, one JSON event per entry:
     loraq:inference:reply:<request id> list   worker RPUSH events, API BLPOP; expires
 
 Events: {"type": "loading", "model"} when the request waits for its base model to load (the
-first request on a model after the worker started: tens of seconds on a CPU); {"type": "start",
+first request on a model after the worker started: tens of seconds on a CPU), repeated every
+quarter of the worker's `inference_timeout_seconds` while the load lasts, so that a load longer
+than the timeout does not read as a silent worker; {"type": "start",
 "prompt_tokens", "load_seconds"} once the worker accepted the request (`load_seconds`: how long
 loading its base model took, with "loading" before it); {"type":
 "delta", "text"} per piece of text (streamed requests only); {"type": "done", "text",

@@ -31,7 +31,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -90,6 +90,32 @@ class Metrics:
         self.redis_up = Gauge(
             "loraq_redis_up", "1 while this process's last Redis call succeeded", registry=self.registry
         )
+
+
+@contextlib.contextmanager
+def repeating(period: float, call: Callable[[], None] | None) -> Iterator[None]:
+    """Run `call()` every `period` seconds from a daemon thread while the block runs (None:
+    nothing). A call that raises is logged and the next one still comes: it must not fail the
+    work it accompanies."""
+    if call is None:
+        yield
+        return
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(period):
+            try:
+                call()
+            except Exception:
+                log.warning("a repeating call failed", exc_info=True)
+
+    thread = threading.Thread(target=run, name="inference-repeating", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 class ModelsBusy(RuntimeError):
@@ -241,9 +267,15 @@ class InferenceWorker:
         return len(raws)
 
     # -- models and adapters
-    def model(self, name: str, on_load: Callable[[str], None] | None = None) -> ServingModel:
+    def model(
+        self,
+        name: str,
+        on_load: Callable[[str], None] | None = None,
+        still_loading: Callable[[], None] | None = None,
+    ) -> ServingModel:
         """The loaded base model `name`, loading it first if need be (`on_load(name)` is called
-        right before a load starts: the requests waiting for it are told)."""
+        right before a load starts: the requests waiting for it are told; `still_loading()` every
+        quarter of `inference_timeout_seconds` while it lasts, from another thread)."""
         if name in self.models:
             self.models.move_to_end(name)
             return self.models[name]
@@ -258,9 +290,10 @@ class InferenceWorker:
         if on_load is not None:
             on_load(name)
         started = time.monotonic()
-        self.models[name] = load_serving_model(
-            name, store=self.settings.model_store, max_adapters=self.settings.inference_max_adapters
-        )
+        with repeating(self.settings.inference_timeout_seconds / 4, still_loading):
+            self.models[name] = load_serving_model(
+                name, store=self.settings.model_store, max_adapters=self.settings.inference_max_adapters
+            )
         log.info("loaded base model %s in %.1fs", name, time.monotonic() - started)
         return self.models[name]
 
@@ -317,7 +350,11 @@ class InferenceWorker:
         for base, group in groups.items():
             batch = self.batches.setdefault(base, DecodeBatch())
             try:
-                model = self.model(base, on_load=partial(self._announce_loading, group))
+                model = self.model(
+                    base,
+                    on_load=partial(self._announce_loading, group),
+                    still_loading=partial(self._still_loading, group, base),
+                )
             except ModelsBusy:
                 still.update(id(p) for p in group)  # every loaded model is decoding: wait for one to drain
                 continue
@@ -366,6 +403,13 @@ class InferenceWorker:
             if p.loading_since is None:
                 p.loading_since = now
                 self._push(p, {"type": "loading", "model": name})
+
+    def _still_loading(self, group: list[Pending], name: str) -> None:
+        """Another "loading" event to each request waiting for base model `name`: the API gives up
+        on a request after `inference_timeout_seconds` without an event, and a large base can take
+        longer than that to load."""
+        for p in group:
+            self._push(p, {"type": "loading", "model": name})
 
     def _prepare(self, model: ServingModel, batch: Any, p: Pending, joining: set[int]) -> GenRequest | None:
         """The request's decoding parameters, its adapter loaded into a slot; None when no slot is

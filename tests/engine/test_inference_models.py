@@ -74,3 +74,25 @@ def test_while_every_model_decodes_another_waits(data_dir: Path) -> None:
     w.batches["tiny-a"].rows.clear()  # its rows finished
     w.model("tiny-llama")
     assert list(w.models) == ["tiny-b", "tiny-llama"]
+
+
+def test_repeating_calls_while_its_block_runs_survives_a_failing_call_and_stops_after() -> None:
+    # what keeps a chat request alive while its base model loads (a "loading" event each period)
+    import time
+
+    from worker.inference import repeating
+
+    calls: list[float] = []
+
+    def call() -> None:
+        calls.append(time.monotonic())
+        raise ConnectionError("Redis went away")  # logged; the next call still comes
+
+    with repeating(0.005, call):
+        time.sleep(0.1)
+    made = len(calls)
+    assert made >= 3
+    time.sleep(0.05)
+    assert len(calls) == made  # none after the block
+    with repeating(0.005, None):  # nothing to repeat: a plain block
+        pass

@@ -162,6 +162,61 @@ def test_the_first_request_on_a_model_says_it_was_loaded_for_it(api: ApiClient, 
         assert answer["warning"].startswith("tiny-llama has random weights (for tests only)")
 
 
+def test_a_load_longer_than_the_timeout_is_kept_alive_by_loading_events(
+    api: ApiClient, chat_queue: str
+) -> None:
+    """The API gives up on a request after `inference_timeout_seconds` without an event, and a
+    large base can take longer to load: while it loads, the worker repeats the "loading" event
+    every quarter of its timeout. Here the worker's timeout is 20 ms (a "loading" event every 5
+    ms), so even tiny-llama's short load sends several: the request's events, read as the API
+    reads them, hold more than one "loading" before "start" (one without the repetition), and the
+    answer still comes."""
+    import asyncio
+
+    import redis
+
+    from service import inference
+    from service.api.chat import worker_request
+    from service.inference import inference_worker_id, workers_key
+    from service.schemas import ChatCompletionCreate
+    from service.settings import get_settings
+    from tests.servers import shared_redis_url
+    from worker.inference import InferenceWorker
+
+    settings = get_settings()
+    worker = InferenceWorker(
+        settings.model_copy(update={"inference_preload": [], "inference_timeout_seconds": 0.02})
+    )
+    serving = threading.Thread(target=worker.serve_forever, daemon=True)
+    serving.start()
+    client = redis.Redis.from_url(shared_redis_url())
+
+    async def events() -> list[dict[str, object]]:
+        request = worker_request(
+            ChatCompletionCreate.model_validate(CHAT),
+            inference.Target("tiny-llama"),
+            inference.new_request_id(),
+        )
+        completion = inference.Completion(settings, request)
+        await completion.submit()
+        try:
+            return [event async for event in completion.events()]
+        finally:
+            await completion.close()
+
+    try:
+        wait_for(lambda: client.zscore(workers_key(chat_queue), inference_worker_id(os.getpid())) is not None,
+                 "worker registered", 60)  # fmt: skip
+        got = asyncio.run(events())
+    finally:
+        worker.stop()
+        serving.join(30)
+    kinds = [str(e["type"]) for e in got]
+    start = kinds.index("start")
+    assert kinds[:start] == ["loading"] * start and start >= 2, kinds
+    assert kinds[-1] == "done"
+
+
 def test_a_tool_message_needs_the_id_of_its_call_and_content(api: ApiClient) -> None:
     """Refused by the request schema (no worker involved), naming the field: a tool result without
     `tool_call_id`, with a blank one, or without `content`. An empty result ("") is a result."""
