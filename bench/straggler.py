@@ -21,10 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
-WARMUP = 8  # the job bench's untimed steps (job_bench.JOB_WARMUP): capture and first replays
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.job_bench import JOB_WARMUP  # the job bench's untimed steps
 
 
 def straggler_reading(
@@ -32,7 +35,7 @@ def straggler_reading(
     n_gpus: int,
     multi_seconds: list[float],
     one_gpu_step_ms: float,
-    warmup: int = WARMUP,
+    warmup: int = JOB_WARMUP,
 ) -> dict[str, Any]:
     """`one_row_seconds`: every step of the one-row run (at least n_gpus × len(multi_seconds));
     `multi_seconds`: every step of the N-GPU run; `one_gpu_step_ms`: the one-GPU N-row step.

@@ -267,15 +267,10 @@ class InferenceWorker:
         return len(raws)
 
     # -- models and adapters
-    def model(
-        self,
-        name: str,
-        on_load: Callable[[str], None] | None = None,
-        still_loading: Callable[[], None] | None = None,
-    ) -> ServingModel:
+    def model(self, name: str, on_load: Callable[[str], None] | None = None) -> ServingModel:
         """The loaded base model `name`, loading it first if need be (`on_load(name)` is called
-        right before a load starts: the requests waiting for it are told; `still_loading()` every
-        quarter of `inference_timeout_seconds` while it lasts, from another thread)."""
+        right before a load starts, and again from another thread every quarter of
+        `inference_timeout_seconds` while it lasts: the requests waiting for it are told)."""
         if name in self.models:
             self.models.move_to_end(name)
             return self.models[name]
@@ -290,7 +285,8 @@ class InferenceWorker:
         if on_load is not None:
             on_load(name)
         started = time.monotonic()
-        with repeating(self.settings.inference_timeout_seconds / 4, still_loading):
+        again = partial(on_load, name) if on_load is not None else None
+        with repeating(self.settings.inference_timeout_seconds / 4, again):
             self.models[name] = load_serving_model(
                 name, store=self.settings.model_store, max_adapters=self.settings.inference_max_adapters
             )
@@ -350,11 +346,7 @@ class InferenceWorker:
         for base, group in groups.items():
             batch = self.batches.setdefault(base, DecodeBatch())
             try:
-                model = self.model(
-                    base,
-                    on_load=partial(self._announce_loading, group),
-                    still_loading=partial(self._still_loading, group, base),
-                )
+                model = self.model(base, on_load=partial(self._announce_loading, group))
             except ModelsBusy:
                 still.update(id(p) for p in group)  # every loaded model is decoding: wait for one to drain
                 continue
@@ -396,18 +388,15 @@ class InferenceWorker:
 
     def _announce_loading(self, group: list[Pending], name: str) -> None:
         """Tell the requests waiting for base model `name` that it is loading (tens of seconds on
-        a CPU), before the load starts."""
-        log.info("loading base model %s for %d chat request(s)", name, len(group))
-        now = time.monotonic()
-        for p in group:
-            if p.loading_since is None:
-                p.loading_since = now
-                self._push(p, {"type": "loading", "model": name})
-
-    def _still_loading(self, group: list[Pending], name: str) -> None:
-        """Another "loading" event to each request waiting for base model `name`: the API gives up
-        on a request after `inference_timeout_seconds` without an event, and a large base can take
+        a CPU): before the load starts, and again while it lasts, since the API gives up on a
+        request after `inference_timeout_seconds` without an event and a large base can take
         longer than that to load."""
+        now = time.monotonic()
+        told_first = [p for p in group if p.loading_since is None]
+        if told_first:
+            log.info("loading base model %s for %d chat request(s)", name, len(told_first))
+        for p in told_first:
+            p.loading_since = now
         for p in group:
             self._push(p, {"type": "loading", "model": name})
 
