@@ -483,11 +483,13 @@ MULTI_GPU_GOALS: dict[int, dict[str, float]] = {
 MULTI_GPU_PRESETS = ("smollm2-135m", "llama-1b")
 
 
-def multi_gpu_batch(preset: str, n_gpus: int, batch_scaling: BatchScaling = "global") -> int:
-    """The job's batch_size (rows) on one and on N GPUs: the preset's B, raised to a multiple of
-    N so that every rank gets the same number of rows; per_gpu: the preset's B on every GPU (the
-    one-GPU job's step on each, a global batch N× as large)."""
-    rows = JOB_SHAPES[preset][0]
+def multi_gpu_batch(
+    preset: str, n_gpus: int, batch_scaling: BatchScaling = "global", rows: int | None = None
+) -> int:
+    """The job's batch_size (rows) on one and on N GPUs: `rows` (default the preset's B), raised
+    to a multiple of N so that every rank gets the same number of rows; per_gpu: that B on every
+    GPU (the one-GPU job's step on each, a global batch N× as large)."""
+    rows = rows or JOB_SHAPES[preset][0]
     return rows if batch_scaling == "per_gpu" else -(-rows // n_gpus) * n_gpus
 
 
@@ -499,14 +501,15 @@ def multi_gpu_variant(n_gpus: int, batch_scaling: BatchScaling = "global") -> st
 
 
 def multi_gpu_cells(
-    presets: list[str], n_gpus: int, batch_scaling: BatchScaling = "global"
+    presets: list[str], n_gpus: int, batch_scaling: BatchScaling = "global", rows: int | None = None
 ) -> list[list[str]]:
     """Per model: the job on one GPU, then the same job on n_gpus GPUs (same batch_size, same
-    data; global: the same global batch split, per_gpu: that batch on each GPU)."""
+    data; global: the same global batch split, per_gpu: that batch on each GPU); `rows`: the
+    batch_size instead of the preset's."""
     out: list[list[str]] = []
     for preset in presets:
         _, seq, examples, steps = JOB_SHAPES[preset]
-        batch = str(multi_gpu_batch(preset, n_gpus, batch_scaling))
+        batch = str(multi_gpu_batch(preset, n_gpus, batch_scaling, rows))
         for variant in ("job", multi_gpu_variant(n_gpus, batch_scaling)):
             out.append(["--job-cell", preset, variant, batch, str(seq), str(examples), str(steps)])
     return out

@@ -338,6 +338,14 @@ def main() -> int:
         "(the one-GPU batch on every GPU, as a batch_scaling per_gpu job; weak scaling); "
         "--out defaults to bench/results/multi-gpu-[x<N>-]per-gpu-<gpu>-<date>.json for per_gpu",
     )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="with --job --n-gpus N: the jobs' batch_size in rows (global: the batch on one GPU, split "
+        "over the N; per_gpu: each GPU's) instead of the preset's; --out then defaults to "
+        "bench/results/multi-gpu-[x<N>-][per-gpu-]batch<B>-<gpu>-<date>.json",
+    )
     parser.add_argument("--job-cell", nargs=6, help=argparse.SUPPRESS)
     parser.add_argument(
         "--dpo",
@@ -564,10 +572,13 @@ def run_job_mode(args: argparse.Namespace) -> int:
     return 0
 
 
-def multi_gpu_out(gpu: str, date: str, n_gpus: int, batch_scaling: str = "global") -> Path:
+def multi_gpu_out(
+    gpu: str, date: str, n_gpus: int, batch_scaling: str = "global", batch_size: int | None = None
+) -> Path:
     size = "" if n_gpus == 2 else f"x{n_gpus}-"
     mode = "per-gpu-" if batch_scaling == "per_gpu" else ""
-    return ROOT / "bench" / "results" / f"multi-gpu-{size}{mode}{gpu}-{date}.json"
+    rows = f"batch{batch_size}-" if batch_size else ""
+    return ROOT / "bench" / "results" / f"multi-gpu-{size}{mode}{rows}{gpu}-{date}.json"
 
 
 def run_multi_gpu_mode(args: argparse.Namespace) -> int:
@@ -584,7 +595,8 @@ def run_multi_gpu_mode(args: argparse.Namespace) -> int:
     device = torch.cuda.get_device_name(0)
     gpu = device.split()[-1].lower().replace("/", "-")
     scaling = args.batch_scaling
-    out = args.out or multi_gpu_out(gpu, time.strftime("%Y-%m-%d", time.gmtime()), n, scaling)
+    rows = args.batch_size
+    out = args.out or multi_gpu_out(gpu, time.strftime("%Y-%m-%d", time.gmtime()), n, scaling, rows)
     given = "--presets" in sys.argv
     presets = args.presets.split(",") if given else list(job_bench.MULTI_GPU_PRESETS)
     presets = [p for p in presets if p in job_bench.JOB_SHAPES]
@@ -605,11 +617,11 @@ def run_multi_gpu_mode(args: argparse.Namespace) -> int:
         + f"); {job_bench.JOB_WARMUP} warm-up steps not timed; tok_s counts real tokens "
         "of the whole global batch per second of rank 0's step time",
         "shapes": {
-            p: [job_bench.multi_gpu_batch(p, n, scaling), job_bench.JOB_SHAPES[p][1]] for p in presets
+            p: [job_bench.multi_gpu_batch(p, n, scaling, rows), job_bench.JOB_SHAPES[p][1]] for p in presets
         },
         "rows": [],
     }
-    for cell in job_bench.multi_gpu_cells(presets, n, scaling):
+    for cell in job_bench.multi_gpu_cells(presets, n, scaling, rows):
         row = spawn(cell, args.cell_timeout)
         row.setdefault("model", cell[1])
         row.setdefault("variant", cell[2])

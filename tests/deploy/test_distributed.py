@@ -26,6 +26,7 @@ from gpu_kernels.dispatch import KernelStatus
 from tests.deploy import packed_rank
 from worker.engine import distributed, recipe
 from worker.engine.checkpoint import TRAINING_STATE, checkpoint_dir
+from worker.engine.data import BatchSampler, Examples, TokenizedDataset, pack_examples
 from worker.engine.types import CheckpointInfo, LoraConfig, StepMetrics, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -351,3 +352,58 @@ def test_ranks_run_ahead_only_when_every_rank_may(
     assert exchanged == [here]
     run.__dict__["on_cuda"] = False  # on the CPU nothing runs ahead, and nothing is exchanged
     assert run._may_run_ahead(3, 0, 4) is False and exchanged == [here]
+
+
+def test_balanced_shards_keep_the_strided_row_counts_and_even_out_the_work() -> None:
+    """Each rank trains as many rows as the strided split gives it (the captured step's shape),
+    and the rows are dealt so that the slowest rank does less attention work: on packed rows of a
+    long-tail chat set, one row with a 1,900-token conversation against rows of short ones."""
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        n = int(torch.randint(1, 12, (1,), generator=gen))
+        world = int(torch.randint(1, 5, (1,), generator=gen))
+        work = torch.randint(0, 2_000_000, (n,), generator=gen).tolist()
+        shards = distributed.balanced_shards(work, world)
+        assert sorted(r for s in shards for r in s) == list(range(n))
+        assert [len(s) for s in shards] == [len(range(r, n, world)) for r in range(world)]
+        assert all(s == sorted(s) for s in shards)
+        assert distributed.balanced_shards(work, world) == shards  # every rank computes the same
+        balanced = max(sum(work[i] for i in s) for s in shards)
+        strided = max(sum(work[r::world]) for r in range(world))
+        assert balanced < strided or shards == [list(range(r, n, world)) for r in range(world)]
+    # 8 rows on 4 ranks: the two long-conversation rows (0 and 4) land on one rank when strided
+    work = [1_800_000, 200_000, 210_000, 190_000, 1_750_000, 220_000, 205_000, 195_000]
+    assert max(sum(work[r::4]) for r in range(4)) == 3_550_000
+    shards = distributed.balanced_shards(work, 4)
+    assert shards == [[0, 3], [4, 7], [1, 5], [2, 6]]  # each long row with the shortest left
+    assert max(sum(work[i] for i in s) for s in shards) == 1_990_000
+
+
+def test_ranks_shard_a_batch_by_the_work_the_dataset_counts() -> None:
+    """The attention work `shard_rows` reads off a collated batch is the work `Rows.attention_work`
+    counts from the dataset (what `_step_shape` sizes the captured step with), packed rows and
+    preference pairs (two sequences an example) alike; each rank gets its `balanced_shards` rows."""
+    lengths = [1900, 40, 60, 30, 500, 700, 90, 1200, 20, 300]
+    examples = Examples()
+    for i, n in enumerate(lengths):
+        cut = n // 3 if i % 3 == 0 else 0  # every third example a preference pair
+        examples.append(i + 1, list(range(1, n + 1)), [k % 2 == 0 for k in range(n)], split=cut)
+    rows = pack_examples(examples, 2048)
+    data = TokenizedDataset(rows, len(lengths), sum(lengths), 0, 2048, True, "chat", 0)
+    batch = BatchSampler(data, batch_size=len(rows), seed=5, pad_to=2048).batch(0, 0)
+    assert batch.row_ids is not None
+    work = distributed.row_attention_work(batch)
+    assert torch.equal(work, rows.attention_work()[batch.row_ids])
+    expected = sum(c * (c + 1) // 2 + (n - c) * (n - c + 1) // 2 for n, c in
+                   ((n, n // 3 if i % 3 == 0 else 0) for i, n in enumerate(lengths)))  # fmt: skip
+    assert int(work.sum()) == expected
+    world = 2
+    shards = distributed.balanced_shards(work.tolist(), world)
+    for rank in range(world):
+        ctx = distributed.DistContext(rank=rank, world_size=world)
+        mine = distributed.shard_rows(batch, ctx)
+        assert mine is not None and torch.equal(mine.input_ids, batch.input_ids[shards[rank]])
+        assert mine.row_ids is not None and mine.row_ids.tolist() == batch.row_ids[shards[rank]].tolist()
+    # more ranks than rows: the ranks past the rows train nothing this micro-batch
+    lone = BatchSampler(data, batch_size=1, seed=5, pad_to=2048).batch(0, 0)
+    assert distributed.shard_rows(lone, distributed.DistContext(rank=1, world_size=2)) is None

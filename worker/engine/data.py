@@ -203,6 +203,15 @@ class Examples(Sequence[Example]):
         all_lengths = torch.diff(_int64(self.ends), prepend=torch.zeros(1, dtype=torch.int64))
         return all_lengths if self.picked is None else all_lengths[_int64(self.picked)]
 
+    def attention_work(self) -> torch.Tensor:
+        """(n,) int64: query-key pairs causal attention computes over each example, L(L+1)/2 per
+        sequence (a preference pair's two sequences apart)."""
+        lengths = self.lengths()
+        cut = _int64(self.splits)
+        cut = cut if self.picked is None else cut[_int64(self.picked)]
+        rest = lengths - cut
+        return (cut * (cut + 1) + rest * (rest + 1)) // 2
+
     def trainable_per_example(self) -> torch.Tensor:
         """(n,) int64: trainable tokens of each example."""
         counts = _int64(self.trainable_counts)
@@ -300,6 +309,11 @@ class Rows(Sequence[Row]):
     def trainable(self) -> torch.Tensor:
         """(rows,) int64: tokens of each row that carry loss."""
         return self._per_row(self.examples.trainable_per_example())
+
+    def attention_work(self) -> torch.Tensor:
+        """(rows,) int64: query-key pairs causal attention computes over each row's real tokens
+        (what `distributed.row_attention_work` counts from a collated batch)."""
+        return self._per_row(self.examples.attention_work())
 
     def segments(self) -> torch.Tensor:
         """(rows,) int64: sequences in each row (an example's one, a preference pair's two)."""

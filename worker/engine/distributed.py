@@ -2,8 +2,10 @@
 
 Math. Every rank loads the same frozen base model (replicated, never communicated) and draws the
 same seeded LoRA init. Every rank builds the same one-process batches; of each micro-batch
-(B, T), rank r trains on rows r, r+W, r+2W, ... (W = world size), the DistributedSampler split
-applied per batch, so data order and step count are exactly a one-process run's. The recipe
+(B, T), rank r trains on as many rows as the DistributedSampler split r, r+W, r+2W, ... would give
+it (W = world size), chosen so that the ranks' attention work is even (`balanced_shards`): data
+order and step count are exactly a one-process run's, and a step waits less for its slowest rank.
+The recipe
 divides each rank's summed token loss by the step's *global* trainable-token count N (every rank
 knows N: it sees whole batches), so summing adapter gradients over ranks with one flat all_reduce
 gives the one-process gradient of the combined batch (up to float summation order):
@@ -134,13 +136,47 @@ def shutdown(ctx: DistContext) -> None:
         dist.destroy_process_group()
 
 
+def row_attention_work(batch: Batch) -> torch.Tensor:
+    """(B,) int64: the query-key pairs causal attention computes over each row's real tokens,
+    Σ_t (position_t + 1) = Σ over the row's sequences of L(L+1)/2 (`Rows.attention_work` counts the
+    same from the dataset). Packed rows of one batch have the same width, so their GEMM and norm
+    work is equal; what differs is this: one 1,900-token conversation against a dozen short ones."""
+    return ((batch.position_ids + 1) * batch.attention_mask).sum(dim=1)
+
+
+def balanced_shards(work: Sequence[int], world: int) -> list[list[int]]:
+    """Each rank's rows of a batch whose rows have `work` (B,): rank r gets as many rows as the
+    strided split r, r+W, ... would give it (what the captured step's static shape is sized for;
+    none where B < W and r >= B), picked longest-first onto the rank with the least work so far
+    (ties: the lower rank, then the lower row), so that a multi-GPU step waits less for its
+    slowest rank; the strided split itself where the greedy one is no better (greedy is a
+    heuristic: now and then it is worse, and with one row a rank nothing can be balanced). A pure
+    function of `work`: every rank computes the same split. Within a rank, rows keep the batch's
+    order."""
+    n = len(work)
+    strided = [list(range(r, n, world)) for r in range(world)]
+    load = [0] * world
+    greedy: list[list[int]] = [[] for _ in range(world)]
+    for row in sorted(range(n), key=lambda i: (-work[i], i)):
+        rank = min((load[r], r) for r in range(world) if len(greedy[r]) < len(strided[r]))[1]
+        greedy[rank].append(row)
+        load[rank] += work[row]
+
+    def slowest(shards: list[list[int]]) -> int:
+        return max(sum(work[i] for i in rows) for rows in shards)
+
+    return strided if slowest(strided) <= slowest(greedy) else [sorted(s) for s in greedy]
+
+
 def shard_rows(batch: Batch, ctx: DistContext) -> Batch | None:
-    """This rank's rows r, r+W, ... of a batch (every tensor (B, T)); None if it has none."""
+    """This rank's rows of a batch (every tensor (B, T)), as `balanced_shards` splits them; None
+    if it has none (fewer rows than ranks: it adds zero gradient this micro-batch)."""
     if not ctx.active:
         return batch
-    if batch.input_ids.shape[0] <= ctx.rank:
-        return None  # fewer rows than ranks: this rank contributes zero gradient this micro-batch
-    rows = slice(ctx.rank, None, ctx.world_size)
+    mine = balanced_shards(row_attention_work(batch).tolist(), ctx.world_size)[ctx.rank]
+    if not mine:
+        return None
+    rows = torch.tensor(mine, dtype=torch.int64)
     b = batch
     row_ids = b.row_ids[rows] if b.row_ids is not None else None
     return Batch(

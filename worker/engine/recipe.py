@@ -382,14 +382,15 @@ class LoRAFinetuneRecipe:
         seq = data.max_seq_len  # the rows' length: max_seq_len, or the shorter rows auto planned
         segments = data.rows.segments()  # (rows,): padding continues a row's last sequence
         trainable = data.rows.trainable()  # (rows,)
+        work = data.rows.attention_work()  # (rows,): how distributed.shard_rows splits a batch
         most_segments = most_trainable = most_pairs = 1
         for n in range(self.total_micro_batches):
             if n % STOP_CHECK_EVERY == STOP_CHECK_EVERY - 1 and self.callbacks.should_stop():
                 raise StopRequested("stopped while sizing the training step")
             epoch, index = divmod(n, self.batches_per_epoch)
             ids = self.sampler.order_ids(epoch)[index * cfg.batch_size : (index + 1) * cfg.batch_size]
-            for rank in range(world):  # distributed.shard_rows: rows rank, rank + W, ...
-                shard = ids[rank::world]
+            for picked in distributed.balanced_shards(work[ids].tolist(), world):
+                shard = ids[picked]
                 real = int(segments[shard].sum())
                 most_segments = max(most_segments, real + rows - len(shard))
                 most_trainable = max(most_trainable, int(trainable[shard].sum()))
