@@ -1,8 +1,9 @@
 """Why N GPUs that split a fixed global batch fall short of N×: each step waits for its slowest row.
 
-Under `batch_scaling: "global"` with N rows a step on N GPUs, rank r of step k trains row N·k + r
-of the sampler's order, and a one-GPU job with one row a step (`train_bench.py --job-cell <preset>
-job 1 2048 8 <steps>`, same data and seed) trains the same rows in the same order, one a step. So
+Under `batch_scaling: "global"` with N rows a step on N GPUs, the GPUs of step k train rows N·k to
+N·k + N − 1 of the sampler's order, one each, and a one-GPU job with one row a step
+(`train_bench.py --job-cell <preset> job 1 2048 8 <steps>`, same data and seed) trains the same
+rows in the same order, one a step. So
 the N-GPU step k cannot take less than the slowest of its N rows alone, max_r t[N·k + r], however
 fast the all-reduce: packed rows of a long-tail chat set differ in attention work (one 1,900-token
 conversation against a dozen short ones), and that spread, not communication, is what the N-GPU

@@ -121,11 +121,14 @@ def test_per_gpu_batch_scaling_keeps_each_ranks_rows_and_scales_the_rate() -> No
     split = plan_job(TrainingConfig(batch_size=2), small, world_size=2)
     assert (split.global_batch, split.learning_rate) == (2, BASE_LEARNING_RATE)
     assert "batch_scaling global: the 2 row(s) split over 2 GPUs" in split.reason
-    # one row a GPU: the plan says the step waits for the slowest row, and what scales further
-    assert "one row a GPU: each step lasts as long as its slowest row" in split.reason
-    assert "batch_size 4 or more, or batch_scaling per_gpu" in split.reason
+    # under 4 rows a GPU: the plan says the step waits for the slowest GPU, and what scales further
+    assert "up to 1 row(s) a GPU: each step lasts as long as its slowest GPU's rows" in split.reason
+    assert "3.3x at 1 row a GPU, 3.55x at 2, 3.7x at 4" in split.reason
+    assert "batch_size 8 or more, or batch_scaling per_gpu" in split.reason
     two_each = plan_job(TrainingConfig(batch_size=4), small, world_size=2)
-    assert "split over 2 GPUs" in two_each.reason and "slowest row" not in two_each.reason
+    assert "up to 2 row(s) a GPU" in two_each.reason
+    four_each = plan_job(TrainingConfig(batch_size=8), small, world_size=2)
+    assert "split over 2 GPUs" in four_each.reason and "slowest GPU" not in four_each.reason
     # on one GPU per_gpu is global: same batch, same rate
     one = plan_job(given, small)
     assert (one.global_batch, one.learning_rate) == (2, BASE_LEARNING_RATE)

@@ -56,6 +56,8 @@ AUTO_MAX_EXAMPLES_SEEN = 25_000  # a large file fewer, down to 1
 AUTO_MAX_EPOCHS = 25
 AUTO_BATCH_SIZE = 4  # rows of max_seq_len a step at most (and examples a step unpacked)
 AUTO_MIN_STEPS = 48  # optimizer steps auto aims for at least, by making steps smaller
+# rows a GPU below which a global-mode multi-GPU plan says its GPUs stay short of N× (measured)
+MULTI_GPU_ROWS_PER_GPU = 4
 AUTO_ROW_MULTIPLE = 64  # shortened packed rows are a multiple of this many tokens
 AUTO_LEARNING_RATE_MULTIPLIER = 1.0
 AUTO_DPO_BETA = 0.1  # DPO's beta when "auto" (the DPO paper's and TRL's default)
@@ -524,13 +526,15 @@ def plan_auto(
     elif world_size > 1:
         why.append(
             f"batch_scaling global: the {batch} row(s) split over {world_size} GPUs"
-            # measured (bench/straggler.py): a step waits for its slowest row, and packed rows
-            # differ in attention work, so one row a GPU leaves the GPUs short of world_size×
+            # measured (bench/straggler.py, multi-gpu-[x4-]batch<B>-h100-2026-11-28.json): a step
+            # waits for its slowest GPU, packed rows differ in attention work, and a GPU with
+            # fewer rows runs its GEMMs less efficiently; 4 rows a GPU came within 8% of N×
             + (
-                f", one row a GPU: each step lasts as long as its slowest row, so {world_size} GPUs "
-                f"gain less than {world_size}x; batch_size {2 * world_size} or more, or batch_scaling "
-                "per_gpu, keeps them busier"
-                if batch <= world_size
+                f", up to {-(-batch // world_size)} row(s) a GPU: each step lasts as long as its "
+                f"slowest GPU's rows, so {world_size} GPUs gain less than {world_size}x (llama-1b on "
+                "4 H100s: 3.3x at 1 row a GPU, 3.55x at 2, 3.7x at 4); batch_size "
+                f"{MULTI_GPU_ROWS_PER_GPU * world_size} or more, or batch_scaling per_gpu, keeps them busier"
+                if batch < MULTI_GPU_ROWS_PER_GPU * world_size
                 else ""
             )
         )
