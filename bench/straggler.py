@@ -69,11 +69,63 @@ def straggler_reading(
     }
 
 
+def split_reading(
+    one_row_seconds: list[float], work: list[int], n_gpus: int, rows: int, warmup: int = JOB_WARMUP
+) -> dict[str, Any]:
+    """A global batch of `rows` rows on `n_gpus` GPUs, estimated from a one-row run: each rank's
+    step as the sum of its rows' one-row times, over the run's steps after `warmup`, cut into
+    batches of `rows`. `work`: each row's attention work in the one-row run's order
+    (`row_work_in_order`). Returns the slowest rank's step over the mean rank's for the strided
+    split (rank r: rows r, r + N, ...) and for the engine's split (`distributed.balanced_shards`),
+    and how much shorter the engine's split makes the step."""
+    from worker.engine.distributed import balanced_shards
+
+    times, costs = one_row_seconds[warmup:], work[warmup : len(one_row_seconds)]
+    strided: list[float] = []
+    balanced: list[float] = []
+    mean: list[float] = []
+    for i in range(0, len(times) - rows + 1, rows):
+        t, w = times[i : i + rows], costs[i : i + rows]
+        strided.append(max(sum(t[r::n_gpus]) for r in range(n_gpus)))
+        balanced.append(max(sum(t[j] for j in shard) for shard in balanced_shards(w, n_gpus)))
+        mean.append(sum(t) / n_gpus)
+    if not mean:
+        raise ValueError(f"{len(times)} one-row steps after warm-up make no batch of {rows} rows")
+    return {
+        "n_gpus": n_gpus,
+        "rows": rows,
+        "batches": len(mean),
+        "strided_slowest_over_mean": round(statistics.mean(strided) / statistics.mean(mean), 4),
+        "balanced_slowest_over_mean": round(statistics.mean(balanced) / statistics.mean(mean), 4),
+        "step_shorter_percent": round(100 * (1 - statistics.mean(balanced) / statistics.mean(strided)), 2),
+        "correlation_work_time": round(statistics.correlation(times, [float(c) for c in costs]), 3),
+    }
+
+
+def row_work_in_order(seq: int = 2048) -> list[int]:
+    """Attention work of each packed row of the long-tail chat set in the order a one-row job of
+    the bench trains them (its sampler: seed 0, one row a batch, epoch 0 then 1, ...)."""
+    from bench.job_bench import DATASET
+    from worker.engine.data import BatchSampler, load_dataset
+    from worker.engine.tiny import build_tiny_tokenizer
+
+    data = load_dataset(DATASET, build_tiny_tokenizer(), seq, pack=True)
+    sampler = BatchSampler(data, 1, seed=0)
+    work = data.rows.attention_work()
+    return [int(w) for epoch in range(4) for w in work[sampler.order_ids(epoch)]]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--multi", type=Path, required=True, help="a train_bench.py --job --n-gpus N result")
     ap.add_argument(
         "--one-row", type=Path, nargs="+", required=True, help="--job-cell rows (JSON), one per model"
+    )
+    ap.add_argument(
+        "--split",
+        default="",
+        help="GPUS:ROWS[,GPUS:ROWS]: also estimate those global batches from the one-row runs, the "
+        "strided split against the engine's (split_reading)",
     )
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
@@ -88,7 +140,18 @@ def main() -> None:
         one_rows[model] = row
         one_gpu, split = by_variant[(model, "job")], by_variant[(model, f"job_x{n}")]
         readings[model] = straggler_reading(row["step_seconds"], n, split["step_seconds"], one_gpu["step_ms"])
+    splits: dict[str, Any] = {}
+    if a.split:
+        work = row_work_in_order()
+        for model, row in one_rows.items():
+            splits[model] = [
+                split_reading(row["step_seconds"], work, int(g), int(r))
+                for g, r in (item.split(":") for item in a.split.split(","))
+            ]
     result = {"multi_gpu_result": str(a.multi), "n_gpus": n, "readings": readings, "one_row_rows": one_rows}
+    if splits:
+        result["splits"] = splits
+        print(json.dumps(splits, indent=1))
     print(json.dumps(readings, indent=1))
     if a.out:
         a.out.write_text(json.dumps(result, indent=1))

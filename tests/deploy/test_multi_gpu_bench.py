@@ -118,3 +118,20 @@ def test_the_straggler_reading_predicts_each_split_step_by_its_slowest_row() -> 
     assert r["correlation_predicted_measured"] == 1.0
     with pytest.raises(ValueError, match="cover fewer"):
         straggler_reading(one_row[:6], 2, split, one_gpu_step_ms=24.0, warmup=1)
+
+
+def test_the_split_reading_sets_the_engines_split_against_the_strided_one() -> None:
+    """4 rows on 2 GPUs: strided, the two long rows (0 and 2) share a rank; the engine's split
+    (by attention work) gives each rank one long row and one short one."""
+    from bench.straggler import split_reading
+
+    one_row = [0.5, 0.020, 0.010, 0.019, 0.011]  # 1 warm-up step, then rows of 20, 10, 19, 11 ms
+    work = [0, 2_000, 900, 1_900, 1_000]
+    r = split_reading(one_row, work, n_gpus=2, rows=4, warmup=1)
+    assert r["batches"] == 1
+    assert r["strided_slowest_over_mean"] == round(39 / 30, 4)  # ranks: 20 + 19, 10 + 11
+    assert r["balanced_slowest_over_mean"] == 1.0  # ranks: 20 + 10, 19 + 11
+    assert r["step_shorter_percent"] == round(100 * (1 - 30 / 39), 2)
+    assert r["correlation_work_time"] > 0.99
+    with pytest.raises(ValueError, match="no batch of 8 rows"):
+        split_reading(one_row, work, n_gpus=2, rows=8, warmup=1)
