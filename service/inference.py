@@ -18,7 +18,9 @@ than the timeout does not read as a silent worker; {"type": "start",
 loading its base model took, with "loading" before it); {"type":
 "delta", "text"} per piece of text (streamed requests only); {"type": "done", "text",
 "finish_reason", "prompt_tokens", "completion_tokens"}; or {"type": "error", "status", "code",
-"param", "message"}.
+"param", "message"}. A job's dry run (`"kind": "dry_run"`) answers "done" with the files'
+reports and the plan, sending {"type": "progress", "stage"} every quarter of the worker's
+`inference_timeout_seconds` while it reads and tokenizes them (a large file takes minutes).
 
 A request that finds no serving worker while one is starting waits for it up to
 `inference_start_wait_seconds` (`loraq up` answers before its inference worker has imported torch);

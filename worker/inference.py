@@ -12,6 +12,12 @@ request that comes meanwhile waits for it (service/inference.py). A request whos
 loaded yet is told so at once (a "loading" event: the API streams a comment and a `notice`), and
 its "start" event says how long loading took.
 
+A job's dry run (tokenizing its files as the job would) runs on a thread of its own, one at a
+time, beside the decode loop: a large file takes minutes to tokenize, and chat streams must not
+stop meanwhile. While it works it sends a "progress" event every quarter of
+`inference_timeout_seconds`, so that the API, which gives up after that long without an event,
+keeps waiting.
+
 Prometheus (own registry, port `inference_metrics_port`): time to first token, generated tokens/s
 per request, requests by outcome, and `loraq_redis_up`.
 
@@ -32,6 +38,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -148,7 +155,9 @@ class InferenceWorker:
         self.models: OrderedDict[str, ServingModel] = OrderedDict()
         self.batches: dict[str, DecodeBatch] = {}  # base model -> rows decoding on it
         self.waiting: list[Pending] = []  # chat requests not admitted yet
-        self._tokenizers: dict[str, Any] = {}
+        self._tokenizers: dict[str, Any] = {}  # read and written by the dry-run thread only
+        # dry runs, one at a time, off the decode loop (tokenizing a large file takes minutes)
+        self._dry_runs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference-dry-run")
         self.metrics = Metrics()
         self.redis_health = DependencyHealth("Redis", log)
         self.registered = False  # in the workers zset since the last outage
@@ -179,6 +188,7 @@ class InferenceWorker:
 
     def stop(self) -> None:
         self._stop.set()
+        self._dry_runs.shutdown(wait=False, cancel_futures=True)
 
     def _register(self) -> None:
         """Join the workers zset: the API refuses chat requests while no worker is in it."""
@@ -253,7 +263,8 @@ class InferenceWorker:
         return [item[1], *(self.redis.lpop(key, self.settings.inference_max_batch - 1) or [])]
 
     def _take(self, raws: list[bytes]) -> int:
-        """Answer dry runs now; chat requests wait for admission (expired ones are dropped)."""
+        """Dry runs go to their thread; chat requests wait for admission (expired ones are
+        dropped)."""
         now = time.time()
         for raw in raws:
             request = json.loads(raw)
@@ -261,7 +272,7 @@ class InferenceWorker:
             if float(request["deadline"]) < now:  # the API has given up on it
                 self.metrics.requests.labels("expired").inc()
             elif request.get("kind") == "dry_run":
-                self._dry_run(p)
+                self._dry_runs.submit(self._dry_run, p)
             else:
                 self.waiting.append(p)
         return len(raws)
@@ -300,9 +311,11 @@ class InferenceWorker:
         return Adapter.from_zip(default_store().materialize(key, sha256))
 
     def tokenizer(self, name: str) -> Any:
-        """A loaded model's tokenizer, else the tokenizer alone (cached; no weights loaded)."""
-        if name in self.models:
-            return self.models[name].tokenizer
+        """A loaded model's tokenizer, else the tokenizer alone (cached; no weights loaded).
+        Called from the dry-run thread: one lookup of `models`, which the decode loop changes."""
+        loaded = self.models.get(name)
+        if loaded is not None:
+            return loaded.tokenizer
         if name not in self._tokenizers:
             from worker.engine.models import load_tokenizer
 
@@ -311,26 +324,43 @@ class InferenceWorker:
 
     # -- a job's dry run: tokenize its files as the job would (service/dry_run.py plans the rest)
     def _dry_run(self, p: Pending) -> None:
+        """On the dry-run thread: "done" with the files' reports and the plan, or "error"; a
+        "progress" event every quarter of the API's timeout until then. A reply that Redis
+        cannot take is dropped (the API has told its caller `inference_timeout`)."""
+        progress = {"type": "progress", "stage": "reading and tokenizing the files"}
+        outcome: dict[str, Any] | Exception
+        with repeating(self.settings.inference_timeout_seconds / 4, partial(self._push, p, progress)):
+            try:
+                outcome = self._dry_run_done(p)
+            except Exception as exc:
+                outcome = exc
+        try:  # after the last "progress": the reply ends with "done" or "error"
+            if isinstance(outcome, Exception):
+                self._fail(p, outcome)
+                return
+            self.metrics.requests.labels("dry_run").inc()
+            self._push(p, outcome)
+        except REDIS_OUTAGE:
+            log.warning("dropped dry run %s: Redis went away", p.raw.get("id"))
+            self.metrics.requests.labels("dropped").inc()
+
+    def _dry_run_done(self, p: Pending) -> dict[str, Any]:
+        """The dry run's "done" event: each file's report and what the job trains on."""
         from service.storage import default_store
         from worker.engine.data import read_examples
 
         store = default_store()
-        try:
-            tokenizer = self.tokenizer(p.raw["base"])
-            max_seq_len = int(p.raw["max_seq_len"])
-            reports: dict[str, Any] = {"training_file": None, "validation_file": None}
-            examples: dict[str, Any] = {}
-            for name in reports:
-                key = p.raw.get(name)  # a store key, or None (no validation file)
-                if key:
-                    examples[name], report = read_examples(store.materialize(key), tokenizer, max_seq_len)
-                    reports[name] = asdict(report)
-            training = _trained_part(examples["training_file"], reports["training_file"], tokenizer, p.raw)
-        except Exception as exc:
-            self._fail(p, exc)
-            return
-        self.metrics.requests.labels("dry_run").inc()
-        self._push(p, {"type": "done", **reports, "training": training})
+        tokenizer = self.tokenizer(p.raw["base"])
+        max_seq_len = int(p.raw["max_seq_len"])
+        reports: dict[str, Any] = {"training_file": None, "validation_file": None}
+        examples: dict[str, Any] = {}
+        for name in reports:
+            key = p.raw.get(name)  # a store key, or None (no validation file)
+            if key:
+                examples[name], report = read_examples(store.materialize(key), tokenizer, max_seq_len)
+                reports[name] = asdict(report)
+        training = _trained_part(examples["training_file"], reports["training_file"], tokenizer, p.raw)
+        return {"type": "done", **reports, "training": training}
 
     # -- chat requests: admission into a base model's batch, then one decode step at a time
     def _admit_waiting(self) -> None:

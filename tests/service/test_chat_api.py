@@ -239,3 +239,86 @@ def test_a_tool_message_needs_the_id_of_its_call_and_content(api: ApiClient) -> 
         {**CHAT, "messages": [*asked, {"role": "tool", "tool_call_id": "call_1", "content": ""}]}
     )
     assert body.messages[2].text() == ""
+
+
+def test_a_dry_run_of_a_large_file_keeps_the_api_waiting_and_chat_decoding(
+    api: ApiClient, chat_queue: str
+) -> None:
+    """Tokenizing a job's files for its dry run takes as long as the file is large, and the API
+    gives up after `inference_timeout_seconds` without an event: the worker sends "progress"
+    every quarter of its timeout meanwhile. And it tokenizes on a thread of its own, so a chat
+    request sent after the dry run is answered before it. Here the API waits 1 s for an event,
+    the worker's "progress" comes every 0.1 s, and the dry run (8,000 chat lines) takes about 2 s
+    on a 2-core machine: without the events the API would answer 503 inference_timeout, and
+    without the thread the chat would wait for the dry run."""
+    import asyncio
+    import json
+    import time
+
+    import redis
+
+    from service import inference
+    from service.api.chat import worker_request
+    from service.inference import inference_worker_id, workers_key
+    from service.schemas import ChatCompletionCreate
+    from service.settings import get_settings
+    from service.storage import default_store
+    from tests.servers import shared_redis_url
+    from worker.engine.training_config import TrainingConfig
+    from worker.inference import InferenceWorker
+
+    def conversation(i: int) -> dict[str, object]:
+        question = {"role": "user", "content": f"Question {i} " + "why " * 20}
+        return {"messages": [question, {"role": "assistant", "content": "arr " * 30 + str(i)}]}
+
+    lines = [conversation(i) for i in range(8000)]
+    key = f"test/dry-run-{secrets.token_hex(4)}.jsonl"
+    default_store().put_bytes(key, "".join(json.dumps(line) + "\n" for line in lines).encode())
+    settings = get_settings().model_copy(update={"inference_timeout_seconds": 1.0})  # the API's
+    worker = InferenceWorker(settings.model_copy(update={"inference_timeout_seconds": 0.4}))
+    serving = threading.Thread(target=worker.serve_forever, daemon=True)
+    serving.start()
+    client = redis.Redis.from_url(shared_redis_url())
+    dry_request = {
+        "kind": "dry_run",
+        "id": inference.new_request_id(),
+        "base": "tiny-llama",
+        "training_file": key,
+        "validation_file": None,
+        "max_seq_len": 512,
+        "training": TrainingConfig().model_dump(mode="json"),
+        "n_gpus": 1,
+        "validation_split": 0.0,
+        "seed": 3,
+    }
+    chat_request = worker_request(
+        ChatCompletionCreate.model_validate(CHAT), inference.Target("tiny-llama"), inference.new_request_id()
+    )
+
+    async def replies() -> list[list[tuple[dict[str, object], float]]]:
+        sent = [inference.Completion(settings, r) for r in (dry_request, chat_request)]
+
+        async def read(completion: inference.Completion) -> list[tuple[dict[str, object], float]]:
+            return [(event, time.monotonic()) async for event in completion.events()]
+
+        try:
+            for completion in sent:
+                await completion.submit()
+            return list(await asyncio.gather(*(read(c) for c in sent)))
+        finally:
+            for completion in sent:
+                await completion.close()
+
+    try:
+        wait_for(lambda: client.zscore(workers_key(chat_queue), inference_worker_id(os.getpid())) is not None,
+                 "worker registered", 60)  # fmt: skip
+        dry, chat = asyncio.run(replies())
+    finally:
+        worker.stop()
+        serving.join(30)
+    kinds = [str(event["type"]) for event, _ in dry]
+    assert kinds[-1] == "done" and kinds[:-1] == ["progress"] * (len(kinds) - 1) and len(kinds) >= 3, kinds
+    done = dry[-1][0]
+    assert done["training"]["examples"] == 8000  # type: ignore[index]
+    assert chat[-1][0]["type"] == "done"
+    assert chat[-1][1] < dry[-1][1]  # the chat was answered while the dry run worked
