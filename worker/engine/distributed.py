@@ -5,10 +5,9 @@ same seeded LoRA init. Every rank builds the same one-process batches; of each m
 (B, T), rank r trains on as many rows as the DistributedSampler split r, r+W, r+2W, ... would give
 it (W = world size), chosen so that the ranks' attention work is even (`balanced_shards`): data
 order and step count are exactly a one-process run's, and a step waits less for its slowest rank.
-The recipe
-divides each rank's summed token loss by the step's *global* trainable-token count N (every rank
-knows N: it sees whole batches), so summing adapter gradients over ranks with one flat all_reduce
-gives the one-process gradient of the combined batch (up to float summation order):
+The recipe divides each rank's summed token loss by the step's *global* trainable-token count N
+(every rank knows N: it sees whole batches), so summing adapter gradients over ranks with one flat
+all_reduce gives the one-process gradient of the combined batch (up to float summation order):
 
     g = Σ_r ∇ Σ_{t ∈ shard_r} CE_t / N = ∇ Σ_t CE_t / N
 

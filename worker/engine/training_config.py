@@ -528,7 +528,7 @@ def plan_auto(
             f"batch_scaling global: the {batch} row(s) split over {world_size} GPUs"
             # measured (bench/straggler.py, multi-gpu-[x4-]batch<B>-h100-2026-11-28.json): a step
             # waits for its slowest GPU, packed rows differ in attention work, and a GPU with
-            # fewer rows runs its GEMMs less efficiently; 4 rows a GPU came within 8% of N×
+            # fewer rows runs its GEMMs less efficiently (llama-1b, 4 GPUs: 3.70x at 4 rows each)
             + (
                 f", up to {-(-batch // world_size)} row(s) a GPU: each step lasts as long as its "
                 f"slowest GPU's rows, so {world_size} GPUs gain less than {world_size}x (llama-1b on "
