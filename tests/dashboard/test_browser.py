@@ -66,6 +66,10 @@ LAST_LOSS = """() => {
 }"""
 
 
+# The loss chart has been redrawn for the current window width (it fits inside it).
+CHART_REDRAWN_TO_FIT = "() => window.loraqCharts.loss.over.getBoundingClientRect().right <= window.innerWidth"
+
+
 def out_of_view(page: Any, selector: str) -> list[str]:
     found: list[str] = page.evaluate(OUT_OF_VIEW, selector)
     return found
@@ -252,6 +256,8 @@ def test_dashboard_end_to_end(stack: Service, page: Any, artifacts_dir: Path, tm
     page.set_viewport_size(PHONE)
     expect(buttons.first).to_be_visible()
     assert out_of_view(page, "#checkpoints button[data-checkpoint]") == []
+    # the page redraws its charts on the window's resize event, which comes after the new viewport
+    page.wait_for_function(CHART_REDRAWN_TO_FIT, timeout=10_000)
     last_loss_shown(page)
     page.screenshot(path=str(artifacts_dir / "dashboard-job-375.png"), full_page=True)
     page.set_viewport_size({"width": 1360, "height": 1000})
