@@ -277,6 +277,12 @@ class InferenceWorker:
                 self.waiting.append(p)
         return len(raws)
 
+    def _keeping_alive(self, call: Callable[[], None] | None) -> contextlib.AbstractContextManager[None]:
+        """`call()` every quarter of `inference_timeout_seconds` while the block runs: the API
+        gives up on a request after that long without an event, and a base model's load or a
+        dry run's tokenizing can take longer."""
+        return repeating(self.settings.inference_timeout_seconds / 4, call)
+
     # -- models and adapters
     def model(self, name: str, on_load: Callable[[str], None] | None = None) -> ServingModel:
         """The loaded base model `name`, loading it first if need be (`on_load(name)` is called
@@ -297,7 +303,7 @@ class InferenceWorker:
             on_load(name)
         started = time.monotonic()
         again = partial(on_load, name) if on_load is not None else None
-        with repeating(self.settings.inference_timeout_seconds / 4, again):
+        with self._keeping_alive(again):
             self.models[name] = load_serving_model(
                 name, store=self.settings.model_store, max_adapters=self.settings.inference_max_adapters
             )
@@ -329,7 +335,7 @@ class InferenceWorker:
         cannot take is dropped (the API has told its caller `inference_timeout`)."""
         progress = {"type": "progress", "stage": "reading and tokenizing the files"}
         outcome: dict[str, Any] | Exception
-        with repeating(self.settings.inference_timeout_seconds / 4, partial(self._push, p, progress)):
+        with self._keeping_alive(partial(self._push, p, progress)):
             try:
                 outcome = self._dry_run_done(p)
             except Exception as exc:

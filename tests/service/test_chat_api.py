@@ -5,6 +5,7 @@ that is starting (a real `loraq inference` process)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import subprocess
@@ -12,6 +13,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -46,6 +48,28 @@ def started_worker(**overrides: object) -> object:
     worker.start()  # tiny-llama loaded; nothing served until serve_once
     worker._register()  # in the workers zset, as serve_forever does first (the heartbeat keeps it)
     return worker
+
+
+@contextlib.contextmanager
+def serving(worker: Any, queue: str) -> Iterator[None]:
+    """`worker.serve_forever()` on a thread, in `queue`'s workers zset before the block runs;
+    stopped and joined after it."""
+    import redis
+
+    from service.inference import inference_worker_id, workers_key
+    from tests.servers import shared_redis_url
+
+    thread = threading.Thread(target=worker.serve_forever, daemon=True)
+    thread.start()
+    client = redis.Redis.from_url(shared_redis_url())
+    try:
+        wait_for(lambda: client.zscore(workers_key(queue), inference_worker_id(os.getpid())) is not None,
+                 "worker registered", 60)  # fmt: skip
+        yield
+    finally:
+        worker.stop()
+        thread.join(30)
+        client.close()
 
 
 def test_a_first_event_later_than_redis_default_read_timeout_arrives(api: ApiClient, chat_queue: str) -> None:
@@ -134,25 +158,13 @@ def test_the_first_request_on_a_model_says_it_was_loaded_for_it(api: ApiClient, 
     """A worker that preloads nothing loads tiny-llama for the first request on it: the answer says
     so (`notice`, with the seconds it took), the next one does not; both carry tiny-llama's
     random-weights warning."""
-    import redis
-
-    from service.inference import inference_worker_id, workers_key
     from service.settings import get_settings
-    from tests.servers import shared_redis_url
     from worker.inference import InferenceWorker
 
     worker = InferenceWorker(get_settings().model_copy(update={"inference_preload": []}))
-    serving = threading.Thread(target=worker.serve_forever, daemon=True)
-    serving.start()
-    client = redis.Redis.from_url(shared_redis_url())
-    try:
-        wait_for(lambda: client.zscore(workers_key(chat_queue), inference_worker_id(os.getpid())) is not None,
-                 "worker registered", 60)  # fmt: skip
+    with serving(worker, chat_queue):
         first = api.post("/v1/chat/completions", json=CHAT)
         second = api.post("/v1/chat/completions", json=CHAT)
-    finally:
-        worker.stop()
-        serving.join(30)
     assert first.status_code == 200 and second.status_code == 200, first.text + second.text
     notice = first.json()["notice"]
     assert notice.startswith("tiny-llama was loaded on the inference worker for this request first (")
@@ -173,23 +185,16 @@ def test_a_load_longer_than_the_timeout_is_kept_alive_by_loading_events(
     answer still comes."""
     import asyncio
 
-    import redis
-
     from service import inference
     from service.api.chat import worker_request
-    from service.inference import inference_worker_id, workers_key
     from service.schemas import ChatCompletionCreate
     from service.settings import get_settings
-    from tests.servers import shared_redis_url
     from worker.inference import InferenceWorker
 
     settings = get_settings()
     worker = InferenceWorker(
         settings.model_copy(update={"inference_preload": [], "inference_timeout_seconds": 0.02})
     )
-    serving = threading.Thread(target=worker.serve_forever, daemon=True)
-    serving.start()
-    client = redis.Redis.from_url(shared_redis_url())
 
     async def events() -> list[dict[str, object]]:
         request = worker_request(
@@ -204,13 +209,8 @@ def test_a_load_longer_than_the_timeout_is_kept_alive_by_loading_events(
         finally:
             await completion.close()
 
-    try:
-        wait_for(lambda: client.zscore(workers_key(chat_queue), inference_worker_id(os.getpid())) is not None,
-                 "worker registered", 60)  # fmt: skip
+    with serving(worker, chat_queue):
         got = asyncio.run(events())
-    finally:
-        worker.stop()
-        serving.join(30)
     kinds = [str(e["type"]) for e in got]
     start = kinds.index("start")
     assert kinds[:start] == ["loading"] * start and start >= 2, kinds
@@ -255,15 +255,11 @@ def test_a_dry_run_of_a_large_file_keeps_the_api_waiting_and_chat_decoding(
     import json
     import time
 
-    import redis
-
     from service import inference
     from service.api.chat import worker_request
-    from service.inference import inference_worker_id, workers_key
     from service.schemas import ChatCompletionCreate
     from service.settings import get_settings
     from service.storage import default_store
-    from tests.servers import shared_redis_url
     from worker.engine.training_config import TrainingConfig
     from worker.inference import InferenceWorker
 
@@ -276,9 +272,6 @@ def test_a_dry_run_of_a_large_file_keeps_the_api_waiting_and_chat_decoding(
     default_store().put_bytes(key, "".join(json.dumps(line) + "\n" for line in lines).encode())
     settings = get_settings().model_copy(update={"inference_timeout_seconds": 1.0})  # the API's
     worker = InferenceWorker(settings.model_copy(update={"inference_timeout_seconds": 0.4}))
-    serving = threading.Thread(target=worker.serve_forever, daemon=True)
-    serving.start()
-    client = redis.Redis.from_url(shared_redis_url())
     dry_request = {
         "kind": "dry_run",
         "id": inference.new_request_id(),
@@ -309,13 +302,8 @@ def test_a_dry_run_of_a_large_file_keeps_the_api_waiting_and_chat_decoding(
             for completion in sent:
                 await completion.close()
 
-    try:
-        wait_for(lambda: client.zscore(workers_key(chat_queue), inference_worker_id(os.getpid())) is not None,
-                 "worker registered", 60)  # fmt: skip
+    with serving(worker, chat_queue):
         dry, chat = asyncio.run(replies())
-    finally:
-        worker.stop()
-        serving.join(30)
     kinds = [str(event["type"]) for event, _ in dry]
     assert kinds[-1] == "done" and kinds[:-1] == ["progress"] * (len(kinds) - 1) and len(kinds) >= 3, kinds
     done = dry[-1][0]
