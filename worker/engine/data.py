@@ -157,6 +157,11 @@ class Examples(Sequence[Example]):
     def __len__(self) -> int:
         return len(self.lines) if self.picked is None else len(self.picked)
 
+    def _mine(self, per_example: torch.Tensor) -> torch.Tensor:
+        """A per-example value of the whole arrays, (all,), as this sequence's (n,): a subset's
+        examples only."""
+        return per_example if self.picked is None else per_example[_int64(self.picked)]
+
     @overload
     def __getitem__(self, i: int) -> Example: ...
     @overload
@@ -185,7 +190,7 @@ class Examples(Sequence[Example]):
     def sequences_per_example(self) -> torch.Tensor:
         """(n,) int64: 2 for a preference pair, else 1."""
         counts = (_int64(self.splits) > 0).long() + 1
-        return counts if self.picked is None else counts[_int64(self.picked)]
+        return self._mine(counts)
 
     def span(self, i: int) -> tuple[int, int]:
         p = self._at(i)
@@ -201,21 +206,19 @@ class Examples(Sequence[Example]):
     def lengths(self) -> torch.Tensor:
         """(n,) int64: tokens of each example."""
         all_lengths = torch.diff(_int64(self.ends), prepend=torch.zeros(1, dtype=torch.int64))
-        return all_lengths if self.picked is None else all_lengths[_int64(self.picked)]
+        return self._mine(all_lengths)
 
     def attention_work(self) -> torch.Tensor:
         """(n,) int64: query-key pairs causal attention computes over each example, L(L+1)/2 per
         sequence (a preference pair's two sequences apart)."""
         lengths = self.lengths()
-        cut = _int64(self.splits)
-        cut = cut if self.picked is None else cut[_int64(self.picked)]
+        cut = self._mine(_int64(self.splits))
         rest = lengths - cut
         return (cut * (cut + 1) + rest * (rest + 1)) // 2
 
     def trainable_per_example(self) -> torch.Tensor:
         """(n,) int64: trainable tokens of each example."""
-        counts = _int64(self.trainable_counts)
-        return counts if self.picked is None else counts[_int64(self.picked)]
+        return self._mine(_int64(self.trainable_counts))
 
     @property
     def tokens(self) -> int:
