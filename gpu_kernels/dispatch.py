@@ -238,6 +238,42 @@ def varlen_attention(
     return reference.varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale, window)
 
 
+def rope_attention(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    n_heads: int,
+    n_kv_heads: int,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    positions: torch.Tensor | None = None,
+    norm: HeadNorm | None = None,
+    scale: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """`rope_qkv` then `varlen_attention` over the B·S tokens of qkv (B, S, (H + 2G)·D) packed at
+    cu_seqlens: the attention output (B·S, H, D). With a q/k `norm` on the compiled path, one op
+    that keeps only the projected rows for the backward and rotates them again there (see
+    gpu_kernels.ops.rope_attention: the same values, (H + 2G)·D fewer saved elements a token);
+    without a norm the two ops save no more than that already."""
+    b, s, _ = qkv.shape
+    if norm is not None and _compiled(qkv, cos, sin, positions, norm.q_weight, norm.k_weight, cu_seqlens):
+        from gpu_kernels.ops import rope
+
+        d = reference.rope_head_size(qkv.shape[-1], n_heads, n_kv_heads)
+        if qkv.dtype == torch.bfloat16 and rope.norm_fits(d, int(cos.shape[-1])):
+            from gpu_kernels.ops import rope_attention
+
+            return rope_attention.rope_varlen_attention(
+                qkv, cos, sin, n_heads, n_kv_heads, positions, norm.q_weight, norm.k_weight,
+                norm.eps, norm.offset, cu_seqlens, max_seqlen, scale, window,
+            )  # fmt: skip
+    q, k, v = rope_qkv(qkv, cos, sin, n_heads, n_kv_heads, positions, norm)
+    # (B, heads, S, D) stored as (B, S, heads, D) rows: the packed (B·S, heads, D) layout, views
+    qp, kp, vp = (t.transpose(1, 2).reshape(b * s, t.shape[1], t.shape[3]) for t in (q, k, v))
+    return varlen_attention(qp, kp, vp, cu_seqlens, max_seqlen, scale, window)
+
+
 def new_nonfinite_state(device: torch.device | str) -> torch.Tensor:
     return reference.new_nonfinite_state(device)
 

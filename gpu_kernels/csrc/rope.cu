@@ -93,7 +93,8 @@ __global__ void rope_fwd_kernel(const T* __restrict__ qkv, const T* __restrict__
   const int64_t m = blockIdx.x;  // token b·S + s
   const int64_t b = m / S, s = m % S;
   const int half = D / 2, rh = R / 2, ph = (D - R) / 2, groups = half / kV;
-  const int heads = H + 2 * G, work = heads * groups;
+  // v null: the v heads are neither read nor copied (the caller reads v in place from qkv)
+  const int heads = H + 2 * G, work = (v != nullptr ? heads : H + G) * groups;
   const T* x = qkv + m * heads * D;
   const int64_t a = angle_offset(pos, m, b, s, cs_b, cs_s);
   const T *c = cos + a, *sn = sin + a;
@@ -270,7 +271,8 @@ template <typename T, int kV, bool kNorm>
 void fwd(const T* x, const T* c, const T* sn, const int64_t* pos, int64_t cs_b, int64_t cs_s, T* q, T* k, T* v,
          const HeadNorm<T>& norm, int64_t B, int S, int H, int G, int D, int R, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(B * S));
-  rope_fwd_kernel<T, kV, kNorm><<<grid, threads_for((H + 2 * G) * D / (2 * kV)), 0, stream>>>(
+  const int heads = v != nullptr ? H + 2 * G : H + G;
+  rope_fwd_kernel<T, kV, kNorm><<<grid, threads_for(heads * D / (2 * kV)), 0, stream>>>(
       x, c, sn, pos, cs_b, cs_s, q, k, v, norm, S, H, G, D, R);
 }
 
@@ -330,7 +332,8 @@ extern "C" {
 
 // qkv (B·S, (H+2G)·D) contiguous; cos/sin rows at b·cs_b + s·cs_s, or at pos[b·S + s]·cs_s when
 // pos (B·S int64, every entry a row of the tables) is not null, R contiguous elements each (the
-// rotary dims, R <= D, both even); q (B·S, H, D), k and v (B·S, G, D) contiguous outputs.
+// rotary dims, R <= D, both even); q (B·S, H, D), k and v (B·S, G, D) contiguous outputs, v null
+// to leave the v heads where they are (neither read nor copied).
 // qw/kw (D,) the per-head q/k RMSNorm weights, or null for none (then eps/offset are unused).
 int loraq_rope_fwd(const void* qkv, const void* cos, const void* sin, const int64_t* pos, int64_t cs_b, int64_t cs_s,
                    void* q, void* k, void* v, const void* qw, const void* kw, float eps, float offset, int dtype,

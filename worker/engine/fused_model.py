@@ -308,21 +308,28 @@ class FusedAttention(nn.Module):
         b, s, _ = hidden_states.shape
         n_heads, n_kv = self.n_heads, self.n_kv_heads
         cos, sin = position_embeddings
-        # q (B, H, S, D), k and v (B, G, S, D), stored as (B, S, heads, D) rows
-        q, k, v = gpu_kernels.rope_qkv(
-            qkv(hidden_states), cos, sin, n_heads, n_kv, rope_positions, self._head_norm()
-        )
-        if cu_seqlens is None and self.window is not None:
-            # a window has no SDPA flag: each row is one sequence of the variable-length kernel
+        if cu_seqlens is None and (self.window is not None or self.qk_norm):
+            # A window has no SDPA flag, and the q/k norm saves less in one op with the
+            # variable-length kernel (gpu_kernels.rope_attention): each row is one sequence.
             cu_seqlens = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=hidden_states.device)
             max_seqlen = s
         if cu_seqlens is not None:
-            # (B, S, heads, D) rows are already the packed (B·S, heads, D) layout: views, no copies
-            qp, kp, vp = (t.transpose(1, 2).reshape(b * s, t.shape[1], self.head_dim) for t in (q, k, v))
-            out = gpu_kernels.varlen_attention(
-                qp, kp, vp, cu_seqlens, max_seqlen, self.scaling, self.window
-            )  # (B·S, H, D)
+            out = gpu_kernels.rope_attention(  # (B·S, H, D)
+                qkv(hidden_states),
+                cos,
+                sin,
+                n_heads,
+                n_kv,
+                cu_seqlens,
+                max_seqlen,
+                positions=rope_positions,
+                norm=self._head_norm(),
+                scale=self.scaling,
+                window=self.window,
+            )
             return cast(nn.Module, self.o_proj)(out.view(b, s, n_heads * self.head_dim)), None
+        # q (B, H, S, D), k and v (B, G, S, D), stored as (B, S, heads, D) rows
+        q, k, v = gpu_kernels.rope_qkv(qkv(hidden_states), cos, sin, n_heads, n_kv, rope_positions)
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=s > 1, scale=self.scaling, enable_gqa=n_kv != n_heads
         )  # (B, H, S, D)
