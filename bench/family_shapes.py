@@ -121,6 +121,31 @@ LLAMA_PEER = {
 }
 
 
+# the config fields a Llama twin keeps: the sizes, nothing of the family's own parts
+TWIN_KEYS = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "vocab_size", "rope_theta", "rms_norm_eps",
+)  # fmt: skip
+
+
+def llama_twin(shape: FamilyShape) -> FamilyShape:
+    """A Llama of `shape`'s sizes (layers, widths, heads, head size, vocabulary, tied head): the
+    row that tells what a family's own parts (q/k norm, sandwich norms, GeGLU, windows) cost in
+    speed and memory, apart from its size. Not a published model; a diagnosis beside the goals,
+    which hold each family against its published Llama peer."""
+    config = {k: shape.config[k] for k in TWIN_KEYS if k in shape.config}
+    config["tie_word_embeddings"] = shape.config.get("tie_word_embeddings", shape.family.tied_embeddings)
+    return FamilyShape("LlamaForCausalLM", config, shape.job)
+
+
+# family shape -> its Llama twin's name (`llama-as-<shape>`), for the families that differ from
+# Llama in more than their sizes
+LLAMA_TWIN = {
+    name: f"llama-as-{name}" for name in ("qwen3-8b", "gemma-3-4b", "gemma-3-12b", "qwen3-1.7b", "gemma-3-1b")
+}
+FAMILY_SHAPES.update({twin: llama_twin(FAMILY_SHAPES[name]) for name, twin in LLAMA_TWIN.items()})
+
+
 def random_family_model(name: str, max_positions: int = 8192, attn_implementation: str = "sdpa") -> Any:
     """The family's model at the shape `name`, random-init (seed 0), bf16 on the GPU, eval mode."""
     import torch

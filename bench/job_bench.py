@@ -37,6 +37,7 @@ import json
 import random
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -423,8 +424,10 @@ def family_goal(
     """Issue 31's targets for a family shape: job MFU >= 0.9x its Llama peer's job MFU, >= 5x
     HF+PEFT padded on the same data, peak memory <= the Llama peer's (the same parameter class;
     a Llama row is its own peer)."""
-    from bench.family_shapes import FAMILY_SHAPES, LLAMA_PEER
+    from bench.family_shapes import FAMILY_SHAPES, LLAMA_PEER, LLAMA_TWIN
 
+    if model in LLAMA_TWIN.values():  # a diagnosis row, held against nothing
+        return {"twin_of": next(name for name, twin in LLAMA_TWIN.items() if twin == model)}
     peer_name = LLAMA_PEER.get(model, model)
     peer = by.get((peer_name, "job", FAMILY_SHAPES[peer_name].job[1]))
     g: dict[str, Any] = {"llama_peer": peer_name}
@@ -433,6 +436,13 @@ def family_goal(
     if peer:
         g["mfu_vs_llama"] = round(job["mfu"] / peer["mfu"], 3)
         g["mem_le_llama"] = job["mem_bytes"] <= peer["mem_bytes"]
+    twin = by.get((LLAMA_TWIN.get(model, ""), "job", FAMILY_SHAPES[model].job[1]))
+    if twin:  # what the family's own parts cost against a Llama of its sizes (not a goal)
+        g["llama_twin"] = {
+            "model": twin["model"],
+            "mfu_vs_twin": round(job["mfu"] / twin["mfu"], 3),
+            "mem_vs_twin_gib": round((job["mem_bytes"] - twin["mem_bytes"]) / 2**30, 2),
+        }
     g["met"] = bool(
         g.get("mfu_vs_llama", 0) >= 0.9
         and g.get("mem_le_llama", False)
@@ -445,10 +455,10 @@ def family_goal(
 FAMILY_VARIANTS = ("job", "peft_padded", "peft_padding_free")
 
 
-def cells(presets: list[str]) -> list[list[str]]:
+def cells(presets: list[str], variants: Sequence[str] | None = None) -> list[list[str]]:
     """The subprocess argument lists of one `--job` invocation, in run order: catalog presets
     preset by preset; family shapes the job and HF+PEFT padded rows of every shape first, then
-    their padding-free rows (the longest runs last)."""
+    their padding-free rows (the longest runs last). `variants`: only those (default all)."""
     from bench.family_shapes import FAMILY_SHAPES
 
     out: list[list[str]] = []
@@ -457,18 +467,18 @@ def cells(presets: list[str]) -> list[list[str]]:
         shape = job_shape(preset)
         assert shape is not None, preset
         batch, seq, examples, steps = shape
-        variants = (
+        kinds = (
             FAMILY_VARIANTS
             if preset in FAMILY_SHAPES
             else ("job", "fixed", "peft_padded", "peft_padding_free")
         )
-        for variant in variants:
+        for variant in (v for v in kinds if variants is None or v in variants):
             cell = ["--job-cell", preset, variant, str(batch), str(seq), str(examples), str(steps)]
             (family_rows if variant == "peft_padding_free" and preset in FAMILY_SHAPES else out).append(cell)
     out += family_rows
     for preset, (batch, seq, examples, steps) in LONG_CONTEXT.items():
         if preset in presets:
-            for variant in ("job", "fixed"):
+            for variant in (v for v in ("job", "fixed") if variants is None or v in variants):
                 out.append(["--job-cell", preset, variant, str(batch), str(seq), str(examples), str(steps)])
     return out
 

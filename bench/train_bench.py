@@ -306,6 +306,10 @@ def main() -> int:
     )
     parser.add_argument("--presets", default=",".join(PRESETS))
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument(
+        "--job-variants",
+        help="with --job: only these rows, comma-separated (job, fixed, peft_padded, peft_padding_free)",
+    )
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=7)
     parser.add_argument("--cell-timeout", type=float, default=300)
@@ -550,7 +554,7 @@ def run_job_mode(args: argparse.Namespace) -> int:
     peak = spawn(["--peak"], 120)
     result["peak_tflops"] = round(peak.get("peak_tflops", float("nan")), 1)
     print(json.dumps(result["dataset"]), flush=True)
-    for cell in job_bench.cells(presets):
+    for cell in job_bench.cells(presets, args.job_variants.split(",") if args.job_variants else None):
         row = spawn(cell, args.cell_timeout)
         out_of_memory_at: list[int] = []
         while (smaller := job_bench.smaller_peer_cell(cell, row)) is not None:

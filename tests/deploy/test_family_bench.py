@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from bench import job_bench, train_bench
-from bench.family_shapes import FAMILY_SHAPES, LLAMA_PEER
+from bench.family_shapes import FAMILY_SHAPES, LLAMA_PEER, LLAMA_TWIN
 
 # published parameter counts, in billions to two decimals
 PUBLISHED = {
@@ -31,12 +31,16 @@ PUBLISHED = {
 
 @pytest.mark.parametrize("name", sorted(FAMILY_SHAPES))
 def test_shape_builds_its_family_at_the_published_size(name: str) -> None:
+    """A Llama twin (`llama-as-<shape>`) has its shape's size too: the family's own parts (norm
+    weights) are under 0.01B."""
     shape = FAMILY_SHAPES[name]
     config = CONFIG_MAPPING[shape.family.model_type](**shape.config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     assert type(model).__name__ == shape.architecture
-    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == PUBLISHED[name]
+    twin_of = {twin: family for family, twin in LLAMA_TWIN.items()}
+    published = PUBLISHED[twin_of.get(name, name)]
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == published
     # every Linear's weight, a tied LM head too: a matmul, though the parameters count it once
     assert (
         sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
@@ -100,3 +104,35 @@ def test_goals_hold_each_family_against_its_llama_row() -> None:
     phi = goals["phi-4-mini"]
     assert phi["mfu_vs_llama"] < 0.9 and "job_vs_peft_padded" not in phi and phi["met"] is False
     assert result["models"]["qwen3-8b"]["peft_padded_tok_s"] == 1_900
+
+
+def test_a_twin_row_reports_what_the_family_costs_beside_the_goals() -> None:
+    """The Llama twin's row gives the family's MFU and memory against a Llama of its own sizes;
+    the goal still holds the family against its published Llama peer."""
+    twin = FAMILY_SHAPES[LLAMA_TWIN["qwen3-8b"]]
+    assert twin.architecture == "LlamaForCausalLM" and twin.config["num_hidden_layers"] == 36
+    assert (
+        twin.config["tie_word_embeddings"] is False
+        and "sliding_window" not in FAMILY_SHAPES["llama-as-gemma-3-1b"].config
+    )
+    assert FAMILY_SHAPES["llama-as-gemma-3-1b"].config["tie_word_embeddings"] is True  # Gemma 3's default
+    result: dict[str, Any] = {
+        "peak_tflops": 800.0,
+        "dataset": {"attention_equivalent_seq": 800},
+        "rows": [
+            row("llama-3.1-8b", "job", 10_000, 30 << 30),
+            row("qwen3-8b", "job", 10_000, 33 << 30),
+            row("llama-as-qwen3-8b", "job", 10_000, 32 << 30),
+        ],
+    }
+    job_bench.summarize_job(result)
+    goals = result["goals"]
+    assert goals["llama-as-qwen3-8b"] == {"twin_of": "qwen3-8b"}
+    qwen = goals["qwen3-8b"]
+    assert qwen["mem_le_llama"] is False and qwen["met"] is False
+    assert qwen["llama_twin"] == {"model": "llama-as-qwen3-8b", "mfu_vs_twin": 1.0, "mem_vs_twin_gib": 1.0}
+
+
+def test_cells_keep_only_the_variants_asked_for() -> None:
+    cells = job_bench.cells(["llama-3.2-1b", "llama-as-gemma-3-1b"], ["job"])
+    assert [c[1:3] for c in cells] == [["llama-3.2-1b", "job"], ["llama-as-gemma-3-1b", "job"]]
