@@ -13,6 +13,7 @@ from gpu_kernels.config import KernelConfig, configure, current_config
 from gpu_kernels.dispatch import (
     KernelStatus,
     adapter_casts,
+    add_rms_norm,
     available,
     clip_grad_norm_,
     dropout_seed_step_,
@@ -42,6 +43,7 @@ __all__ = [
     "KernelStatus",
     "NonFiniteMonitor",
     "adapter_casts",
+    "add_rms_norm",
     "available",
     "clip_grad_norm_",
     "configure",

@@ -15,6 +15,7 @@ from gpu_kernels.backend import get_backend
 from gpu_kernels.ops import lora_multi
 from gpu_kernels.ops.adapter_casts import AdapterCasts
 from gpu_kernels.ops.norm_act_reference import Activation
+from gpu_kernels.ops.residual_norm_reference import DeltaNorm
 from gpu_kernels.ops.rope_reference import HeadNorm
 from gpu_kernels.quant.frozen import FrozenWeight
 
@@ -167,6 +168,31 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, activation: Activation = "silu"
 
         return norm_act.swiglu(gate, up, activation)
     return reference.swiglu(gate, up, activation)
+
+
+def add_rms_norm(
+    residual: torch.Tensor,
+    delta: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    offset: float = 0.0,
+    delta_norm: DeltaNorm | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, norm(h)) with h = residual + delta, or residual + norm_p(delta) given delta_norm
+    (weight, eps): a decoder layer's residual step and the norm after it, one kernel each way on
+    the compiled path (frozen weights). See reference.add_rms_norm."""
+    weights = (weight, delta_norm[0]) if delta_norm is not None else (weight,)
+    if (
+        _compiled(residual, delta, *weights)
+        and _kernel_dtype(residual)
+        and residual.dtype == delta.dtype
+        and residual.shape == delta.shape
+        and not any(w.requires_grad for w in weights)
+    ):
+        from gpu_kernels.ops import residual_norm
+
+        return residual_norm.add_rms_norm(residual, delta, weight, eps, offset, delta_norm)
+    return reference.add_rms_norm(residual, delta, weight, eps, offset, delta_norm)
 
 
 def swiglu_packed(gate_up: torch.Tensor, activation: Activation = "silu") -> torch.Tensor:

@@ -25,6 +25,18 @@ from typing import Any, Literal
 from worker.engine.types import ModelError
 
 Norm = Literal["pre", "sandwich"]
+# a decoder layer's RMSNorm modules by placement, in the order the formulas above apply them:
+# norm₁ (before attention), [norm₂ (on attention's output)], norm₂|₃ (before the MLP),
+# [norm₄ (on the MLP's output)]: Hugging Face's names, the same in every family of a placement
+LAYER_NORMS: dict[Norm, tuple[str, ...]] = {
+    "pre": ("input_layernorm", "post_attention_layernorm"),
+    "sandwich": (
+        "input_layernorm",
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    ),
+}
 # the gate's activation: SiLU (SwiGLU) or GELU with the tanh approximation (GeGLU)
 Activation = Literal["silu", "gelu_tanh"]
 # where a layer's attention window comes from:

@@ -5,11 +5,14 @@ Applied only where gpu_kernels' compiled path is active (see `fuse_model`); the 
 the plain modules. Module paths and parameter objects do not change, so LoRA state dicts,
 checkpoints, PEFT export and the optimizer see exactly the same parameters. What differs between
 families is read from their `Family` and the model's config (`families.layer_attention`), never
-from class names; Hugging Face's decoder layer keeps its own norm placement (pre-norm, or Gemma's
-sandwich), so only the modules inside it are swapped:
+from class names. The modules inside each decoder layer are swapped; the stack then runs the layers
+itself, by the family's norm placement (families.LAYER_NORMS: pre-norm, or Gemma's sandwich), so
+that every residual add is one kernel with the norm that reads the sum (`_fused_residual_layers`);
+a layer whose forward is wrapped (activation checkpointing) runs its own forward instead:
 
 - RMSNorm modules -> FusedRMSNorm: one kernel forward, one backward (weight frozen), scaling by
-  (offset + w) with the family's offset (Gemma: 1)
+  (offset + w) with the family's offset (Gemma: 1); in the stack, with the residual add before it
+  (and Gemma's norm on the sublayer's output) in the same kernel (gpu_kernels.add_rms_norm)
 - q/k/v and gate/up LoRA layers -> GroupedLoRALinear: the projections that read the same input
   run as ONE grouped op (one base GEMM over the stacked weight, one skinny GEMM for all A's);
   their base weights become views into the stacked weight, so no memory is added. Families whose
@@ -45,9 +48,11 @@ from transformers.cache_utils import Cache
 import gpu_kernels
 from gpu_kernels.quant import stack_frozen
 from worker.engine.families import (
+    LAYER_NORMS,
     Activation,
     Family,
     LayerAttention,
+    Norm,
     family_named,
     fused_path_gap,
     layer_attention,
@@ -67,6 +72,16 @@ class FusedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gpu_kernels.rms_norm(x, self.weight, self.variance_epsilon, self.offset)
+
+    def after_residual(
+        self, residual: torch.Tensor, delta: torch.Tensor, delta_norm: FusedRMSNorm | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, this norm of h) with h = residual + delta, or residual + delta_norm(delta): one
+        kernel each way (gpu_kernels.add_rms_norm) for a layer's residual step and the norm after."""
+        inner = (delta_norm.weight, delta_norm.variance_epsilon) if delta_norm is not None else None
+        return gpu_kernels.add_rms_norm(
+            residual, delta, self.weight, self.variance_epsilon, self.offset, inner
+        )
 
 
 def rms_norm_eps(module: nn.Module) -> float | None:
@@ -238,6 +253,7 @@ class FusedAttention(nn.Module):
         self.rope_key: str | None = layer.kind if family.rope == "per_layer_type" else None
         self.qk_norm = family.qk_norm
         self.norm_offset = family.norm_offset
+        self.norm_placement: Norm = family.norm  # how the decoder stack adds this layer's residuals
         self.packed_qkv = "qkv_proj" in family.packed_modules
         self.hf_forward: Callable[..., tuple[torch.Tensor, Any]] = type(attn).forward
 
@@ -542,6 +558,16 @@ def _fused_decoder_states(
         attention = {**attention, "rope_positions": position_ids}
         position_ids = steps
     tables = _rope_tables(backbone, rotary, hidden, position_ids)  # layer type -> cos, sin (1|B, S, R)
+    residual_norms = [_residual_norms(layer) for layer in layers]
+    if isinstance(norm, FusedRMSNorm) and all(step is not None for step in residual_norms):
+        return _fused_residual_layers(
+            layers,
+            cast(list[ResidualNorms], residual_norms),
+            norm if final_norm else None,
+            hidden,
+            tables,
+            attention,
+        )
     for layer in layers:
         out = layer(
             hidden,
@@ -556,6 +582,63 @@ def _fused_decoder_states(
         return hidden
     states: torch.Tensor = norm(hidden)
     return states
+
+
+@dataclass(frozen=True)
+class ResidualNorms:
+    """A decoder layer's norms as the fused residual steps read them (families.LAYER_NORMS):
+    before attention, on attention's output (sandwich only), before the MLP, on the MLP's output
+    (sandwich only)."""
+
+    attention_in: FusedRMSNorm
+    attention_out: FusedRMSNorm | None
+    mlp_in: FusedRMSNorm
+    mlp_out: FusedRMSNorm | None
+
+
+def _residual_norms(layer: nn.Module) -> ResidualNorms | None:
+    """The layer's norms, or None where the layer must run its own forward: the forward replaced
+    on the instance (activation checkpointing wraps it), a norm not fused, or a residual dropout
+    that is live (Phi-3's resid_pdrop while training)."""
+    attention = getattr(layer, "self_attn", None)
+    if not isinstance(attention, FusedAttention) or "forward" in vars(layer):
+        return None
+    if any(isinstance(m, nn.Dropout) and m.p > 0 and m.training for m in layer.children()):
+        return None
+    norms = [getattr(layer, name, None) for name in LAYER_NORMS[attention.norm_placement]]
+    fused = [n for n in norms if isinstance(n, FusedRMSNorm)]
+    if len(fused) != len(norms):
+        return None
+    if len(fused) == 2:  # pre-norm
+        return ResidualNorms(fused[0], None, fused[1], None)
+    return ResidualNorms(fused[0], fused[1], fused[2], fused[3])
+
+
+def _fused_residual_layers(
+    layers: nn.ModuleList,
+    norms: list[ResidualNorms],
+    final: FusedRMSNorm | None,  # None: return the stream after the last layer, unnormalised
+    hidden: torch.Tensor,  # (B, S, d): the embeddings
+    tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]],
+    attention: dict[str, Any],
+) -> torch.Tensor:
+    """The decoder layers with every residual add fused with the norm that reads the sum: the
+    layer's own (before its MLP), the next layer's (before its attention) or the final one, and,
+    with sandwich norms, the norm on the sublayer's output before the add. The same ops as each
+    layer's forward (families' formulas), in the same order; 2 (pre-norm) or 4 (sandwich) norm
+    and add kernels a layer become 2 each way."""
+    normed = norms[0].attention_in(hidden)
+    for i, (layer, step) in enumerate(zip(layers, norms, strict=True)):
+        attn = cast(FusedAttention, layer.self_attn)
+        out, _ = attn(normed, tables[attn.rope_key], None, **attention)
+        hidden, normed = step.mlp_in.after_residual(hidden, out, step.attention_out)
+        out = cast(nn.Module, layer.mlp)(normed)
+        following = norms[i + 1].attention_in if i + 1 < len(norms) else final
+        if following is None:  # the last layer's output, before the final norm
+            last: torch.Tensor = hidden + (step.mlp_out(out) if step.mlp_out is not None else out)
+            return last
+        hidden, normed = following.after_residual(hidden, out, step.mlp_out)
+    return normed
 
 
 def _rope_tables(

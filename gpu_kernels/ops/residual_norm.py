@@ -1,0 +1,86 @@
+"""A decoder layer's residual add fused with the RMSNorm that reads the sum (csrc/residual_norm.cu),
+forward and backward: (h, norm(h)) with h = residual + delta, or residual + norm_p(delta) with
+Gemma's sandwich norms. The values are those of the separate norm, add and norm ops (each
+intermediate rounded where they round it); the backward sums the gradient arriving on h with the
+norm's in fp32 and rounds once, where autograd rounds the norm's gradient first.
+
+Shapes: residual, delta (..., D), weights (D,), frozen (their gradient is not formed: LoRA
+training freezes every norm; gpu_kernels.dispatch sends a trainable weight to the reference).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gpu_kernels import _lib
+from gpu_kernels.ops.residual_norm_reference import DeltaNorm
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
+
+
+class AddRMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        residual: torch.Tensor,
+        delta: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        offset: float,
+        delta_weight: torch.Tensor | None,
+        delta_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        d = residual.shape[-1]
+        r, y = (t.reshape(-1, d).contiguous() for t in (residual, delta))  # (M, D)
+        w = weight.to(r.dtype).contiguous()
+        wp = delta_weight.to(r.dtype).contiguous() if delta_weight is not None else None
+        h, n = torch.empty_like(r), torch.empty_like(r)
+        rstd = torch.empty(r.shape[0], dtype=torch.float32, device=r.device)  # (M,)
+        rstd_p = torch.empty_like(rstd) if wp is not None else None
+        rc = _lib.load().loraq_add_rmsnorm_fwd(
+            r.data_ptr(), y.data_ptr(), _ptr(wp), w.data_ptr(), h.data_ptr(), n.data_ptr(),
+            rstd.data_ptr(), _ptr(rstd_p), _lib.dtype_code(r.dtype), r.shape[0], d, float(delta_eps),
+            float(eps), float(offset), _lib.stream(r.device),
+        )  # fmt: skip
+        _lib.check(rc, "loraq_add_rmsnorm_fwd")
+        # the norm's backward reads h; the sandwich's first norm reads delta (what a separate norm
+        # on delta would keep too)
+        ctx.save_for_backward(h, w, rstd, y if wp is not None else None, wp, rstd_p)
+        ctx.offset = float(offset)
+        ctx.set_materialize_grads(False)  # an unused sum (the last layer's) sends None, not zeros
+        return h.view(residual.shape), n.view(residual.shape)
+
+    @staticmethod
+    def backward(ctx: Any, dh_in: torch.Tensor | None, dn: torch.Tensor | None) -> Any:
+        h, w, rstd, y, wp, rstd_p = ctx.saved_tensors
+        shape = dh_in.shape if dh_in is not None else dn.shape if dn is not None else None
+        dn2 = dn.reshape(h.shape).contiguous() if dn is not None else torch.zeros_like(h)
+        dr = dh_in.reshape(h.shape).contiguous() if dh_in is not None else None
+        dh = torch.empty_like(h)
+        dy = torch.empty_like(h) if wp is not None else None
+        rc = _lib.load().loraq_add_rmsnorm_bwd(
+            _ptr(dr), dn2.data_ptr(), h.data_ptr(), w.data_ptr(), rstd.data_ptr(), _ptr(y), _ptr(wp),
+            _ptr(rstd_p), dh.data_ptr(), _ptr(dy), _lib.dtype_code(h.dtype), h.shape[0], h.shape[1],
+            ctx.offset, _lib.stream(h.device),
+        )  # fmt: skip
+        _lib.check(rc, "loraq_add_rmsnorm_bwd")
+        assert shape is not None
+        d_delta = dy if dy is not None else dh
+        return dh.view(shape), d_delta.view(shape), None, None, None, None, None
+
+
+def add_rms_norm(
+    residual: torch.Tensor,
+    delta: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    offset: float = 0.0,
+    delta_norm: DeltaNorm | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    wp, eps_p = delta_norm if delta_norm is not None else (None, 0.0)
+    h, n = AddRMSNormFunction.apply(residual, delta, weight, eps, offset, wp, eps_p)
+    return h, n
