@@ -77,6 +77,9 @@ class FamilyRow:
 
 
 FAMILIES_FILE = "families-h100-2026-11-27.json"
+# the rows measured with the fused residual norms and the q/k-norm attention op (c9fa36b)
+EIGHT_B = "families-h100-2026-11-28-8b-class-fused-residual.json"
+ONE_B = "families-h100-2026-11-28-1b-class-fused-residual.json"
 
 
 def _measured(
@@ -89,17 +92,15 @@ def _measured(
 # worker class -> family shape name -> row (the job path, packed, on the long-tail chat set)
 FAMILY_TABLES: dict[str, dict[str, FamilyRow]] = {
     "h100": {
-        "llama-3.1-8b": _measured("LlamaForCausalLM", 8030261248, 2, 16856, 32.93),
-        "qwen3-8b": _measured("Qwen3ForCausalLM", 8190735360, 2, 16597, 35.36),
+        "llama-3.1-8b": _measured("LlamaForCausalLM", 8030261248, 2, 17011, 32.93, EIGHT_B),
+        "qwen3-8b": _measured("Qwen3ForCausalLM", 8190735360, 2, 16615, 33.67, EIGHT_B),
         "mistral-7b": _measured("MistralForCausalLM", 7241732096, 2, 17433, 31.47),
-        "gemma-3-4b": _measured("Gemma3ForCausalLM", 3880263168, 2, 29379, 22.59),
-        "gemma-3-12b": _measured(
-            "Gemma3ForCausalLM", 11766034176, 1, 10186, 39.55, "families-h100-2026-11-28-8b-class.json"
-        ),
+        "gemma-3-4b": _measured("Gemma3ForCausalLM", 3880263168, 2, 29623, 21.53, EIGHT_B),
+        "gemma-3-12b": _measured("Gemma3ForCausalLM", 11766034176, 1, 10159, 38.05, EIGHT_B),
         "phi-4-mini": _measured("Phi3ForCausalLM", 3836021760, 2, 29766, 18.76),
-        "llama-3.2-1b": _measured("LlamaForCausalLM", 1235814400, 4, 88926, 12.13),
-        "qwen3-1.7b": _measured("Qwen3ForCausalLM", 1720574976, 4, 60170, 19.58),
-        "gemma-3-1b": _measured("Gemma3ForCausalLM", 999885952, 4, 95933, 15.03),
+        "llama-3.2-1b": _measured("LlamaForCausalLM", 1235814400, 4, 90014, 12.13, ONE_B),
+        "qwen3-1.7b": _measured("Qwen3ForCausalLM", 1720574976, 4, 60252, 17.83, ONE_B),
+        "gemma-3-1b": _measured("Gemma3ForCausalLM", 999885952, 4, 96351, 14.42, ONE_B),
     },
 }  # fmt: skip
 
