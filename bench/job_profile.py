@@ -226,7 +226,7 @@ def kernel_table(prof: Any, top: int = 40) -> dict[str, Any]:
     }
 
 
-def part_kernels(preset: str, steps: int) -> dict[str, Any]:
+def part_kernels(preset: str, steps: int, rows: int | None = None) -> dict[str, Any]:
     """Profile one replay of the job's captured step and one eager run of its step function,
     taken mid-run from inside recipe.train (the buffers hold a real packed step then)."""
     import torch
@@ -238,6 +238,7 @@ def part_kernels(preset: str, steps: int) -> dict[str, Any]:
     shape = job_shape(preset)  # a catalog preset or a family shape
     assert shape is not None, preset
     batch, seq, _, _ = shape
+    batch = rows or batch
     seen: dict[str, Any] = {}
     orig_run = ts_mod.CapturedTrainStep.run
 
@@ -308,11 +309,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--part", choices=["both", "job", "fixed", "kernels"], default="both")
     ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--batch-size", type=int, help="with --part kernels: rows a step (default the preset's)")
     a = ap.parse_args()
     if a.part == "kernels":
-        kernels = {"preset": a.preset, "command": " ".join(sys.argv), **part_kernels(a.preset, a.steps)}
+        kernels = {
+            "preset": a.preset,
+            "command": " ".join(sys.argv),
+            **part_kernels(a.preset, a.steps, a.batch_size),
+        }
         a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / f"job-kernels-{a.preset}.json").write_text(json.dumps(kernels, indent=1))
+        rows = f"-batch{a.batch_size}" if a.batch_size else ""
+        (a.out / f"job-kernels-{a.preset}{rows}.json").write_text(json.dumps(kernels, indent=1))
         for label in ("replay", "eager"):
             if label in kernels:
                 print(label, kernels[label]["step_ms"], "ms; kernels", kernels[label]["total_ms"], "ms")

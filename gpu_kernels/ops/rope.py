@@ -128,8 +128,9 @@ class RopeCall:
         that keeps x alive anyway (flash attention takes any row stride)."""
         b, s, n_heads, n_kv, d, r, cs_b, cs_s = self.sizes
         q, k = _bshd(b, s, n_heads, d, x), _bshd(b, s, n_kv, d, x)
-        v = x.view(b, s, n_heads + 2 * n_kv, d)[:, :, n_heads + n_kv :].transpose(1, 2)
-        if not v_in_place:
+        if v_in_place:  # (B, S, H + 2G, D) rows -> their last G heads as (B, G, S, D)
+            v = x.view(b, s, n_heads + 2 * n_kv, d)[:, :, n_heads + n_kv :].transpose(1, 2)
+        else:
             v = _bshd(b, s, n_kv, d, x)
         rc = _lib.load().loraq_rope_fwd(
             x.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), _ptr(self.pos), cs_b, cs_s, q.data_ptr(),

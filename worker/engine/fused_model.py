@@ -625,8 +625,8 @@ def _fused_residual_layers(
     """The decoder layers with every residual add fused with the norm that reads the sum: the
     layer's own (before its MLP), the next layer's (before its attention) or the final one, and,
     with sandwich norms, the norm on the sublayer's output before the add. The same ops as each
-    layer's forward (families' formulas), in the same order; 2 (pre-norm) or 4 (sandwich) norm
-    and add kernels a layer become 2 each way."""
+    layer's forward (families' formulas), in the same order; a layer's 4 (pre-norm) or 6
+    (sandwich) norm and add kernels become 2 each way."""
     normed = norms[0].attention_in(hidden)
     for i, (layer, step) in enumerate(zip(layers, norms, strict=True)):
         attn = cast(FusedAttention, layer.self_attn)
