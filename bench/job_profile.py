@@ -90,13 +90,14 @@ def peak_breakdown(top: int = 25) -> dict[str, Any]:
     }
 
 
-def part_job(preset: str, steps: int) -> dict[str, Any]:
+def part_job(preset: str, steps: int, rows: int | None = None) -> dict[str, Any]:
     import torch
 
     from worker.engine import train_step as ts_mod
     from worker.engine.recipe import train
 
     batch, seq, _, _ = JOB_SHAPES[preset]
+    batch = rows or batch
     torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     events: list[tuple[Any, Any, float]] = []
     orig_run = ts_mod.CapturedTrainStep.run
@@ -309,7 +310,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--part", choices=["both", "job", "fixed", "kernels"], default="both")
     ap.add_argument("--out", type=Path, default=Path("."))
-    ap.add_argument("--batch-size", type=int, help="with --part kernels: rows a step (default the preset's)")
+    ap.add_argument(
+        "--batch-size", type=int, help="with --part kernels or job: rows a step (default the preset's)"
+    )
     a = ap.parse_args()
     if a.part == "kernels":
         kernels = {
@@ -326,7 +329,9 @@ def main() -> None:
                 print(json.dumps(kernels[label]["by_kind"], indent=1))
         return
     if a.part != "both":
-        result = part_job(a.preset, a.steps) if a.part == "job" else part_fixed(a.preset, a.steps)
+        result = (
+            part_job(a.preset, a.steps, a.batch_size) if a.part == "job" else part_fixed(a.preset, a.steps)
+        )
         print("RESULT " + json.dumps(result))
         return
     report: dict[str, Any] = {"preset": a.preset, "command": " ".join(sys.argv)}
