@@ -90,14 +90,14 @@ def peak_breakdown(top: int = 25) -> dict[str, Any]:
     }
 
 
-def part_job(preset: str, steps: int, rows: int | None = None) -> dict[str, Any]:
+def part_job(preset: str, steps: int, batch_rows: int | None = None) -> dict[str, Any]:
     import torch
 
     from worker.engine import train_step as ts_mod
     from worker.engine.recipe import train
 
     batch, seq, _, _ = JOB_SHAPES[preset]
-    batch = rows or batch
+    batch = batch_rows or batch
     torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     events: list[tuple[Any, Any, float]] = []
     orig_run = ts_mod.CapturedTrainStep.run
@@ -227,7 +227,7 @@ def kernel_table(prof: Any, top: int = 40) -> dict[str, Any]:
     }
 
 
-def part_kernels(preset: str, steps: int, rows: int | None = None) -> dict[str, Any]:
+def part_kernels(preset: str, steps: int, batch_rows: int | None = None) -> dict[str, Any]:
     """Profile one replay of the job's captured step and one eager run of its step function,
     taken mid-run from inside recipe.train (the buffers hold a real packed step then)."""
     import torch
@@ -239,7 +239,7 @@ def part_kernels(preset: str, steps: int, rows: int | None = None) -> dict[str, 
     shape = job_shape(preset)  # a catalog preset or a family shape
     assert shape is not None, preset
     batch, seq, _, _ = shape
-    batch = rows or batch
+    batch = batch_rows or batch
     seen: dict[str, Any] = {}
     orig_run = ts_mod.CapturedTrainStep.run
 

@@ -145,3 +145,36 @@ def test_packed_row_equals_each_example_alone(base: PreTrainedModel, fused: PreT
     want = examples_alone(plain, examples)
     torch.testing.assert_close(got.detach(), want, rtol=1e-6, atol=1e-8)
     _close(_grads(fused), _grads(plain), 1e-5)
+
+
+def test_the_stack_adds_every_residual_with_its_norm_unless_a_layer_is_checkpointed(
+    fused: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two fused residual steps a layer (the norm before the MLP; the next layer's or the final
+    norm), Gemma's sandwich norm on the sublayer's output inside them: the stack does not quietly
+    fall back to each layer's own forward. A checkpointed layer's wrapped forward runs instead,
+    with the same loss (bit for bit: the same ops in the same order on the CPU)."""
+    from worker.engine.step_memory import apply_checkpointing, remove_checkpointing
+
+    calls: list[bool] = []
+    add_rms_norm = fused_model.gpu_kernels.add_rms_norm
+
+    def counted(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(len(args) > 5 and args[5] is not None)  # a sandwich norm on the delta
+        return add_rms_norm(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fused_model.gpu_kernels, "add_rms_norm", counted)
+    ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(4))
+    fused_loss = fused_model.causal_lm_loss(fused, ids, ids)
+    layers = fused.config.num_hidden_layers
+    sandwich = FAMILIES[type(fused).__name__].norm == "sandwich"
+    assert calls == [sandwich] * (2 * layers)
+    calls.clear()
+    assert apply_checkpointing(fused, "full") == layers
+    try:
+        with torch.no_grad():
+            plain_loss = fused_model.causal_lm_loss(fused, ids, ids)
+    finally:
+        remove_checkpointing(fused)
+    assert calls == []
+    torch.testing.assert_close(plain_loss, fused_loss.detach(), rtol=1e-12, atol=0)
