@@ -247,10 +247,11 @@ def test_a_dry_run_of_a_large_file_keeps_the_api_waiting_and_chat_decoding(
     """Tokenizing a job's files for its dry run takes as long as the file is large, and the API
     gives up after `inference_timeout_seconds` without an event: the worker sends "progress"
     every quarter of its timeout meanwhile. And it tokenizes on a thread of its own, so a chat
-    request sent after the dry run is answered before it. Here the API waits 1 s for an event,
-    the worker's "progress" comes every 0.1 s, and the dry run (8,000 chat lines) takes about 2 s
-    on a 2-core machine: without the events the API would answer 503 inference_timeout, and
-    without the thread the chat would wait for the dry run."""
+    request sent after the dry run is answered before it. Here the API waits 2 s for an event,
+    the worker's "progress" comes every 0.1 s (a 20-fold margin for a loaded machine), and the
+    dry run (16,000 chat lines) takes about 4 s on a 2-core machine, checked to outlast the API's
+    wait: without the events the API would answer 503 inference_timeout, and without the thread
+    the chat would wait for the dry run."""
     import asyncio
     import json
     import time
@@ -267,10 +268,10 @@ def test_a_dry_run_of_a_large_file_keeps_the_api_waiting_and_chat_decoding(
         question = {"role": "user", "content": f"Question {i} " + "why " * 20}
         return {"messages": [question, {"role": "assistant", "content": "arr " * 30 + str(i)}]}
 
-    lines = [conversation(i) for i in range(8000)]
+    lines = [conversation(i) for i in range(16_000)]
     key = f"test/dry-run-{secrets.token_hex(4)}.jsonl"
     default_store().put_bytes(key, "".join(json.dumps(line) + "\n" for line in lines).encode())
-    settings = get_settings().model_copy(update={"inference_timeout_seconds": 1.0})  # the API's
+    settings = get_settings().model_copy(update={"inference_timeout_seconds": 2.0})  # the API's
     worker = InferenceWorker(settings.model_copy(update={"inference_timeout_seconds": 0.4}))
     dry_request = {
         "kind": "dry_run",
@@ -303,10 +304,12 @@ def test_a_dry_run_of_a_large_file_keeps_the_api_waiting_and_chat_decoding(
                 await completion.close()
 
     with serving(worker, chat_queue):
+        started = time.monotonic()
         dry, chat = asyncio.run(replies())
     kinds = [str(event["type"]) for event, _ in dry]
     assert kinds[-1] == "done" and kinds[:-1] == ["progress"] * (len(kinds) - 1) and len(kinds) >= 3, kinds
+    assert dry[-1][1] - started > settings.inference_timeout_seconds  # it outlasted the API's wait
     done = dry[-1][0]
-    assert done["training"]["examples"] == 8000  # type: ignore[index]
+    assert done["training"]["examples"] == 16_000  # type: ignore[index]
     assert chat[-1][0]["type"] == "done"
     assert chat[-1][1] < dry[-1][1]  # the chat was answered while the dry run worked
