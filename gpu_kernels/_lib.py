@@ -111,6 +111,11 @@ def dtype_code(dtype: torch.dtype) -> int:
     raise TypeError(f"compiled kernels support float32 and bfloat16, not {dtype}")
 
 
+def ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's device address for a launcher, or None (a null pointer) for an absent one."""
+    return t.data_ptr() if t is not None else None
+
+
 def stream(device: torch.device) -> int:
     return int(torch.cuda.current_stream(device).cuda_stream)
 

@@ -217,14 +217,31 @@ def rope_qkv(
     given, and rotate the first R dims of q and k: q (B, H, S, D), k and v (B, G, S, D). cos/sin
     are (1 or B, S, R), or (1, P, R) read at positions (B, S) when those are given; R <= D.
     See reference.rope_qkv."""
-    weights = (norm.q_weight, norm.k_weight) if norm is not None else ()
-    if _compiled(qkv, cos, sin, positions, *weights) and _kernel_dtype(qkv) and qkv.dim() == 3:
+    if _rope_kernel_serves(qkv, cos, sin, n_heads, n_kv_heads, positions, norm):
         from gpu_kernels.ops import rope
 
-        d = reference.rope_head_size(qkv.shape[-1], n_heads, n_kv_heads)
-        if norm is None or rope.norm_fits(d, int(cos.shape[-1])):
-            return rope.rope_qkv(qkv, cos, sin, n_heads, n_kv_heads, positions, norm)
+        return rope.rope_qkv(qkv, cos, sin, n_heads, n_kv_heads, positions, norm)
     return reference.rope_qkv(qkv, cos, sin, n_heads, n_kv_heads, positions, norm)
+
+
+def _rope_kernel_serves(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    n_heads: int,
+    n_kv_heads: int,
+    positions: torch.Tensor | None,
+    norm: HeadNorm | None,
+) -> bool:
+    """Whether the compiled rope kernel takes this call: every tensor on the compiled path, a
+    kernel dtype, (B, S, width) rows, and a head its per-head norm covers."""
+    weights = (norm.q_weight, norm.k_weight) if norm is not None else ()
+    if not (_compiled(qkv, cos, sin, positions, *weights) and _kernel_dtype(qkv) and qkv.dim() == 3):
+        return False
+    from gpu_kernels.ops import rope
+
+    d = reference.rope_head_size(qkv.shape[-1], n_heads, n_kv_heads)
+    return norm is None or rope.norm_fits(d, int(cos.shape[-1]))
 
 
 def fused_linear_cross_entropy(
@@ -282,21 +299,20 @@ def rope_attention(
     that keeps only the projected rows for the backward and rotates them again there (see
     gpu_kernels.ops.rope_attention: the same values, (H + 2G)·D fewer saved elements a token);
     without a norm the two ops save no more than that already."""
-    b, s, _ = qkv.shape
-    if norm is not None and _compiled(qkv, cos, sin, positions, norm.q_weight, norm.k_weight, cu_seqlens):
-        from gpu_kernels.ops import rope
+    if (
+        norm is not None
+        and qkv.dtype == torch.bfloat16  # flash attention's dtype and the rope kernel's
+        and _compiled(cu_seqlens)
+        and _rope_kernel_serves(qkv, cos, sin, n_heads, n_kv_heads, positions, norm)
+    ):
+        from gpu_kernels.ops import rope_attention
 
-        d = reference.rope_head_size(qkv.shape[-1], n_heads, n_kv_heads)
-        if qkv.dtype == torch.bfloat16 and rope.norm_fits(d, int(cos.shape[-1])):
-            from gpu_kernels.ops import rope_attention
-
-            return rope_attention.rope_varlen_attention(
-                qkv, cos, sin, n_heads, n_kv_heads, positions, norm.q_weight, norm.k_weight,
-                norm.eps, norm.offset, cu_seqlens, max_seqlen, scale, window,
-            )  # fmt: skip
+        return rope_attention.rope_varlen_attention(
+            qkv, cos, sin, n_heads, n_kv_heads, positions, norm.q_weight, norm.k_weight,
+            norm.eps, norm.offset, cu_seqlens, max_seqlen, scale, window,
+        )  # fmt: skip
     q, k, v = rope_qkv(qkv, cos, sin, n_heads, n_kv_heads, positions, norm)
-    # (B, heads, S, D) stored as (B, S, heads, D) rows: the packed (B·S, heads, D) layout, views
-    qp, kp, vp = (t.transpose(1, 2).reshape(b * s, t.shape[1], t.shape[3]) for t in (q, k, v))
+    qp, kp, vp = (reference.packed_rows(t) for t in (q, k, v))
     return varlen_attention(qp, kp, vp, cu_seqlens, max_seqlen, scale, window)
 
 

@@ -12,7 +12,7 @@ from gpu_kernels.ops.lora_multi_reference import lora_linear_multi
 from gpu_kernels.ops.lora_reference import dropout_mask, hash_dropout, lora_linear, lora_linear_grouped
 from gpu_kernels.ops.norm_act_reference import rms_norm, swiglu, swiglu_packed
 from gpu_kernels.ops.residual_norm_reference import add_rms_norm
-from gpu_kernels.ops.rope_reference import HeadNorm, rope_head_size, rope_qkv
+from gpu_kernels.ops.rope_reference import HeadNorm, packed_rows, rope_head_size, rope_qkv
 from gpu_kernels.ops.varlen_reference import varlen_attention
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "lora_linear_grouped",
     "lora_linear_multi",
     "new_nonfinite_state",
+    "packed_rows",
     "rms_norm",
     "rope_head_size",
     "rope_qkv",

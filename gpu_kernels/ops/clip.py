@@ -28,10 +28,9 @@ def clip_grad_norm_(
     n_partials = int(lib.loraq_clip_partials(numels, n))
     partials = torch.empty(n_partials, dtype=torch.float32, device=device)
     out = torch.empty(2, dtype=torch.float32, device=device)  # [norm, scale]
-    state_ptr = nonfinite_state.data_ptr() if nonfinite_state is not None else None
     rc = lib.loraq_clip_grad_norm(
         ptrs, numels, n, float(max_norm), partials.data_ptr(), out.data_ptr(), out.data_ptr() + 4,
-        state_ptr, _lib.stream(device),
+        _lib.ptr(nonfinite_state), _lib.stream(device),
     )  # fmt: skip
     _lib.check(rc, "loraq_clip_grad_norm")
     return out[0]

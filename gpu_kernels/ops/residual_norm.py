@@ -18,10 +18,6 @@ from gpu_kernels import _lib
 from gpu_kernels.ops.residual_norm_reference import DeltaNorm
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return t.data_ptr() if t is not None else None
-
-
 class AddRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -42,8 +38,8 @@ class AddRMSNormFunction(torch.autograd.Function):
         rstd = torch.empty(r.shape[0], dtype=torch.float32, device=r.device)  # (M,)
         rstd_p = torch.empty_like(rstd) if wp is not None else None
         rc = _lib.load().loraq_add_rmsnorm_fwd(
-            r.data_ptr(), y.data_ptr(), _ptr(wp), w.data_ptr(), h.data_ptr(), n.data_ptr(),
-            rstd.data_ptr(), _ptr(rstd_p), _lib.dtype_code(r.dtype), r.shape[0], d, float(delta_eps),
+            r.data_ptr(), y.data_ptr(), _lib.ptr(wp), w.data_ptr(), h.data_ptr(), n.data_ptr(),
+            rstd.data_ptr(), _lib.ptr(rstd_p), _lib.dtype_code(r.dtype), r.shape[0], d, float(delta_eps),
             float(eps), float(offset), _lib.stream(r.device),
         )  # fmt: skip
         _lib.check(rc, "loraq_add_rmsnorm_fwd")
@@ -51,26 +47,25 @@ class AddRMSNormFunction(torch.autograd.Function):
         # on delta would keep too)
         ctx.save_for_backward(h, w, rstd, y if wp is not None else None, wp, rstd_p)
         ctx.offset = float(offset)
+        ctx.shape = residual.shape
         ctx.set_materialize_grads(False)  # an unused sum (the last layer's) sends None, not zeros
         return h.view(residual.shape), n.view(residual.shape)
 
     @staticmethod
     def backward(ctx: Any, dh_in: torch.Tensor | None, dn: torch.Tensor | None) -> Any:
         h, w, rstd, y, wp, rstd_p = ctx.saved_tensors
-        shape = dh_in.shape if dh_in is not None else dn.shape if dn is not None else None
         dn2 = dn.reshape(h.shape).contiguous() if dn is not None else torch.zeros_like(h)
         dr = dh_in.reshape(h.shape).contiguous() if dh_in is not None else None
         dh = torch.empty_like(h)
         dy = torch.empty_like(h) if wp is not None else None
         rc = _lib.load().loraq_add_rmsnorm_bwd(
-            _ptr(dr), dn2.data_ptr(), h.data_ptr(), w.data_ptr(), rstd.data_ptr(), _ptr(y), _ptr(wp),
-            _ptr(rstd_p), dh.data_ptr(), _ptr(dy), _lib.dtype_code(h.dtype), h.shape[0], h.shape[1],
-            ctx.offset, _lib.stream(h.device),
+            _lib.ptr(dr), dn2.data_ptr(), h.data_ptr(), w.data_ptr(), rstd.data_ptr(), _lib.ptr(y),
+            _lib.ptr(wp), _lib.ptr(rstd_p), dh.data_ptr(), _lib.ptr(dy), _lib.dtype_code(h.dtype),
+            h.shape[0], h.shape[1], ctx.offset, _lib.stream(h.device),
         )  # fmt: skip
         _lib.check(rc, "loraq_add_rmsnorm_bwd")
-        assert shape is not None
         d_delta = dy if dy is not None else dh
-        return dh.view(shape), d_delta.view(shape), None, None, None, None, None
+        return dh.view(ctx.shape), d_delta.view(ctx.shape), None, None, None, None, None
 
 
 def add_rms_norm(

@@ -133,9 +133,10 @@ class RopeCall:
         else:
             v = _bshd(b, s, n_kv, d, x)
         rc = _lib.load().loraq_rope_fwd(
-            x.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), _ptr(self.pos), cs_b, cs_s, q.data_ptr(),
-            k.data_ptr(), None if v_in_place else v.data_ptr(), _ptr(self.qw), _ptr(self.kw), self.eps,
-            self.offset, _lib.dtype_code(x.dtype), b, s, n_heads, n_kv, d, r, _lib.stream(x.device),
+            x.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), _lib.ptr(self.pos), cs_b, cs_s,
+            q.data_ptr(), k.data_ptr(), None if v_in_place else v.data_ptr(), _lib.ptr(self.qw),
+            _lib.ptr(self.kw), self.eps, self.offset, _lib.dtype_code(x.dtype), b, s, n_heads, n_kv, d, r,
+            _lib.stream(x.device),
         )  # fmt: skip
         _lib.check(rc, "loraq_rope_fwd")
         return q, k, v
@@ -166,9 +167,9 @@ class RopeCall:
             gq.data_ptr(), gq.stride(0), gq.stride(1), gq.stride(2),
             gk.data_ptr(), gk.stride(0), gk.stride(1), gk.stride(2),
             gv.data_ptr(), gv.stride(0), gv.stride(1), gv.stride(2),
-            self.cos.data_ptr(), self.sin.data_ptr(), _ptr(self.pos), cs_b, cs_s, _ptr(x), _ptr(self.qw),
-            _ptr(self.kw), self.eps, self.offset, dqkv.data_ptr(), _lib.dtype_code(dtype),
-            b, s, n_heads, n_kv, d, r, _lib.stream(device),
+            self.cos.data_ptr(), self.sin.data_ptr(), _lib.ptr(self.pos), cs_b, cs_s, _lib.ptr(x),
+            _lib.ptr(self.qw), _lib.ptr(self.kw), self.eps, self.offset, dqkv.data_ptr(),
+            _lib.dtype_code(dtype), b, s, n_heads, n_kv, d, r, _lib.stream(device),
         )  # fmt: skip
         _lib.check(rc, "loraq_rope_bwd")
         return dqkv
@@ -202,10 +203,6 @@ class RoPEQKVFunction(torch.autograd.Function):
         x, *tensors = ctx.saved_tensors
         dqkv = RopeCall.restored(tensors, ctx.meta).unrotate(x, dq, dk, dv)
         return dqkv, None, None, None, None, None, None, None, None, None
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return t.data_ptr() if t is not None else None
 
 
 def rope_qkv(

@@ -7,9 +7,9 @@ keep both: (H + 2G)·D bf16 more per token and layer than a family without the n
 Qwen3-8B (1.7 GiB of a 2 × 2,048-token step). This op keeps only the projected rows and rotates
 them again in the backward (one elementwise kernel, gpu_kernels.ops.rope.RopeCall.rotate), so a
 q/k-norm family saves what Llama saves. Flash attention reads v in place from the rows (a view
-with their row stride), so neither pass copies it. The recomputed q/k/v are the forward's bit for bit (the
-same kernel on the same rows), so losses and gradients equal those of rope_qkv followed by
-varlen_attention exactly.
+with their row stride), so neither pass copies it. The recomputed q/k/v are the forward's bit for
+bit (the same kernel on the same rows), so losses and gradients equal those of rope_qkv followed
+by varlen_attention exactly.
 
 Shapes: qkv (B, S, (H + 2G)·D); cos/sin and positions as gpu_kernels.ops.rope; the B·S tokens are
 packed sequences at cu_seqlens (K + 1,) offsets; the output is (B·S, H, D).
@@ -23,11 +23,7 @@ import torch
 
 from gpu_kernels.ops import varlen
 from gpu_kernels.ops.rope import RopeCall
-
-
-def _packed(b: int, s: int, t: torch.Tensor) -> torch.Tensor:
-    """(B, heads, S, D) stored as (B, S, heads, D) rows -> the packed (B·S, heads, D) view."""
-    return t.transpose(1, 2).reshape(b * s, t.shape[1], t.shape[3])
+from gpu_kernels.ops.rope_reference import packed_rows
 
 
 class RoPEVarlenAttentionFunction(torch.autograd.Function):
@@ -51,8 +47,7 @@ class RoPEVarlenAttentionFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         x = qkv.contiguous()
         call = RopeCall.of(x, cos, sin, positions, n_heads, n_kv, q_weight, k_weight, eps, offset)
-        b, s = x.shape[:2]
-        q, k, v = (_packed(b, s, t) for t in call.rotate(x, v_in_place=True))
+        q, k, v = (packed_rows(t) for t in call.rotate(x, v_in_place=True))
         cu = varlen.int32_offsets(cu_seqlens)
         attention = (max_seqlen, scale, varlen.flash_window(window))
         out, state = varlen.flash_forward(q, k, v, cu, *attention)
@@ -68,7 +63,7 @@ class RoPEVarlenAttentionFunction(torch.autograd.Function):
         state, tensors = rest[:n_state], rest[n_state:]
         call = RopeCall.restored(tensors, rope_meta)
         b, s = x.shape[:2]
-        q, k, v = (_packed(b, s, t) for t in call.rotate(x, v_in_place=True))
+        q, k, v = (packed_rows(t) for t in call.rotate(x, v_in_place=True))
         dq, dk, dv = varlen.flash_backward(grad_out, q, k, v, out, state, cu, *attention)
         # (B·S, heads, D) -> (B, heads, S, D) views in the strides the rope backward reads
         grads = (g.view(b, s, g.shape[1], g.shape[2]).transpose(1, 2) for g in (dq, dk, dv))

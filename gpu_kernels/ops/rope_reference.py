@@ -24,6 +24,13 @@ class HeadNorm(NamedTuple):
     offset: float = 0.0  # 1 for Gemma's weights (stored as w − 1)
 
 
+def packed_rows(t: torch.Tensor) -> torch.Tensor:
+    """q, k or v (B, heads, S, D) stored as (B, S, heads, D) rows -> the packed (B·S, heads, D)
+    layout variable-length attention reads: a view, no copy."""
+    b, heads, s, d = t.shape
+    return t.transpose(1, 2).reshape(b * s, heads, d)
+
+
 def rope_head_size(width: int, n_heads: int, n_kv_heads: int) -> int:
     """The head size D of packed q/k/v rows of `width` = (H + 2G)·D features."""
     heads = n_heads + 2 * n_kv_heads

@@ -57,9 +57,9 @@ def nf4_into(
     rc = _library().loraq_nf4_dequant(
         packed.data_ptr() + start * (n_in // 2),
         absmax.data_ptr() + start * per_row * 4 if absmax is not None else None,
-        codes.data_ptr() if codes is not None else None,
-        scale.data_ptr() if scale is not None else None,
-        mean.data_ptr() if mean is not None else None,
+        _lib.ptr(codes),
+        _lib.ptr(scale),
+        _lib.ptr(mean),
         start * per_row, rows, n_in, block, out.data_ptr(),
         torch._C._cuda_getCurrentRawStream(out.device.index),
     )  # fmt: skip

@@ -45,10 +45,8 @@ def composed(
     window: int | None,
 ) -> torch.Tensor:
     """The two ops in a row: (B·S, H, D)."""
-    b, s, _ = qkv.shape
     q, k, v = rope_qkv(qkv, *tables, heads, kv, positions, norm)
-    packed = (t.transpose(1, 2).reshape(b * s, t.shape[1], t.shape[3]) for t in (q, k, v))
-    return attention(*packed, cu, max_seqlen, None, window)
+    return attention(*(rope_ref.packed_rows(t) for t in (q, k, v)), cu, max_seqlen, None, window)
 
 
 def head_norm(d: int, offset: float, dtype: torch.dtype, device: str) -> rope_ref.HeadNorm:
