@@ -37,7 +37,7 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     # (r, y, wp, w, h, n, rstd, rstd_p, dtype, M, D, eps_p, eps, offset, stream)
     "loraq_add_rmsnorm_fwd": (_i32, [*[_p] * 8, _i32, _i64, _i64, _f32, _f32, _f32, _p]),
     # (dr_in, dn, h, w, rstd, y, wp, rstd_p, dh, dy, dtype, M, D, offset, stream)
-    "loraq_add_rmsnorm_bwd": (_i32, [*[_p] * 10, _i32, _i64, _i64, _f32, _p]),
+    "loraq_add_rmsnorm_bwd": (_i32, [*[_p] * 11, _i32, _i64, _i64, _f32, _p]),
     "loraq_swiglu_fwd": (_i32, [_p, _i64, _p, _i64, _p, _i32, _i64, _i64, _i32, _p]),
     "loraq_swiglu_bwd": (_i32, [_p, _p, _i64, _p, _i64, _p, _i64, _p, _i64, _i32, _i64, _i64, _i32, _p]),
     "loraq_cross_entropy_fwd_bwd": (_i32, [_p, _i32, _i64, _i64, _p, _i64, _p, _p, _p]),

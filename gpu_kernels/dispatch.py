@@ -177,10 +177,14 @@ def add_rms_norm(
     eps: float,
     offset: float = 0.0,
     delta_norm: DeltaNorm | None = None,
+    keep_sum: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, norm(h)) with h = residual + delta, or residual + norm_p(delta) given delta_norm
     (weight, eps): a decoder layer's residual step and the norm after it, one kernel each way on
-    the compiled path (frozen weights). See reference.add_rms_norm."""
+    the compiled path (frozen weights). See reference.add_rms_norm. keep_sum=False (with
+    delta_norm; compiled path): the backward forms h again from residual and delta instead of
+    keeping it (ops.residual_norm), the same values for one (..., D) tensor less where the caller
+    keeps residual anyway."""
     weights = (weight, delta_norm[0]) if delta_norm is not None else (weight,)
     if (
         _compiled(residual, delta, *weights)
@@ -191,7 +195,7 @@ def add_rms_norm(
     ):
         from gpu_kernels.ops import residual_norm
 
-        return residual_norm.add_rms_norm(residual, delta, weight, eps, offset, delta_norm)
+        return residual_norm.add_rms_norm(residual, delta, weight, eps, offset, delta_norm, keep_sum)
     return reference.add_rms_norm(residual, delta, weight, eps, offset, delta_norm)
 
 

@@ -13,6 +13,10 @@
 // stream plus the norm's, summed in fp32 and rounded once (dr_in null: none arrives);
 //            dr = dh;  dy = dh (plain) or norm_p'ᵀ(dh) (sandwich)
 // with norm'ᵀ(g) = rstd · (w'⊙g − x · rstd² · mean(w'⊙g⊙x)), w' = o + w.
+// With the sandwich, the backward can take r instead of h (h null) and form h again from r, y and
+// rstd_p with the forward's own rounding (`sandwich_sum`), bit for bit: a layer's first sandwich
+// step then keeps no h of its own (r is the stream the previous step keeps, y the sandwich needs
+// anyway), one (M, D) tensor a layer less for a few more reads in the backward.
 
 #include "common.cuh"
 
@@ -35,6 +39,15 @@ template <int kN, typename T>
 __device__ __forceinline__ void st(T* p, int64_t i, const float (&v)[kN]) {
   if constexpr (kN == 8) store8(p + i, v);
   else loraq_store(p, i, v[0]);
+}
+
+// h = r + y, or r + norm_p(y) (kPre): y' and h each rounded to T as the separate ops round them.
+// __fmul_rn/__fadd_rn are never contracted into an fma, so the backward's recomputation from r
+// and y gives the forward's bits in fp32 too.
+template <typename T, bool kPre>
+__device__ __forceinline__ float sandwich_sum(float r, float y, float wp, float rstd_p, float offset) {
+  if constexpr (kPre) y = rounded<T>(__fmul_rn(__fadd_rn(offset, wp), __fmul_rn(y, rstd_p)));
+  return rounded<T>(__fadd_rn(r, y));
 }
 
 template <typename T, int kN, bool kPre>
@@ -63,15 +76,11 @@ __global__ void add_rmsnorm_fwd_kernel(const T* __restrict__ r, const T* __restr
     float a[kN], b[kN];
     ld<kN>(rr, i, a);
     ld<kN>(yr, i, b);
-    if constexpr (kPre) {
-      float c[kN];
-      ld<kN>(wp, i, c);
-#pragma unroll
-      for (int j = 0; j < kN; ++j) b[j] = rounded<T>((offset + c[j]) * (b[j] * rstd_p));
-    }
+    float c[kN] = {};
+    if constexpr (kPre) ld<kN>(wp, i, c);
 #pragma unroll
     for (int j = 0; j < kN; ++j) {
-      a[j] = rounded<T>(a[j] + b[j]);
+      a[j] = sandwich_sum<T, kPre>(a[j], b[j], c[j], rstd_p, offset);
       ss += a[j] * a[j];
     }
     st<kN>(hr, i, a);
@@ -91,25 +100,46 @@ __global__ void add_rmsnorm_fwd_kernel(const T* __restrict__ r, const T* __restr
   }
 }
 
+// h at [i, i + kN) of a row: read, or (h null; sandwich only) formed again from r and y.
+template <int kN, typename T, bool kPre>
+__device__ __forceinline__ void load_sum(const T* hr, const T* rr, const T* yr, const T* wp, float rstd_p,
+                                         float offset, int64_t i, float (&c)[kN]) {
+  if (kPre && hr == nullptr) {
+    float b[kN], p[kN];
+    ld<kN>(rr, i, c);
+    ld<kN>(yr, i, b);
+    ld<kN>(wp, i, p);
+#pragma unroll
+    for (int j = 0; j < kN; ++j) c[j] = sandwich_sum<T, kPre>(c[j], b[j], p[j], rstd_p, offset);
+  } else {
+    ld<kN>(hr, i, c);
+  }
+}
+
 template <typename T, int kN, bool kPre>
 __global__ void add_rmsnorm_bwd_kernel(const T* __restrict__ dr_in, const T* __restrict__ dn,
-                                       const T* __restrict__ h, const T* __restrict__ w,
+                                       const T* __restrict__ h, const T* __restrict__ r, const T* __restrict__ w,
                                        const float* __restrict__ rstd_in, const T* __restrict__ y,
                                        const T* __restrict__ wp, const float* __restrict__ rstdp_in,
                                        T* __restrict__ dh, T* __restrict__ dy, int64_t D, float offset) {
   __shared__ float scratch[32];
   const int64_t row = blockIdx.x;
-  const T *dnr = dn + row * D, *hr = h + row * D;
+  const T* dnr = dn + row * D;
+  const T* hr = h != nullptr ? h + row * D : nullptr;
+  const T* rr = r != nullptr ? r + row * D : nullptr;
+  const T* yr = y != nullptr ? y + row * D : nullptr;
   const T* drr = dr_in != nullptr ? dr_in + row * D : nullptr;
   T* dhr = dh + row * D;
   const int64_t step = static_cast<int64_t>(blockDim.x) * kN;
   const float rstd = rstd_in[row];
+  float rstd_p = 1.f;
+  if constexpr (kPre) rstd_p = rstdp_in[row];
   float dot = 0.f;  // Σ w'·dn·h over the row
   for (int64_t i = threadIdx.x * kN; i < D; i += step) {
     float a[kN], b[kN], c[kN];
     ld<kN>(w, i, a);
     ld<kN>(dnr, i, b);
-    ld<kN>(hr, i, c);
+    load_sum<kN, T, kPre>(hr, rr, yr, wp, rstd_p, offset, i, c);
 #pragma unroll
     for (int j = 0; j < kN; ++j) dot += (offset + a[j]) * b[j] * c[j];
   }
@@ -119,7 +149,7 @@ __global__ void add_rmsnorm_bwd_kernel(const T* __restrict__ dr_in, const T* __r
     float a[kN], b[kN], c[kN], g[kN];
     ld<kN>(w, i, a);
     ld<kN>(dnr, i, b);
-    ld<kN>(hr, i, c);
+    load_sum<kN, T, kPre>(hr, rr, yr, wp, rstd_p, offset, i, c);
 #pragma unroll
     for (int j = 0; j < kN; ++j) g[j] = 0.f;
     if (drr != nullptr) ld<kN>(drr, i, g);
@@ -128,20 +158,19 @@ __global__ void add_rmsnorm_bwd_kernel(const T* __restrict__ dr_in, const T* __r
     st<kN>(dhr, i, g);
     if constexpr (kPre) {
       ld<kN>(wp, i, a);
-      ld<kN>(y + row * D, i, c);
+      ld<kN>(yr, i, c);
 #pragma unroll
       for (int j = 0; j < kN; ++j) dot_p += (offset + a[j]) * g[j] * c[j];
     }
   }
   if constexpr (kPre) {
-    const float rstd_p = rstdp_in[row];
     const float coef_p = loraq_block_sum(dot_p, scratch) * rstd_p * rstd_p / static_cast<float>(D);
     T* dyr = dy + row * D;
     for (int64_t i = threadIdx.x * kN; i < D; i += step) {  // dh: what this thread wrote above
       float a[kN], g[kN], c[kN];
       ld<kN>(wp, i, a);
       ld<kN>(dhr, i, g);
-      ld<kN>(y + row * D, i, c);
+      ld<kN>(yr, i, c);
 #pragma unroll
       for (int j = 0; j < kN; ++j) g[j] = rstd_p * ((offset + a[j]) * g[j] - c[j] * coef_p);
       st<kN>(dyr, i, g);
@@ -179,19 +208,20 @@ int launch_fwd(const void* r, const void* y, const void* wp, const void* w, void
 }
 
 template <typename T>
-int launch_bwd(const void* dr_in, const void* dn, const void* h, const void* w, const float* rstd, const void* y,
-               const void* wp, const float* rstd_p, void* dh, void* dy, int64_t M, int64_t D, float offset,
-               cudaStream_t stream) {
-  const bool vec = D % 8 == 0 && aligned16(dr_in) && aligned16(dn) && aligned16(h) && aligned16(w) &&
-                   aligned16(y) && aligned16(wp) && aligned16(dh) && aligned16(dy);
+int launch_bwd(const void* dr_in, const void* dn, const void* h, const void* r, const void* w, const float* rstd,
+               const void* y, const void* wp, const float* rstd_p, void* dh, void* dy, int64_t M, int64_t D,
+               float offset, cudaStream_t stream) {
+  const bool vec = D % 8 == 0 && aligned16(dr_in) && aligned16(dn) && aligned16(h) && aligned16(r) &&
+                   aligned16(w) && aligned16(y) && aligned16(wp) && aligned16(dh) && aligned16(dy);
   const auto *a = static_cast<const T*>(dr_in), *b = static_cast<const T*>(dn), *c = static_cast<const T*>(h);
+  const auto* rp = static_cast<const T*>(r);
   const auto *wq = static_cast<const T*>(w), *yp = static_cast<const T*>(y), *wpp = static_cast<const T*>(wp);
   auto *dhp = static_cast<T*>(dh), *dyp = static_cast<T*>(dy);
   const dim3 grid(static_cast<unsigned>(M));
   const int threads = row_threads(D, vec ? 8 : 4);
 #define LORAQ_ADD_NORM_BWD(N, PRE)                                                                             \
-  add_rmsnorm_bwd_kernel<T, N, PRE><<<grid, threads, 0, stream>>>(a, b, c, wq, rstd, yp, wpp, rstd_p, dhp, dyp, \
-                                                                  D, offset)
+  add_rmsnorm_bwd_kernel<T, N, PRE><<<grid, threads, 0, stream>>>(a, b, c, rp, wq, rstd, yp, wpp, rstd_p, dhp, \
+                                                                  dyp, D, offset)
   if (vec && wp != nullptr) LORAQ_ADD_NORM_BWD(8, true);
   else if (vec) LORAQ_ADD_NORM_BWD(8, false);
   else if (wp != nullptr) LORAQ_ADD_NORM_BWD(1, true);
@@ -219,15 +249,18 @@ int loraq_add_rmsnorm_fwd(const void* r, const void* y, const void* wp, const vo
 
 // dr_in (M, D) or null (no gradient on the residual output), dn, h (M, D); w (D,), rstd (M,); with
 // wp: y (M, D), rstd_p (M,) and dy (M, D) written; dh (M, D) written always (dy = dh without wp).
-int loraq_add_rmsnorm_bwd(const void* dr_in, const void* dn, const void* h, const void* w, const float* rstd,
-                          const void* y, const void* wp, const float* rstd_p, void* dh, void* dy, int dtype,
-                          int64_t M, int64_t D, float offset, cudaStream_t stream) {
+// h null: r (M, D) given instead and h formed again from r and y (with wp only).
+int loraq_add_rmsnorm_bwd(const void* dr_in, const void* dn, const void* h, const void* r, const void* w,
+                          const float* rstd, const void* y, const void* wp, const float* rstd_p, void* dh, void* dy,
+                          int dtype, int64_t M, int64_t D, float offset, cudaStream_t stream) {
   if (M == 0) return 0;
-  if (M > 2147483647LL || (wp != nullptr && (y == nullptr || rstd_p == nullptr || dy == nullptr)))
+  if (M > 2147483647LL || (wp != nullptr && (y == nullptr || rstd_p == nullptr || dy == nullptr)) ||
+      (h == nullptr && (r == nullptr || wp == nullptr)))
     return static_cast<int>(cudaErrorInvalidValue);
   if (dtype == LORAQ_BF16)
-    return launch_bwd<__nv_bfloat16>(dr_in, dn, h, w, rstd, y, wp, rstd_p, dh, dy, M, D, offset, stream);
-  if (dtype == LORAQ_F32) return launch_bwd<float>(dr_in, dn, h, w, rstd, y, wp, rstd_p, dh, dy, M, D, offset, stream);
+    return launch_bwd<__nv_bfloat16>(dr_in, dn, h, r, w, rstd, y, wp, rstd_p, dh, dy, M, D, offset, stream);
+  if (dtype == LORAQ_F32)
+    return launch_bwd<float>(dr_in, dn, h, r, w, rstd, y, wp, rstd_p, dh, dy, M, D, offset, stream);
   return static_cast<int>(cudaErrorInvalidValue);
 }
 

@@ -6,6 +6,10 @@ norm's in fp32 and rounds once, where autograd rounds the norm's gradient first.
 
 Shapes: residual, delta (..., D), weights (D,), frozen (their gradient is not formed: LoRA
 training freezes every norm; gpu_kernels.dispatch sends a trainable weight to the reference).
+
+`keep_sum=False` (sandwich only): the backward forms h again from the residual and delta, bit for
+bit, instead of keeping h. Where the residual is kept anyway (the stream the step before keeps for
+its own norm) and delta too (the sandwich's norm reads it), that is one (M, D) tensor less.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class AddRMSNormFunction(torch.autograd.Function):
         offset: float,
         delta_weight: torch.Tensor | None,
         delta_eps: float,
+        keep_sum: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         d = residual.shape[-1]
         r, y = (t.reshape(-1, d).contiguous() for t in (residual, delta))  # (M, D)
@@ -43,9 +48,18 @@ class AddRMSNormFunction(torch.autograd.Function):
             float(eps), float(offset), _lib.stream(r.device),
         )  # fmt: skip
         _lib.check(rc, "loraq_add_rmsnorm_fwd")
-        # the norm's backward reads h; the sandwich's first norm reads delta (what a separate norm
-        # on delta would keep too)
-        ctx.save_for_backward(h, w, rstd, y if wp is not None else None, wp, rstd_p)
+        # the norm's backward reads h (or forms it from r and y); the sandwich's first norm reads
+        # delta (what a separate norm on delta would keep too)
+        recompute = wp is not None and not keep_sum
+        ctx.save_for_backward(
+            None if recompute else h,
+            r if recompute else None,
+            w,
+            rstd,
+            y if wp is not None else None,
+            wp,
+            rstd_p,
+        )
         ctx.offset = float(offset)
         ctx.shape = residual.shape
         ctx.set_materialize_grads(False)  # an unused sum (the last layer's) sends None, not zeros
@@ -53,19 +67,20 @@ class AddRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dh_in: torch.Tensor | None, dn: torch.Tensor | None) -> Any:
-        h, w, rstd, y, wp, rstd_p = ctx.saved_tensors
-        dn2 = dn.reshape(h.shape).contiguous() if dn is not None else torch.zeros_like(h)
-        dr = dh_in.reshape(h.shape).contiguous() if dh_in is not None else None
-        dh = torch.empty_like(h)
-        dy = torch.empty_like(h) if wp is not None else None
+        h, r, w, rstd, y, wp, rstd_p = ctx.saved_tensors
+        like = h if h is not None else r  # (M, D)
+        dn2 = dn.reshape(like.shape).contiguous() if dn is not None else torch.zeros_like(like)
+        dr = dh_in.reshape(like.shape).contiguous() if dh_in is not None else None
+        dh = torch.empty_like(like)
+        dy = torch.empty_like(like) if wp is not None else None
         rc = _lib.load().loraq_add_rmsnorm_bwd(
-            _lib.ptr(dr), dn2.data_ptr(), h.data_ptr(), w.data_ptr(), rstd.data_ptr(), _lib.ptr(y),
-            _lib.ptr(wp), _lib.ptr(rstd_p), dh.data_ptr(), _lib.ptr(dy), _lib.dtype_code(h.dtype),
-            h.shape[0], h.shape[1], ctx.offset, _lib.stream(h.device),
+            _lib.ptr(dr), dn2.data_ptr(), _lib.ptr(h), _lib.ptr(r), w.data_ptr(), rstd.data_ptr(),
+            _lib.ptr(y), _lib.ptr(wp), _lib.ptr(rstd_p), dh.data_ptr(), _lib.ptr(dy),
+            _lib.dtype_code(like.dtype), like.shape[0], like.shape[1], ctx.offset, _lib.stream(like.device),
         )  # fmt: skip
         _lib.check(rc, "loraq_add_rmsnorm_bwd")
         d_delta = dy if dy is not None else dh
-        return dh.view(ctx.shape), d_delta.view(ctx.shape), None, None, None, None, None
+        return dh.view(ctx.shape), d_delta.view(ctx.shape), None, None, None, None, None, None
 
 
 def add_rms_norm(
@@ -75,7 +90,8 @@ def add_rms_norm(
     eps: float,
     offset: float = 0.0,
     delta_norm: DeltaNorm | None = None,
+    keep_sum: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     wp, eps_p = delta_norm if delta_norm is not None else (None, 0.0)
-    h, n = AddRMSNormFunction.apply(residual, delta, weight, eps, offset, wp, eps_p)
+    h, n = AddRMSNormFunction.apply(residual, delta, weight, eps, offset, wp, eps_p, keep_sum)
     return h, n

@@ -158,3 +158,53 @@ def test_family_takes_the_fused_step_and_matches_the_plain_path(
     assert any("eagerly" in w for w in plain.warnings)  # the control really ran the plain modules
     assert worst(fused.losses, plain.losses) <= BF16, (fused.losses, plain.losses)
     assert worst(fused.losses, cpu.losses) <= BF16, (fused.losses, cpu.losses)
+
+
+def _stream_saves(model: torch.nn.Module, hidden: int) -> int:
+    """How many distinct storages of (tokens, hidden) activations the fused forward keeps for the
+    backward, for one packed row, bf16 on the GPU. Parameters are not counted."""
+    from tests.engine.test_fused_families import packed_row
+    from worker.engine import fused_model
+    from worker.engine.lora import apply_lora
+
+    apply_lora(model, LoraConfig(r=8, alpha=16))
+    torch.nn.Module.to(model, "cuda", torch.bfloat16).train()
+    fused_model.fuse_model(model)
+    assert fused_model.fused_stack(model.model)  # type: ignore[arg-type]
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    examples = [torch.randint(3, 500, (n,), device="cuda") for n in (23, 40, 9)]
+    tokens = sum(len(e) for e in examples)
+    kept: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if t.dim() and t.shape[-1] == hidden and t.numel() == tokens * hidden and ptr not in params:
+            kept.add(ptr)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fused_model.packed_lm_loss(model, packed_row(examples, torch.float32), 0)
+    return len(kept)
+
+
+@pytest.mark.gpu
+def test_a_sandwich_layer_keeps_one_stream_tensor_more_than_a_pre_norm_layer() -> None:
+    """Gemma 3's step keeps, per layer, what a Llama of its sizes keeps plus the second sandwich
+    norm's input (the first's sum is formed again in the backward: gpu_kernels.add_rms_norm with
+    keep_sum=False), not that plus both sandwich inputs and the sum between them. The first
+    layer keeps one more: its input, the embeddings, has no gradient, so no norm before it keeps
+    it for the sum to be formed from."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tests.engine.tiny_families import tiny_config
+
+    gemma = tiny_config("Gemma3ForCausalLM")
+    twin = LlamaConfig(**{k: getattr(gemma, k) for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "eos_token_id", "pad_token_id",
+    )}, tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    gemma_saves = _stream_saves(build_tiny_family("Gemma3ForCausalLM"), gemma.hidden_size)
+    twin_saves = _stream_saves(AutoModelForCausalLM.from_config(twin), gemma.hidden_size)
+    layers = gemma.num_hidden_layers
+    assert gemma_saves - twin_saves == layers + 1, (gemma_saves, twin_saves, layers)

@@ -11,6 +11,7 @@ that take the vector path and rows that do not.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import pytest
 import torch
@@ -93,3 +94,36 @@ def test_add_rms_norm_matches_reference(
         [r, y], torch.randn(m, 2 * d, device="cuda"), ["sum_and_norm", "dresidual", "ddelta"], dtype,
         record_property,
     )  # fmt: skip
+
+
+def _keep_storage(kept: set[int], t: torch.Tensor) -> torch.Tensor:
+    kept.add(t.untyped_storage().data_ptr())
+    return t
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "d"), SHAPES)
+def test_a_sum_formed_again_is_the_kept_one_bit_for_bit(m: int, d: int, dtype: torch.dtype) -> None:
+    """keep_sum=False (sandwich): the backward forms h from the residual and delta instead of
+    keeping it; outputs and both gradients are those of keep_sum=True bit for bit, and the op
+    keeps the residual's storage, not the sum's."""
+    w = (0.3 * torch.randn(d, device="cuda")).to(dtype)
+    wp = (0.3 * torch.randn(d, device="cuda")).to(dtype)
+    r0, y0 = randn(m, d, dtype=dtype, scale=2.0), randn(m, d, dtype=dtype, scale=2.0)
+    gh, gn = torch.randn(m, d, device="cuda", dtype=dtype), torch.randn(m, d, device="cuda", dtype=dtype)
+    runs = {}
+    for keep in (True, False):
+        r, y = r0.detach().clone().requires_grad_(), y0.detach().clone().requires_grad_()
+        kept: set[int] = set()
+        pack = partial(_keep_storage, kept)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            h, n = residual_norm.add_rms_norm(r, y, w, 1e-6, 1.0, (wp, 1e-5), keep_sum=keep)
+        ((h * gh).float().sum() + (n * gn).float().sum()).backward()
+        assert r.grad is not None and y.grad is not None
+        sum_kept = h.untyped_storage().data_ptr() in kept
+        residual_kept = r.untyped_storage().data_ptr() in kept
+        runs[keep] = (h.detach(), n.detach(), r.grad, y.grad, sum_kept, residual_kept)
+    for a, b in zip(runs[True][:4], runs[False][:4], strict=True):
+        assert torch.equal(a, b)
+    assert runs[True][4:] == (True, False) and runs[False][4:] == (False, True)

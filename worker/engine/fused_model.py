@@ -74,13 +74,18 @@ class FusedRMSNorm(nn.Module):
         return gpu_kernels.rms_norm(x, self.weight, self.variance_epsilon, self.offset)
 
     def after_residual(
-        self, residual: torch.Tensor, delta: torch.Tensor, delta_norm: FusedRMSNorm | None = None
+        self,
+        residual: torch.Tensor,
+        delta: torch.Tensor,
+        delta_norm: FusedRMSNorm | None = None,
+        keep_sum: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, this norm of h) with h = residual + delta, or residual + delta_norm(delta): one
-        kernel each way (gpu_kernels.add_rms_norm) for a layer's residual step and the norm after."""
+        kernel each way (gpu_kernels.add_rms_norm) for a layer's residual step and the norm after.
+        keep_sum=False: the backward forms h again from residual and delta (sandwich only)."""
         inner = (delta_norm.weight, delta_norm.variance_epsilon) if delta_norm is not None else None
         return gpu_kernels.add_rms_norm(
-            residual, delta, self.weight, self.variance_epsilon, self.offset, inner
+            residual, delta, self.weight, self.variance_epsilon, self.offset, inner, keep_sum
         )
 
 
@@ -626,12 +631,16 @@ def _fused_residual_layers(
     layer's own (before its MLP), the next layer's (before its attention) or the final one, and,
     with sandwich norms, the norm on the sublayer's output before the add. The same ops as each
     layer's forward (families' formulas), in the same order; a layer's 4 (pre-norm) or 6
-    (sandwich) norm and add kernels become 2 each way."""
+    (sandwich) norm and add kernels become 2 each way.
+
+    With sandwich norms the step after attention keeps no sum: its backward forms the sum again
+    from the layer's input stream (kept by the norm before it) and attention's output (kept by
+    the sandwich norm), so a sandwich layer keeps as many (tokens, d) tensors as a pre-norm one."""
     normed = norms[0].attention_in(hidden)
     for i, (layer, step) in enumerate(zip(layers, norms, strict=True)):
         attn = cast(FusedAttention, layer.self_attn)
         out, _ = attn(normed, tables[attn.rope_key], None, **attention)
-        hidden, normed = step.mlp_in.after_residual(hidden, out, step.attention_out)
+        hidden, normed = step.mlp_in.after_residual(hidden, out, step.attention_out, keep_sum=False)
         out = cast(nn.Module, layer.mlp)(normed)
         following = norms[i + 1].attention_in if i + 1 < len(norms) else final
         if following is None:  # the last layer's output, before the final norm
