@@ -634,8 +634,10 @@ def _fused_residual_layers(
     (sandwich) norm and add kernels become 2 each way.
 
     With sandwich norms the step after attention keeps no sum: its backward forms the sum again
-    from the layer's input stream (kept by the norm before it) and attention's output (kept by
-    the sandwich norm), so a sandwich layer keeps as many (tokens, d) tensors as a pre-norm one."""
+    from the layer's input stream (kept by the step before; the first layer's embeddings, which
+    nothing else keeps, are kept here instead of the sum) and attention's output (kept for the
+    sandwich norm). A sandwich layer then keeps one (tokens, d) tensor more than a pre-norm layer
+    instead of two: both sublayer outputs (for their sandwich norms) less the sum between them."""
     normed = norms[0].attention_in(hidden)
     for i, (layer, step) in enumerate(zip(layers, norms, strict=True)):
         attn = cast(FusedAttention, layer.self_attn)
