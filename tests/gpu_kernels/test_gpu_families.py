@@ -189,11 +189,11 @@ def _stream_saves(model: torch.nn.Module, hidden: int) -> int:
 
 @pytest.mark.gpu
 def test_a_sandwich_layer_keeps_one_stream_tensor_more_than_a_pre_norm_layer() -> None:
-    """Gemma 3's step keeps, per layer, what a Llama of its sizes keeps plus the second sandwich
-    norm's input (the first's sum is formed again in the backward: gpu_kernels.add_rms_norm with
-    keep_sum=False), not that plus both sandwich inputs and the sum between them. The first
-    layer keeps one more: its input, the embeddings, has no gradient, so no norm before it keeps
-    it for the sum to be formed from."""
+    """Gemma 3's step keeps, per layer, one (tokens, hidden) tensor more than a Llama of its sizes:
+    both sublayer outputs (for the sandwich norms) less the sum after attention, which the
+    backward forms again (gpu_kernels.add_rms_norm with keep_sum=False); it used to keep two more.
+    The first layer keeps one more still: its input, the embeddings, has no gradient, so no norm
+    before it keeps it for the sum to be formed from."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from tests.engine.tiny_families import tiny_config
