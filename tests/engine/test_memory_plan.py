@@ -98,3 +98,24 @@ def test_dims_of_a_local_directory_come_from_its_config(tmp_path: Path) -> None:
 
 def test_the_plan_loads_no_torch() -> None:
     assert loaded_after("import worker.engine.memory_plan", ("torch", "transformers")) == []
+
+
+def test_a_config_that_leaves_out_tie_word_embeddings_takes_its_familys_default() -> None:
+    """Hugging Face writes only what differs from the config class's default, so a Gemma 3
+    config.json (tied by default) usually has no tie_word_embeddings; Llama's default is untied.
+    The plan must not count a tied head twice: vocab·hidden·2 bytes."""
+    base = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 128,
+            "vocab_size": 1000}  # fmt: skip
+    gemma, llama = (
+        {**base, "architectures": ["Gemma3ForCausalLM"]},
+        {**base, "architectures": ["LlamaForCausalLM"]},
+    )
+    assert ModelDims.from_config(gemma).tied and not ModelDims.from_config(llama).tied
+    assert not ModelDims.from_config({**gemma, "tie_word_embeddings": False}).tied
+    assert ModelDims.from_config({**llama, "tie_word_embeddings": True}).tied
+    assert not ModelDims.from_config(base).tied  # no family named: untied, as before
+    untied = predict_peak(ModelDims.from_config({**gemma, "tie_word_embeddings": False}), rank=16,
+                          targets="all-linear", micro_tokens=64, choice=MemoryChoice())  # fmt: skip
+    tied = predict_peak(ModelDims.from_config(gemma), rank=16, targets="all-linear", micro_tokens=64,
+                        choice=MemoryChoice())  # fmt: skip
+    assert untied["weights"] - tied["weights"] == 1000 * 64 * 2

@@ -179,6 +179,16 @@ def family_named(architecture: str) -> Family:
     return family
 
 
+def ties_embeddings(family: Family | None, config: Mapping[str, Any]) -> bool:
+    """Whether the LM head is the embedding matrix: the config's `tie_word_embeddings`, or where
+    it leaves that out (Hugging Face writes only what differs from the config class's default,
+    so a Gemma 3 config.json rarely says) the family's default; untied for no family."""
+    value = config.get("tie_word_embeddings")
+    if value is None:
+        return family.tied_embeddings if family is not None else False
+    return bool(value)
+
+
 def family_of_config(config: Mapping[str, Any], source: str) -> Family:
     """The family of a config.json's content (`source` names the file in errors), after checking
     the config asks for nothing the engine would compute differently from transformers."""

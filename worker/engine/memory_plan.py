@@ -97,7 +97,7 @@ class ModelDims:
             head_dim=int(config.get("head_dim") or h // n),
             intermediate=int(config["intermediate_size"]),
             vocab=int(config["vocab_size"]),
-            tied=bool(config.get("tie_word_embeddings", False)),
+            tied=_ties_embeddings(config),
         )
 
     def linears(self) -> dict[str, tuple[int, int]]:
@@ -121,6 +121,17 @@ class ModelDims:
     def dense_parameters(self) -> int:
         """Embeddings, norms and LM head: what stays dense on a quantized base."""
         return self.vocab * self.hidden * (1 if self.tied else 2) + (2 * self.layers + 1) * self.hidden
+
+
+def _ties_embeddings(config: Mapping[str, Any]) -> bool:
+    """tie_word_embeddings, or the family's default where the config.json leaves it out (a Gemma 3
+    head counted twice would add vocab·hidden·2 bytes: 1.25 GiB at 4B)."""
+    # imported here: families imports this module through the engine's types
+    from worker.engine.families import FAMILIES, ties_embeddings
+
+    names = config.get("architectures") or []
+    family = next((FAMILIES[a] for a in names if isinstance(a, str) and a in FAMILIES), None)
+    return ties_embeddings(family, config)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from worker.engine.families import Family, family_of_config
+from worker.engine.families import Family, family_of_config, ties_embeddings
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ def parameter_count(family: Family, config: Mapping[str, Any]) -> int:
         attention += 2 * d
     norms = (4 if family.norm == "sandwich" else 2) * h
     layer = attention + 3 * h * i + norms
-    tied = bool(config.get("tie_word_embeddings", family.tied_embeddings))
+    tied = ties_embeddings(family, config)
     return int(config["num_hidden_layers"]) * layer + v * h * (1 if tied else 2) + h
 
 
