@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from worker.engine.families import FAMILIES, Family
+from worker.engine.families import FAMILIES, Family, ties_embeddings
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ def llama_twin(shape: FamilyShape) -> FamilyShape:
     speed and memory, apart from its size. Not a published model; a diagnosis beside the goals,
     which hold each family against its published Llama peer."""
     config = {k: shape.config[k] for k in TWIN_KEYS if k in shape.config}
-    config["tie_word_embeddings"] = shape.config.get("tie_word_embeddings", shape.family.tied_embeddings)
+    config["tie_word_embeddings"] = ties_embeddings(shape.family, shape.config)
     return FamilyShape("LlamaForCausalLM", config, shape.job)
 
 

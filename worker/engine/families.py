@@ -179,6 +179,12 @@ def family_named(architecture: str) -> Family:
     return family
 
 
+def family_in_config(config: Mapping[str, Any]) -> Family | None:
+    """The family of the first supported entry of a config.json's `architectures`, or None."""
+    names = config.get("architectures") or []
+    return next((FAMILIES[a] for a in names if isinstance(a, str) and a in FAMILIES), None)
+
+
 def ties_embeddings(family: Family | None, config: Mapping[str, Any]) -> bool:
     """Whether the LM head is the embedding matrix: the config's `tie_word_embeddings`, or where
     it leaves that out (Hugging Face writes only what differs from the config class's default,
@@ -192,14 +198,13 @@ def ties_embeddings(family: Family | None, config: Mapping[str, Any]) -> bool:
 def family_of_config(config: Mapping[str, Any], source: str) -> Family:
     """The family of a config.json's content (`source` names the file in errors), after checking
     the config asks for nothing the engine would compute differently from transformers."""
-    architectures = config.get("architectures") or []
-    found = [a for a in architectures if isinstance(a, str) and a in FAMILIES]
-    if not found:
+    family = family_in_config(config)
+    if family is None:
+        architectures = config.get("architectures") or []
         raise ModelError(
             f"unsupported architecture {architectures or '(none given)'} in {source}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    family = FAMILIES[found[0]]
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         # Gemma 2's soft-capping (Gemma 3 has none): the engine's loss runs the LM head itself
         if config.get(key) is not None:

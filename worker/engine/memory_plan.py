@@ -127,11 +127,9 @@ def _ties_embeddings(config: Mapping[str, Any]) -> bool:
     """tie_word_embeddings, or the family's default where the config.json leaves it out (a Gemma 3
     head counted twice would add vocab·hidden·2 bytes: 1.25 GiB at 4B)."""
     # imported here: families imports this module through the engine's types
-    from worker.engine.families import FAMILIES, ties_embeddings
+    from worker.engine.families import family_in_config, ties_embeddings
 
-    names = config.get("architectures") or []
-    family = next((FAMILIES[a] for a in names if isinstance(a, str) and a in FAMILIES), None)
-    return ties_embeddings(family, config)
+    return ties_embeddings(family_in_config(config), config)
 
 
 @dataclass(frozen=True)
