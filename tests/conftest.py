@@ -47,7 +47,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    stop_throwaway_servers()
+    with parallel.beside_other_tests(config):
+        stop_throwaway_servers()
 
 
 @pytest.fixture(scope="session")

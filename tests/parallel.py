@@ -13,7 +13,9 @@ PostgreSQL (tests/servers.py) and session fixtures, on free ports and in its own
 - `serial`: a test that must not run beside others (a sub-second timing bound, thousands of
   sockets) runs alone. Every other test holds a shared lock while it runs and a `serial` test the
   exclusive one; a turnstile stops new tests from starting while a `serial` test waits, so it
-  cannot be starved. The wait is outside the test's timeout.
+  cannot be starved. The wait is outside the test's timeout. A worker that has run out of tests
+  takes the shared lock too while it stops its servers (`beside_other_tests`): a serial test
+  placed last would otherwise run beside the other workers' shutdown.
 
 The workers know the units (they collect; the controller only sees node ids), so each writes its
 map of node id to unit into the run's base temp dir, where the controller's scheduler reads it.
@@ -129,6 +131,18 @@ def run_lock(lock_dir: Path, exclusive: bool) -> Iterator[None]:
             if not exclusive:  # a writer keeps the turnstile shut until it is done
                 fcntl.flock(gate, fcntl.LOCK_UN)
         yield  # closing the files releases both locks
+
+
+@contextmanager
+def beside_other_tests(config: pytest.Config) -> Iterator[None]:
+    """Hold the shared lock (on a worker) for work outside any test that loads the machine: a
+    worker that has run out of tests stops its throwaway PostgreSQL and Redis while another may
+    still run a `serial` test, whose timing bound is then measured beside the shutdown."""
+    if not is_worker(config):
+        yield
+        return
+    with run_lock(run_dir(config), exclusive=False):
+        yield
 
 
 # ------------------------------------------------------------------ hooks (tests/conftest.py imports them)

@@ -1,6 +1,6 @@
 """tests/parallel.py, on a real `pytest -n 3 --dist loadgroup` run of a small suite in a temp dir:
 units stay on one worker, slow units start in the first round, a `serial` test runs with nothing
-beside it."""
+beside it, not even another worker's shutdown."""
 
 from __future__ import annotations
 
@@ -12,7 +12,19 @@ from pathlib import Path
 from tests.e2e.procs import ROOT, clean_env
 
 CONFTEST = """
+import os, time
+from tests import parallel
 from tests.parallel import pytest_collection_modifyitems, pytest_runtest_protocol, pytest_xdist_make_scheduler
+
+def pytest_unconfigure(config):  # as the suite's conftest stops its servers
+    if not parallel.is_worker(config):
+        return
+    with parallel.beside_other_tests(config):
+        start = time.monotonic()
+        time.sleep(0.5)
+        with open(os.environ["RUN_LOG"], "a") as log:
+            worker = os.environ["PYTEST_XDIST_WORKER"]
+            log.write(f"shutdown-{worker} {worker} {start} {time.monotonic()}\\n")
 """
 INI = """
 [pytest]
@@ -84,7 +96,7 @@ def test_units_order_and_serial_on_three_workers(tmp_path: Path) -> None:
     for line in log.read_text().splitlines():
         name, worker, started, ended = line.split()
         runs[name] = (worker, float(started), float(ended))
-    assert len(runs) == 16, runs
+    assert len(runs) == 19, runs  # 16 tests, 3 workers' shutdowns
 
     def workers(prefix: str) -> set[str]:
         return {worker for name, (worker, _, _) in runs.items() if name.startswith(prefix)}
