@@ -27,7 +27,7 @@ from tests.deploy import packed_rank
 from worker.engine import distributed, recipe
 from worker.engine.checkpoint import TRAINING_STATE, checkpoint_dir
 from worker.engine.data import BatchSampler, Examples, TokenizedDataset, pack_examples
-from worker.engine.types import CheckpointInfo, LoraConfig, StepMetrics, TrainConfig
+from worker.engine.types import CheckpointInfo, LoraConfig, NodeFailed, Rendezvous, StepMetrics, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_STORE = ROOT / "var" / "test-models" / "models"  # tiny-llama is built here once (engine tests too)
@@ -117,6 +117,9 @@ def test_two_gloo_ranks_match_one_process(tmp_path: Path) -> None:
     assert ddp.trained_tokens == single.trained_tokens
     assert [c.step for c in ddp_cb.checkpoints] == [3]
     assert sum("Adapter exported" in e for e in ddp_cb.events) == 1
+    # each rank marks that its training returned (what tells a finished host from a stopped one)
+    finished = sorted(f.name for f in (tmp_path / "ddp-run").glob(f"{distributed.FINISHED_PREFIX}*"))
+    assert finished == ["finished-0", "finished-1"]
 
     want, got = adapter_tensors(single.adapter_dir), adapter_tensors(ddp.adapter_dir)
     assert want.keys() == got.keys() and want
@@ -407,3 +410,23 @@ def test_ranks_shard_a_batch_by_the_work_the_dataset_counts() -> None:
     # more ranks than rows: the ranks past the rows train nothing this micro-batch
     lone = BatchSampler(data, batch_size=1, seed=5, pad_to=2048).batch(0, 0)
     assert distributed.shard_rows(lone, distributed.DistContext(rank=1, world_size=2)) is None
+
+
+def test_a_host_whose_ranks_were_stopped_mid_job_fails_the_attempt_though_torchrun_exits_0() -> None:
+    """torchrun's agent exits 0 when the rendezvous closes under it: when the host serving it went
+    down and its agent closed it a moment before dying, this host's ranks were stopped mid-job.
+    Seen in a CI run of test_multi_node: the surviving host called that node_done, and the job
+    was re-queued only by the lost worker's missing heartbeat, under a message naming no host."""
+    rdzv = Rendezvous(
+        endpoint="10.253.163.1:40045", run_id="j-1", n_nodes=2, local_addr="10.253.163.2", is_host=False,
+        join_timeout_s=30,
+    )  # fmt: skip
+    distributed.node_failure(rdzv, 0, None, "", unfinished=0)  # the ranks here finished: no failure
+    with pytest.raises(NodeFailed) as err:
+        distributed.node_failure(rdzv, 0, None, "", unfinished=1)
+    assert str(err.value) == (
+        "a host of the job's 2 failed (the rendezvous at 10.253.163.1:40045 closed before 1 of this "
+        "host's ranks finished)"
+    )
+    with pytest.raises(NodeFailed, match="torchrun exited with code 1"):  # a crash, as before
+        distributed.node_failure(rdzv, 1, None, "", unfinished=1)

@@ -86,6 +86,11 @@ STOP_FILE = "stop"
 # Touched by every rank as it starts: torchrun starts ranks only once the rendezvous is complete,
 # so without it the hosts of a job on several are still gathering and no rank reads STOP_FILE.
 STARTED_FILE = "started"
+# Touched by every rank whose training returned (`finished-<local rank>`). A host's torchrun can
+# exit 0 with its ranks stopped mid-job: seen when another host was lost (most likely its agent
+# outlived its rank for a moment and closed the rendezvous, and torchrun's agent exits 0 on a
+# closed rendezvous); nothing else says so.
+FINISHED_PREFIX = "finished-"
 POLL_SECONDS = 0.2
 
 
@@ -368,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     if is_main:
         reporter.result(result)
+    (workdir / f"{FINISHED_PREFIX}{os.environ.get('LOCAL_RANK', '0')}").touch()
     return 0
 
 
@@ -428,7 +434,8 @@ def run_node(
         config, callbacks, n_gpus=n_gpus, workdir=workdir, rendezvous=rendezvous
     )
     ends = [r for r in records if r["type"] in ("result", "error")]
-    node_failure(rendezvous, returncode, ends[-1] if ends else None, tail)
+    unfinished = n_gpus - len(list(workdir.glob(f"{FINISHED_PREFIX}*")))
+    node_failure(rendezvous, returncode, ends[-1] if ends else None, tail, unfinished)
     if returncode == 0 and not records:
         return None  # rank 0 was on another host
     return _outcome(returncode, records, tail)
@@ -457,6 +464,8 @@ def _launch(
     events.unlink(missing_ok=True)
     (workdir / STOP_FILE).unlink(missing_ok=True)
     (workdir / STARTED_FILE).unlink(missing_ok=True)
+    for marker in workdir.glob(f"{FINISHED_PREFIX}*"):
+        marker.unlink()
     config_path = workdir / "config.json"
     config_path.write_text(config_to_json(config))
     log_path = workdir / "torchrun.log"
@@ -503,13 +512,23 @@ def _outcome(returncode: int, records: list[dict[str, Any]], tail: str) -> Train
     raise RuntimeError(f"torchrun exited with code {returncode} and no result; log tail:\n{tail}")
 
 
-def node_failure(rendezvous: Rendezvous, returncode: int, end: dict[str, Any] | None, tail: str) -> None:
+def node_failure(
+    rendezvous: Rendezvous, returncode: int, end: dict[str, Any] | None, tail: str, unfinished: int = 0
+) -> None:
     """Raise `NodeFailed` when this host's torchrun of a job on several hosts ended without a
     result or an engine error of rank 0's (those fail the job as in one process): a rendezvous
-    that timed out, a peer host that died, any crash. Returns when there is nothing to raise."""
-    if returncode == 0 or (end is not None and end["type"] == "error" and end["code"] != "internal_error"):
+    that timed out, a peer host that died, any crash, or an exit 0 with `unfinished` of this
+    host's ranks not through their training (the rendezvous closed under them: FINISHED_PREFIX).
+    Returns when there is nothing to raise."""
+    if returncode == 0 and unfinished <= 0:
+        return
+    if end is not None and end["type"] == "error" and end["code"] != "internal_error":
         return
     n = rendezvous.n_nodes
+    if returncode == 0:
+        where = f"the rendezvous at {rendezvous.endpoint}"
+        seen = f"{where} closed before {unfinished} of this host's ranks finished"
+        raise NodeFailed(f"a host of the job's {n} failed ({seen})", log_tail=tail)
     if "RendezvousTimeoutError" in tail:
         raise NodeFailed(f"not all {n} hosts joined within {rendezvous.join_timeout_s:g} s", log_tail=tail)
     if "RendezvousConnectionError" in tail and not rendezvous.is_host:
