@@ -877,10 +877,26 @@ def _next_fair(
 
 def _mark_waiting(session: Session, *, job_id: str, running_limit: int) -> None:
     """A delivery found nothing to claim: if `job_id` waits on its tenant's running-job limit,
-    say so on the job and, when the reason is new, in its events."""
-    job = session.execute(select(Job.tenant_id, Job.status).where(Job.id == job_id)).first()
-    if job is None or job.status != "queued" or running_limit <= 0:
+    say so on the job and, when the reason is new, in its events. Where another delivery took
+    `job_id` already (fair share: the delivery of a later job's message claims its tenant's
+    oldest), the tenant's oldest job still queued on the same routing is the one whose message
+    was used, and the one that waits."""
+    if running_limit <= 0:
         return
+    job = session.execute(
+        select(Job.tenant_id, Job.status, Job.queue, Job.n_gpus, Job.n_nodes).where(Job.id == job_id)
+    ).first()
+    if job is None:
+        return
+    if job.status != "queued":
+        same_routing = select(Job.id).where(
+            Job.tenant_id == job.tenant_id, Job.status == "queued", Job.queue == job.queue,
+            Job.n_gpus == job.n_gpus, Job.n_nodes == job.n_nodes,
+        )  # fmt: skip
+        waiting = session.scalar(same_routing.order_by(Job.seq).limit(1))
+        if waiting is None:
+            return
+        job_id = waiting
     running = active_counts(session, tenant_id=job.tenant_id)["running"]
     if running < running_limit:
         return

@@ -80,6 +80,30 @@ def test_running_limit_holds_at_start(api: ApiClient, monkeypatch: pytest.Monkey
     assert after["status"] == "running" and after["waiting_for"] is None
 
 
+def test_a_job_whose_message_claimed_its_tenants_older_job_says_it_waits(
+    api: ApiClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fair share lets the delivery of the second job's message claim the tenant's oldest job.
+    The delivery of the first job's message then finds its job taken and the tenant at its limit:
+    the second job, still queued, says that it waits. (Seen in a CI run of test_faults' running
+    limit: it waited without a reason until the first job finished.)"""
+    set_env(monkeypatch, max_running_jobs_per_tenant="1")
+    file_id = api.upload(DATASET)
+    first, second = api.create_job(file_id), api.create_job(file_id)
+    with session_scope() as s:
+        running = jobs.claim_next(s, job_id=second["id"], worker_id="w1")
+    assert running is not None and running.job_id == first["id"]
+    with session_scope() as s:
+        assert jobs.claim_next(s, job_id=first["id"], worker_id="w2") is None
+    waiting = api.get(f"/v1/fine_tuning/jobs/{second['id']}").json()
+    assert waiting["status"] == "queued"
+    assert "running-job slot" in waiting["waiting_for"] and "its limit is 1" in waiting["waiting_for"]
+    events = [e["message"] for e in api.get(f"/v1/fine_tuning/jobs/{second['id']}/events").json()["data"]]
+    assert any(m.startswith("Waiting for a running-job slot") for m in events)
+    ran = api.get(f"/v1/fine_tuning/jobs/{first['id']}").json()
+    assert ran["status"] == "running" and ran["waiting_for"] is None
+
+
 def test_fair_share_round_robin_across_tenants(api: ApiClient, monkeypatch: pytest.MonkeyPatch) -> None:
     """One tenant's 10 queued jobs do not delay another tenant's single job."""
     set_env(monkeypatch, max_running_jobs_per_tenant="0", max_queued_jobs_per_tenant="0")
