@@ -413,9 +413,9 @@ def test_ranks_shard_a_batch_by_the_work_the_dataset_counts() -> None:
 
 
 def test_a_host_whose_ranks_were_stopped_mid_job_fails_the_attempt_though_torchrun_exits_0() -> None:
-    """torchrun's agent exits 0 when the rendezvous closes under it: when the host serving it went
-    down and its agent closed it a moment before dying, this host's ranks were stopped mid-job.
-    Seen in a CI run of test_multi_node: the surviving host called that node_done, and the job
+    """A host's torchrun can exit 0 with its ranks stopped mid-job. Seen in a CI run of
+    test_multi_node when the host serving the rendezvous was lost (most likely its agent closed
+    the rendezvous a moment before dying): the surviving host called that node_done, and the job
     was re-queued only by the lost worker's missing heartbeat, under a message naming no host."""
     rdzv = Rendezvous(
         endpoint="10.253.163.1:40045", run_id="j-1", n_nodes=2, local_addr="10.253.163.2", is_host=False,

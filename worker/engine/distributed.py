@@ -513,7 +513,7 @@ def _outcome(returncode: int, records: list[dict[str, Any]], tail: str) -> Train
 
 
 def node_failure(
-    rendezvous: Rendezvous, returncode: int, end: dict[str, Any] | None, tail: str, unfinished: int = 0
+    rendezvous: Rendezvous, returncode: int, end: dict[str, Any] | None, tail: str, unfinished: int
 ) -> None:
     """Raise `NodeFailed` when this host's torchrun of a job on several hosts ended without a
     result or an engine error of rank 0's (those fail the job as in one process): a rendezvous
