@@ -40,6 +40,8 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "loraq_add_rmsnorm_bwd": (_i32, [*[_p] * 11, _i32, _i64, _i64, _f32, _p]),
     "loraq_swiglu_fwd": (_i32, [_p, _i64, _p, _i64, _p, _i32, _i64, _i64, _i32, _p]),
     "loraq_swiglu_bwd": (_i32, [_p, _p, _i64, _p, _i64, _p, _i64, _p, _i64, _i32, _i64, _i64, _i32, _p]),
+    # (dh, gu, ud, dlu, xa, dgu, uacc, gacc, daacc, M, F, act, stream)
+    "loraq_glu_bwd_lora": (_i32, [*[_p] * 9, _i64, _i64, _i32, _p]),
     "loraq_cross_entropy_fwd_bwd": (_i32, [_p, _i32, _i64, _i64, _p, _i64, _p, _p, _p]),
     # (qkv, cos, sin, pos, cs_b, cs_s, q, k, v, qw, kw, eps, offset, dtype, B, S, H, G, D, R, stream)
     "loraq_rope_fwd": (_i32, [*[_p] * 4, _i64, _i64, *[_p] * 5, _f32, _f32, _i32, _i64, *[_i32] * 5, _p]),

@@ -199,6 +199,53 @@ def add_rms_norm(
     return reference.add_rms_norm(residual, delta, weight, eps, offset, delta_norm)
 
 
+@dataclass(frozen=True)
+class LoRAOp:
+    """One LoRA op's arguments, as lora_linear_grouped takes them: the frozen base, its adapters
+    (A_j, B_j, s_j), the LoRA input's dropout and, inside a step, the activation-dtype operands
+    (A_cat, D) from an AdapterCasts (None: cast in the call)."""
+
+    weight: torch.Tensor | FrozenWeight
+    bias: torch.Tensor | None
+    adapters: Sequence[tuple[torch.Tensor, torch.Tensor, float]]
+    dropout_p: float = 0.0
+    operands: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, x: torch.Tensor, training: bool) -> torch.Tensor:
+        return lora_linear_grouped(
+            x, self.weight, self.bias, self.adapters, self.dropout_p, training, self.operands
+        )
+
+
+def lora_gated_mlp(
+    x: torch.Tensor, gate_up: LoRAOp, down: LoRAOp, activation: Activation, training: bool
+) -> torch.Tensor:
+    """down(act(gate(x)) ⊙ up(x)) with LoRA on the three projections; `gate_up` stacks gate's
+    and up's outputs ([gate | up], 2F). Where gpu_kernels.ops.lora_mlp serves it (CUDA, dense
+    bf16 weights, rank-16 adapters, no dropout, no biases) one op whose backward folds the LoRA
+    reductions into the activation's; otherwise the two LoRA ops and swiglu_packed."""
+    from gpu_kernels.ops import lora_mlp
+
+    gu_w, down_w = _dense(gate_up.weight), _dense(down.weight)
+    p_gu, p_down = (gate_up.dropout_p, down.dropout_p) if training else (0.0, 0.0)
+    factors = [t for op in (gate_up, down) for a, b, _ in op.adapters for t in (a, b)]
+    if (
+        gu_w is not None
+        and down_w is not None
+        and gate_up.bias is None
+        and down.bias is None
+        and p_gu == 0.0
+        and p_down == 0.0
+        and _compiled(x, gu_w, down_w, *factors)
+        and lora_mlp.fusable(x, gu_w, down_w, list(gate_up.adapters), list(down.adapters))
+    ):
+        return lora_mlp.lora_gated_mlp(
+            x, gu_w, down_w, list(gate_up.adapters), list(down.adapters), activation,
+            (gate_up.operands, down.operands),
+        )  # fmt: skip
+    return down(swiglu_packed(gate_up(x, training), activation), training)
+
+
 def swiglu_packed(gate_up: torch.Tensor, activation: Activation = "silu") -> torch.Tensor:
     """swiglu of [gate | up] packed on the last dim: (..., 2F) -> (..., F)."""
     if _compiled(gate_up) and _kernel_dtype(gate_up):

@@ -21,8 +21,8 @@ __device__ __forceinline__ void loraq_store(__nv_bfloat16* p, int64_t i, float v
 
 // 8 consecutive elements as fp32, moved as 16-byte (bf16) or 2x16-byte (fp32) vectors; the
 // pointer must be 16-byte aligned.
-__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&v)[8]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+// 8 bf16 values already loaded as one 16-byte vector, as fp32
+__device__ __forceinline__ void unpack8(const uint4& raw, float (&v)[8]) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -30,6 +30,9 @@ __device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&v)[8]) {
     v[2 * i] = f.x;
     v[2 * i + 1] = f.y;
   }
+}
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&v)[8]) {
+  unpack8(*reinterpret_cast<const uint4*>(p), v);
 }
 __device__ __forceinline__ void store8(__nv_bfloat16* p, const float (&v)[8]) {
   uint4 raw;

@@ -11,8 +11,14 @@
 //   gate/up projection's output and gradient need no split or concatenation copies.
 
 #include "common.cuh"
+#include "glu_act.cuh"
 
 namespace {
+
+using glu::act_fwd;
+using glu::act_fwd_grad;
+using glu::kGeluTanh;
+using glu::kSiLU;
 
 // kVec: D % 8 == 0 and rows 16-byte aligned: each thread moves 8 elements per 16-byte access.
 template <typename T, bool kVec>
@@ -94,37 +100,6 @@ __global__ void rmsnorm_bwd_kernel(const T* __restrict__ dy, const T* __restrict
   } else {
     for (int64_t i = threadIdx.x; i < D; i += blockDim.x)
       loraq_store(dxr, i, rstd * ((offset + loraq_load(w, i)) * loraq_load(dyr, i) - loraq_load(xr, i) * c));
-  }
-}
-
-__device__ __forceinline__ float sigmoidf(float v) { return 1.f / (1.f + __expf(-v)); }
-
-// activation codes shared with gpu_kernels/ops/norm_act.py
-constexpr int kSiLU = 0;
-constexpr int kGeluTanh = 1;
-constexpr float kGeluK = 0.7978845608028654f;  // sqrt(2 / pi)
-constexpr float kGeluC = 0.044715f;
-
-template <int kAct>
-__device__ __forceinline__ float act_fwd(float g) {
-  if constexpr (kAct == kSiLU) {
-    return g * sigmoidf(g);
-  } else {
-    return 0.5f * g * (1.f + tanhf(kGeluK * (g + kGeluC * g * g * g)));
-  }
-}
-
-// act(g) and act'(g) together
-template <int kAct>
-__device__ __forceinline__ void act_fwd_grad(float g, float& a, float& da) {
-  if constexpr (kAct == kSiLU) {
-    const float sg = sigmoidf(g);
-    a = g * sg;
-    da = sg * (1.f + g * (1.f - sg));
-  } else {
-    const float t = tanhf(kGeluK * (g + kGeluC * g * g * g));
-    a = 0.5f * g * (1.f + t);
-    da = 0.5f * (1.f + t) + 0.5f * g * (1.f - t * t) * kGeluK * (1.f + 3.f * kGeluC * g * g);
   }
 }
 

@@ -129,13 +129,15 @@ class LoRAGroup:
     def adapters(self) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
         return [adapter for m in self.members for adapter in m.adapters()]
 
+    def op(self) -> gpu_kernels.LoRAOp:
+        """The group as one LoRA op: stacked base, every member's adapters, the leader's dropout."""
+        return gpu_kernels.LoRAOp(
+            self.weight, self.bias, self.adapters(), self.members[0].dropout, slot_operands(self.cast_slot)
+        )
+
     def forward_all(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in) -> (..., Σ out): every member's LoRA projection, stacked on the last dim."""
-        lead = self.members[0]
-        operands = slot_operands(self.cast_slot)
-        return gpu_kernels.lora_linear_grouped(
-            x, self.weight, self.bias, self.adapters(), lead.dropout, lead.training, operands
-        )
+        return self.op()(x, self.members[0].training)
 
 
 class GroupedLoRALinear(LoRALinear):
@@ -189,6 +191,10 @@ class FusedGatedMLP(nn.Module):
         if group is None or up not in group.members:
             # gate/up were unwrapped (remove_lora / merge_lora): the plain gated MLP
             return down(gpu_kernels.swiglu(gate(x), up(x), self.activation))
+        if isinstance(down, LoRALinear):  # the whole MLP as one op (its backward fused on the GPU)
+            return gpu_kernels.lora_gated_mlp(
+                x, group.op(), down.op(), self.activation, group.members[0].training
+            )
         gate_up = group.forward_all(x)  # (..., 2F) = [gate | up]
         return down(gpu_kernels.swiglu_packed(gate_up, self.activation))
 

@@ -83,6 +83,12 @@ class LoRALinear(nn.Module):
         """(A, B, scale) of this layer, as the grouped LoRA op takes them."""
         return [(self.lora_A, self.lora_B, self.scale)]
 
+    def op(self) -> gpu_kernels.LoRAOp:
+        """This layer as the arguments of a LoRA op (gpu_kernels.lora_gated_mlp takes two)."""
+        return gpu_kernels.LoRAOp(
+            self.base.weight, self.base.bias, self.adapters(), self.dropout, slot_operands(self.cast_slot)
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         operands = slot_operands(self.cast_slot)
         if operands is not None:

@@ -1,0 +1,141 @@
+"""The gated MLP with LoRA on gate, up and down as one op (gpu_kernels.ops.lora_mlp,
+csrc/lora_mlp.cu), against the composed reference ops in float64, and the dispatch that picks it.
+
+The op runs on CUDA only (bf16, rank 16); off those conditions gpu_kernels.lora_gated_mlp composes
+the LoRA ops and swiglu_packed, which the CPU test at the top checks against the plain formula.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gpu_kernels
+from gpu_kernels import reference as ref
+from gpu_kernels.ops import lora_mlp
+from gpu_kernels.ops.norm_act_reference import Activation
+from tests.gpu_kernels.oracle import Recorder, assert_matches_reference, shapes
+
+ACTIVATIONS = ["silu", "gelu_tanh"]
+
+
+def _mlp_reference(activation: Activation, scales: tuple[float, float, float]):  # type: ignore[no-untyped-def]
+    def run(x, w_gu, w_d, a_g, b_g, a_u, b_u, a_d, b_d):  # type: ignore[no-untyped-def]
+        gu = ref.lora_linear_grouped(x, w_gu, None, [(a_g, b_g, scales[0]), (a_u, b_u, scales[1])])
+        return ref.lora_linear_grouped(ref.swiglu_packed(gu, activation), w_d, None, [(a_d, b_d, scales[2])])
+
+    return run
+
+
+def _inputs(m: int, k: int, f: int, device: str, dtype: torch.dtype, rank: int = 16) -> list[torch.Tensor]:
+    """x, W_gu, W_d (dtype; x requires grad) and the six factors, fp32 (fp64 with an fp64 dtype),
+    all requiring grad; B not zero, so every gradient path carries signal."""
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+
+    def rnd(*shape: int, scale: float) -> torch.Tensor:
+        return torch.randn(*shape, device=device, dtype=wide) * scale
+
+    x = (rnd(m, k, scale=1.0)).to(dtype).requires_grad_()
+    w_gu = rnd(2 * f, k, scale=k**-0.5).to(dtype)
+    w_d = rnd(k, f, scale=f**-0.5).to(dtype)
+    factors = [
+        rnd(rank, k, scale=k**-0.5), rnd(f, rank, scale=0.05),  # A_g, B_g
+        rnd(rank, k, scale=k**-0.5), rnd(f, rank, scale=0.05),  # A_u, B_u
+        rnd(rank, f, scale=f**-0.5), rnd(k, rank, scale=0.05),  # A_d, B_d
+    ]  # fmt: skip
+    return [x, w_gu, w_d, *[t.requires_grad_() for t in factors]]
+
+
+def test_composed_path_equals_the_formula_on_cpu() -> None:
+    """Off the fused op's conditions (here: CPU, fp64) the dispatch composes the LoRA ops."""
+    torch.manual_seed(0)
+    x, w_gu, w_d, a_g, b_g, a_u, b_u, a_d, b_d = _inputs(5, 24, 16, "cpu", torch.float64)
+    s = (2.0, 0.5, 1.5)
+    got = gpu_kernels.lora_gated_mlp(
+        x,
+        gpu_kernels.LoRAOp(w_gu, None, [(a_g, b_g, s[0]), (a_u, b_u, s[1])]),
+        gpu_kernels.LoRAOp(w_d, None, [(a_d, b_d, s[2])]),
+        "gelu_tanh",
+        training=True,
+    )
+    g = x @ (w_gu[:16] + s[0] * b_g @ a_g).t()
+    u = x @ (w_gu[16:] + s[1] * b_u @ a_u).t()
+    h = torch.nn.functional.gelu(g, approximate="tanh") * u
+    torch.testing.assert_close(got, h @ (w_d + s[2] * b_d @ a_d).t(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize(
+    ("m", "k", "f"),
+    # one row; a row tail and a column tail (F not a multiple of the block's 256 columns); a
+    # multi-group grid; then Gemma-3-1B's and Llama-3.2-1B's MLPs at a packed step's 8,192 rows
+    shapes([(1, 64, 96), (37, 256, 1000), (300, 128, 2056)], [(8192, 1152, 6912), (8192, 2048, 8192)]),
+)
+def test_fused_mlp_matches_reference(
+    m: int, k: int, f: int, activation: Activation, record_property: Recorder
+) -> None:
+    torch.manual_seed(m + f)
+    inputs = _inputs(m, k, f, "cuda", torch.bfloat16)
+    scales = (2.0, 0.5, 1.5)
+
+    def ours(x, w_gu, w_d, a_g, b_g, a_u, b_u, a_d, b_d):  # type: ignore[no-untyped-def]
+        gate_up = [(a_g, b_g, scales[0]), (a_u, b_u, scales[1])]
+        assert lora_mlp.fusable(x, w_gu, w_d, gate_up, [(a_d, b_d, scales[2])])
+        return lora_mlp.lora_gated_mlp(
+            x, w_gu, w_d, gate_up, [(a_d, b_d, scales[2])], activation, (None, None)
+        )
+
+    assert_matches_reference(
+        ours, _mlp_reference(activation, scales), inputs, torch.randn(m, k, device="cuda"),
+        ["y", "dx", "dA_g", "dB_g", "dA_u", "dB_u", "dA_d", "dB_d"], torch.bfloat16, record_property,
+    )  # fmt: skip
+
+
+def _mlp(inputs: list[torch.Tensor], dropout: float = 0.0) -> torch.Tensor:
+    x, w_gu, w_d, a_g, b_g, a_u, b_u, a_d, b_d = inputs
+    return gpu_kernels.lora_gated_mlp(
+        x,
+        gpu_kernels.LoRAOp(w_gu, None, [(a_g, b_g, 2.0), (a_u, b_u, 2.0)], dropout),
+        gpu_kernels.LoRAOp(w_d, None, [(a_d, b_d, 2.0)], dropout),
+        "silu",
+        training=True,
+    )
+
+
+@pytest.mark.gpu
+def test_dispatch_fuses_only_what_the_kernel_serves() -> None:
+    fused = "LoRAGatedMLPFunctionBackward"
+    assert type(_mlp(_inputs(64, 128, 256, "cuda", torch.bfloat16)).grad_fn).__name__ == fused
+    # rank 8, dropout, fp32: the composed ops (still the compiled LoRA and activation kernels)
+    assert type(_mlp(_inputs(64, 128, 256, "cuda", torch.bfloat16, rank=8)).grad_fn).__name__ != fused
+    assert type(_mlp(_inputs(64, 128, 256, "cuda", torch.bfloat16), dropout=0.1).grad_fn).__name__ != fused
+    assert type(_mlp(_inputs(64, 128, 256, "cuda", torch.float32)).grad_fn).__name__ != fused
+
+
+@pytest.mark.gpu
+def test_fused_mlp_saves_no_activation_of_width_f() -> None:
+    """The point of the op's memory: the (M, F) activation h is not kept for the backward."""
+
+    m, f = 512, 1024
+    x, w_gu, w_d, a_g, b_g, a_u, b_u, a_d, b_d = _inputs(m, 256, f, "cuda", torch.bfloat16)
+    gate_up = gpu_kernels.LoRAOp(w_gu, None, [(a_g, b_g, 2.0), (a_u, b_u, 2.0)])
+    down = gpu_kernels.LoRAOp(w_d, None, [(a_d, b_d, 2.0)])
+
+    def saved_bytes(fused: bool) -> int:
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if fused:
+                y = gpu_kernels.lora_gated_mlp(x, gate_up, down, "silu", training=True)
+                assert type(y.grad_fn).__name__ == "LoRAGatedMLPFunctionBackward"
+            else:  # what the dispatch composes where the fused op does not serve
+                down(gpu_kernels.swiglu_packed(gate_up(x, True)), True)
+        return sum(seen.values())
+
+    composed, fused = saved_bytes(False), saved_bytes(True)
+    assert composed - fused >= m * f * 2, (composed, fused)
