@@ -54,13 +54,13 @@ class BenchRow:
 
 # worker class -> benchmark shape name -> row. The pulled smollm2-135m-instruct has the shape (and
 # the speed) of the `smollm2-135m` preset.
+JOB_PRESETS = "job-h100-2026-12-07-presets-fused-mlp.json"
 TABLES: dict[str, dict[str, BenchRow]] = {
     "h100": {
-        "smollm2-135m": BenchRow(
-            "train-h100-2026-11-23-smollm2-135m-epilogue-peft-loraq.json", 8, 1024, 276601, 4.57
-        ),
-        "llama-1b": BenchRow("train-h100-2026-11-23-llama-1b-epilogue.json", 4, 2048, 81930, 12.4),
-        "llama-8b": BenchRow("train-h100-2026-11-23-llama-8b-epilogue.json", 2, 2048, 16215, 33.24),
+        # the job path with the fused LoRA MLP (e22f132), on the committed long-tail chat set
+        "smollm2-135m": BenchRow(JOB_PRESETS, 4, 2048, 275752, 3.81),
+        "llama-1b": BenchRow(JOB_PRESETS, 4, 2048, 91383, 10.29),
+        "llama-8b": BenchRow(JOB_PRESETS, 2, 2048, 17137, 29.58),
     },
 }  # fmt: skip
 SHAPE_OF = SHAPE_OF_PRETRAINED
@@ -77,9 +77,10 @@ class FamilyRow:
 
 
 FAMILIES_FILE = "families-h100-2026-11-27.json"
-# the rows measured with the fused residual norms and the q/k-norm attention op (c9fa36b)
-EIGHT_B = "families-h100-2026-11-28-8b-class-fused-residual.json"
-ONE_B = "families-h100-2026-11-28-1b-class-fused-residual.json"
+# the rows measured with the fused LoRA MLP (e22f132); Phi-3's packed gate_up_proj does not take
+# it, so phi-4-mini keeps its FAMILIES_FILE row
+ONE_B = "families-h100-2026-12-07-1b-class-fused-mlp.json"
+REST = "families-h100-2026-12-07-rest-fused-mlp.json"
 
 
 def _measured(
@@ -92,15 +93,15 @@ def _measured(
 # worker class -> family shape name -> row (the job path, packed, on the long-tail chat set)
 FAMILY_TABLES: dict[str, dict[str, FamilyRow]] = {
     "h100": {
-        "llama-3.1-8b": _measured("LlamaForCausalLM", 8030261248, 2, 17011, 32.93, EIGHT_B),
-        "qwen3-8b": _measured("Qwen3ForCausalLM", 8190735360, 2, 16615, 33.67, EIGHT_B),
-        "mistral-7b": _measured("MistralForCausalLM", 7241732096, 2, 17433, 31.47),
-        "gemma-3-4b": _measured("Gemma3ForCausalLM", 3880263168, 2, 29623, 21.53, EIGHT_B),
-        "gemma-3-12b": _measured("Gemma3ForCausalLM", 11766034176, 1, 10159, 38.05, EIGHT_B),
+        "llama-3.1-8b": _measured("LlamaForCausalLM", 8030261248, 2, 17054, 29.58, REST),
+        "qwen3-8b": _measured("Qwen3ForCausalLM", 8190735360, 2, 16815, 30.42, REST),
+        "mistral-7b": _measured("MistralForCausalLM", 7241732096, 2, 17590, 28.11, REST),
+        "gemma-3-4b": _measured("Gemma3ForCausalLM", 3880263168, 2, 29734, 18.31, REST),
+        "gemma-3-12b": _measured("Gemma3ForCausalLM", 11766034176, 1, 10190, 34.6, REST),
         "phi-4-mini": _measured("Phi3ForCausalLM", 3836021760, 2, 29766, 18.76),
-        "llama-3.2-1b": _measured("LlamaForCausalLM", 1235814400, 4, 90014, 12.13, ONE_B),
-        "qwen3-1.7b": _measured("Qwen3ForCausalLM", 1720574976, 4, 60252, 17.83, ONE_B),
-        "gemma-3-1b": _measured("Gemma3ForCausalLM", 999885952, 4, 96351, 14.42, ONE_B),
+        "llama-3.2-1b": _measured("LlamaForCausalLM", 1235814400, 4, 91667, 10.29, ONE_B),
+        "qwen3-1.7b": _measured("Qwen3ForCausalLM", 1720574976, 4, 61076, 15.33, REST),
+        "gemma-3-1b": _measured("Gemma3ForCausalLM", 999885952, 4, 98431, 11.39, ONE_B),
     },
 }  # fmt: skip
 

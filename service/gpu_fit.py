@@ -75,6 +75,7 @@ class Step:
     seq: int
     quantization: str | None = None
     gguf_bits: float | None = None
+    dropout: float = 0.0  # the LoRA input's
 
     def plan(self, gpu_bytes: int) -> MemoryPlan:
         return plan_memory(
@@ -87,6 +88,7 @@ class Step:
             quantization=self.quantization,
             gguf_bits=self.gguf_bits,
             allow_offload=False,
+            dropout=self.dropout,
         )
 
 
@@ -99,6 +101,7 @@ def job_step(
     rows: int,
     seq: int,
     quantization: str | None,
+    dropout: float = 0.0,
 ) -> Step | None:
     """The Step of a job on catalog model `model`; None where its dims cannot be read."""
     dims = catalog_dims(model, store)
@@ -112,6 +115,7 @@ def job_step(
         seq,
         quantization,
         gguf_bits(model, quantization),
+        dropout,
     )
 
 

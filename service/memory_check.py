@@ -51,6 +51,7 @@ def spec_step(spec: JobCreate, *, rows: int, seq: int) -> Step | None:
         rows=rows,
         seq=seq,
         quantization=spec.quantization,
+        dropout=spec.lora.dropout,
     )
 
 

@@ -119,3 +119,30 @@ def test_a_config_that_leaves_out_tie_word_embeddings_takes_its_familys_default(
     tied = predict_peak(ModelDims.from_config(gemma), rank=16, targets="all-linear", micro_tokens=64,
                         choice=MemoryChoice())  # fmt: skip
     assert untied["weights"] - tied["weights"] == 1000 * 64 * 2
+
+
+def test_the_fused_mlp_keeps_no_product_and_the_plan_knows_where_it_runs() -> None:
+    """Rank 16 on gate, up and down, a dense base, no dropout: the fused LoRA MLP op keeps gate and
+    up but not their product; anything else keeps all three (L · 2 bytes · intermediate · T more)."""
+    d = dims("llama-1b")
+    t = 4096
+
+    def peak(**kw: object) -> int:
+        args: dict[str, object] = {
+            "rank": 16,
+            "targets": "all-linear",
+            "micro_tokens": t,
+            "choice": MemoryChoice(),
+        }
+        args.update(kw)
+        return predict_peak(d, **args)["activations"]  # type: ignore[arg-type]
+
+    product = d.layers * 2 * d.intermediate * t
+    assert peak(dropout=0.05) - peak() == product
+    assert (
+        peak(targets=["q_proj", "v_proj", "gate_proj", "up_proj"])
+        - peak(targets=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"])
+        == product - d.layers * 2 * 16 * t
+    )  # one target fewer: its x·Aᵀ is not kept either
+    # rank 8 takes the unfused op: the product is kept, and its 7 targets' x·Aᵀ are half as wide
+    assert peak(rank=8) - peak() == product - d.layers * 2 * 8 * 7 * t

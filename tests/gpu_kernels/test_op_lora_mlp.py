@@ -46,6 +46,13 @@ def _inputs(m: int, k: int, f: int, device: str, dtype: torch.dtype, rank: int =
     return [x, w_gu, w_d, *[t.requires_grad_() for t in factors]]
 
 
+def test_the_memory_plan_knows_the_fused_rank() -> None:
+    """The plan (pure Python, no torch) mirrors the rank the fused op serves."""
+    from worker.engine.memory_plan import FUSED_MLP_RANK
+
+    assert FUSED_MLP_RANK == lora_mlp.RANK
+
+
 def test_composed_path_equals_the_formula_on_cpu() -> None:
     """Off the fused op's conditions (here: CPU, fp64) the dispatch composes the LoRA ops."""
     torch.manual_seed(0)

@@ -13,7 +13,9 @@ i = intermediate, L = layers, V = vocabulary, T = tokens of one micro-batch = mi
     activations  per token and decoder layer, what autograd saves with nothing checkpointed:
                  a = b·(6h + 2·k·d + 3i) + b·r·(targets a layer)
                  (the two norms' inputs and outputs, q, k, v, the attention output, gate, up
-                 and their product); one layer's are alive again while it is recomputed
+                 and their product); one layer's are alive again while it is recomputed. Where
+                 the fused LoRA MLP op serves the step (rank 16 on gate, up and down, a dense
+                 base, no dropout: gpu_kernels.ops.lora_mlp) the product is not kept: 2i for 3i
         none       L·a·T
         selective  L·(a − b·3i − b·r·m)·T + b·(h + 3i)·T  (each MLP recomputed in the backward:
                    its gate, up and product, and its m LoRA targets' x·Aᵀ, are not kept; its
@@ -71,6 +73,8 @@ GGUF_BITS = {
 }
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MLP_LINEAR = ("gate_proj", "up_proj", "down_proj")
+# the rank the fused LoRA MLP op serves (gpu_kernels.ops.lora_mlp.RANK: the plan loads no torch)
+FUSED_MLP_RANK = 16
 
 
 @dataclass(frozen=True)
@@ -205,14 +209,20 @@ def predict_peak(
     choice: MemoryChoice,
     quantization: str | None = None,
     gguf_bits: float | None = None,
+    dropout: float = 0.0,
 ) -> dict[str, int]:
-    """The step's predicted peak bytes by part (the module docstring's terms); "total" sums them."""
+    """The step's predicted peak bytes by part (the module docstring's terms); "total" sums them.
+    `dropout`: the LoRA input's (a step with dropout takes the unfused MLP)."""
     h, i, kv = dims.hidden, dims.intermediate, dims.kv_heads * dims.head_dim
     lora = targeted(dims, targets)
     adapter = 18 * dims.layers * sum(rank * (n_in + n_out) for n_in, n_out in lora.values())
-    per_token = BF16 * (6 * h + 2 * kv + 3 * i) + BF16 * rank * len(lora)  # one layer, nothing checkpointed
+    fused_mlp = (  # gpu_kernels.lora_gated_mlp's conditions, as far as the plan can know them
+        rank == FUSED_MLP_RANK and quantization is None and dropout == 0 and set(MLP_LINEAR) <= set(lora)
+    )
+    kept_i = 2 * i if fused_mlp else 3 * i  # gate and up (and, unfused, their product)
+    per_token = BF16 * (6 * h + 2 * kv + kept_i) + BF16 * rank * len(lora)  # one layer, nothing checkpointed
     mlp_targets = sum(1 for name in lora if name in MLP_LINEAR)
-    mlp_dropped = BF16 * 3 * i + BF16 * rank * mlp_targets  # what a checkpointed MLP does not keep
+    mlp_dropped = BF16 * kept_i + BF16 * rank * mlp_targets  # what a checkpointed MLP does not keep
     mlp = BF16 * (h + 3 * i)  # one MLP's tensors, alive again while it is recomputed
     layers, t = dims.layers, micro_tokens
     if choice.checkpointing == "none":
@@ -251,6 +261,7 @@ def plan_memory(
     gguf_bits: float | None = None,
     share: float = DEFAULT_SHARE,
     allow_offload: bool = True,
+    dropout: float = 0.0,
 ) -> MemoryPlan:
     """The cheapest choice (micro-batch rows × checkpointing × offload) whose predicted peak stays
     under share × gpu_bytes for micro-batches of `rows` rows of `seq` tokens (per GPU); when
@@ -272,6 +283,7 @@ def plan_memory(
                 choice=choice,
                 quantization=quantization,
                 gguf_bits=gguf_bits,
+                dropout=dropout,
             )
             # ties go to fewer, larger micro-batches (fewer launches)
             candidates.append((_cost(choice, micro * seq), -micro, parts["total"], choice, parts))

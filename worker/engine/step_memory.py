@@ -127,6 +127,7 @@ def plan_on_device(
     seq: int,
     quantization: str | None,
     allow_offload: bool = True,
+    dropout: float = 0.0,
 ) -> MemoryPlan:
     """The plan for this GPU as it is now: its free memory plus what this process holds already
     (the base is loaded: the plan counts its weights), no more than the process's cap where one
@@ -149,6 +150,7 @@ def plan_on_device(
         gpu_bytes=budget,
         quantization=quantization,
         allow_offload=allow_offload,
+        dropout=dropout,
     )
 
 
@@ -197,6 +199,7 @@ def obey(
             seq=seq,
             quantization=config.quantization,
             allow_offload=allow_offload,
+            dropout=config.lora.dropout,
         )
         choice = plan.choice
         needs = choice.checkpointing != "none" or choice.offload
