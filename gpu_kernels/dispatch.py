@@ -222,7 +222,7 @@ def lora_gated_mlp(
 ) -> torch.Tensor:
     """down(act(gate(x)) ⊙ up(x)) with LoRA on the three projections; `gate_up` stacks gate's
     and up's outputs ([gate | up], 2F). Where gpu_kernels.ops.lora_mlp serves it (CUDA, dense
-    bf16 weights, rank-16 adapters, no dropout, no biases) one op whose backward folds the LoRA
+    bf16 weights, adapters of rank ≤ 16, no dropout, no biases) one op whose backward folds the LoRA
     reductions into the activation's; otherwise the two LoRA ops and swiglu_packed."""
     from gpu_kernels.ops import lora_mlp
 

@@ -1,5 +1,5 @@
 // The gated MLP's backward with the LoRA reductions of its two projections folded in, for bf16
-// activations and rank-16 adapters (gpu_kernels/ops/lora_mlp.py).
+// activations and rank-16 adapters (gpu_kernels/ops/lora_mlp.py pads smaller ranks with zeros).
 //
 // The MLP is y = down(h), h = act(g) ⊙ u, [g | u] = gate_up(x), with LoRA on gate, up and down.
 // Unfused, its backward reads the (M, 2F) gradient dgu three times (the base dX GEMM, then the
@@ -17,7 +17,7 @@
 //          daacc (16, F) fp32 += udᵀ·h                      (down's dA)
 //          the fp32 outputs must be zero on entry (atomic accumulation).
 //
-// Work split: a block owns 256 columns of F (8 warps × 32) and a group of rows, walked in tiles of
+// Work split: a block owns 256 columns of F (kWarps = 8 warps × 32) and a group of rows, walked in tiles of
 // 32 rows. Per tile each warp forms its 32×32 h, dg and du (bf16, in shared memory), then runs the
 // three skinny products on the tensor cores (WMMA 16×16×16, fp32 accumulators). U sums over
 // columns: the warps' partials are added in shared memory and the block's sum goes to uacc with
@@ -35,13 +35,9 @@ namespace {
 using namespace nvcuda;
 
 constexpr int kRank = 16;         // every adapter's rank (one WMMA tile)
-constexpr int kWarps = 8;
-constexpr int kThreads = kWarps * 32;
 constexpr int kTileM = 32;        // rows per tile
 constexpr int kWarpF = 32;        // columns of F per warp
-constexpr int kBlockF = kWarps * kWarpF;
 constexpr int kLdT = kWarpF + 8;  // bf16 row stride of a warp tile (80 B: staggers the banks)
-constexpr int kLdD = kBlockF + 8;
 
 using Frag16A_row = wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major>;
 using Frag16A_col = wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::col_major>;
@@ -49,7 +45,10 @@ using Frag16B_row = wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wm
 using Frag16B_col = wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major>;
 using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 
+template <int kWarps>
 struct Smem {
+  static constexpr int kBlockF = kWarps * kWarpF;
+  static constexpr int kLdD = kBlockF + 8;
   // per warp: h, dg, du of its 32×32 tile; after the warp's products its first 4 KB hold its
   // (32 rows × 32) fp32 U partial [gate 16 | up 16]
   __nv_bfloat16 tile[kWarps][3][kTileM * kLdT];
@@ -69,15 +68,17 @@ __device__ __forceinline__ void add4(float* p, float a, float b, float c, float 
 #endif
 }
 
-// two blocks per SM: at most 128 registers a thread
-template <int kAct>
-__global__ void __launch_bounds__(kThreads, 2) glu_bwd_lora_kernel(
+// 16 warps resident per SM (two blocks of 8, four of 4): at most 128 registers a thread
+template <int kAct, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32, 16 / kWarps) glu_bwd_lora_kernel(
     const __nv_bfloat16* __restrict__ dh, const __nv_bfloat16* __restrict__ gu,
     const __nv_bfloat16* __restrict__ ud, const __nv_bfloat16* __restrict__ dlu,
     const __nv_bfloat16* __restrict__ xa, __nv_bfloat16* __restrict__ dgu, float* __restrict__ uacc,
     float* __restrict__ gacc, float* __restrict__ daacc, int64_t M, int64_t F, int64_t rows_per_block) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  Smem& s = *reinterpret_cast<Smem*>(smem_raw);
+  using S = Smem<kWarps>;
+  constexpr int kThreads = kWarps * 32, kBlockF = S::kBlockF, kLdD = S::kLdD;
+  S& s = *reinterpret_cast<S*>(smem_raw);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int64_t F2 = 2 * F;
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kBlockF;  // first column of F
@@ -108,16 +109,18 @@ __global__ void __launch_bounds__(kThreads, 2) glu_bwd_lora_kernel(
 
   for (int64_t m0 = row_begin; m0 < row_end; m0 += kTileM) {
     // ud (32×16) and xa (32×32) rows of the tile, zero past M: 64 + 128 16-byte vectors
-    if (tid < 64) {
-      const int r = tid >> 1, c = (tid & 1) * 8;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (m0 + r < M) v = *reinterpret_cast<const uint4*>(ud + (m0 + r) * kRank + c);
-      *reinterpret_cast<uint4*>(&s.ud[r * kRank + c]) = v;
-    } else if (tid < 192) {
-      const int i = tid - 64, r = i >> 2, c = (i & 3) * 8;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (m0 + r < M) v = *reinterpret_cast<const uint4*>(xa + (m0 + r) * 2 * kRank + c);
-      *reinterpret_cast<uint4*>(&s.xa[r * 2 * kRank + c]) = v;
+    for (int q = tid; q < 192; q += kThreads) {
+      if (q < 64) {
+        const int r = q >> 1, c = (q & 1) * 8;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (m0 + r < M) v = *reinterpret_cast<const uint4*>(ud + (m0 + r) * kRank + c);
+        *reinterpret_cast<uint4*>(&s.ud[r * kRank + c]) = v;
+      } else {
+        const int i = q - 64, r = i >> 2, c = (i & 3) * 8;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (m0 + r < M) v = *reinterpret_cast<const uint4*>(xa + (m0 + r) * 2 * kRank + c);
+        *reinterpret_cast<uint4*>(&s.xa[r * 2 * kRank + c]) = v;
+      }
     }
 
     // the warp's 32×32 elementwise tile: lane owns 8 columns of rows lane/4 + 8i, i < 4;
@@ -206,9 +209,9 @@ __global__ void __launch_bounds__(kThreads, 2) glu_bwd_lora_kernel(
       wmma::store_matrix_sync(red + 16 * i * 32 + kRank, acc_u[i][1], 32, wmma::mem_row_major);
     }
     __syncthreads();
-    // the block's U: thread t sums 4 consecutive values of the (32, 32) tile over the 8 warps
-    {
-      const int e = tid * 4, r = e >> 5, c = e & 31;
+    // the block's U: each thread sums groups of 4 consecutive values of the (32, 32) tile over the warps
+    for (int e = tid * 4; e < kTileM * 2 * kRank; e += kThreads * 4) {
+      const int r = e >> 5, c = e & 31;
       float v[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) {
@@ -250,7 +253,7 @@ struct Occupancy {
   int device = -1, sms = 0, per_sm = 0;
 };
 
-template <int kAct>
+template <int kAct, int kWarps>
 int launch(const __nv_bfloat16* dh, const __nv_bfloat16* gu, const __nv_bfloat16* ud,
            const __nv_bfloat16* dlu, const __nv_bfloat16* xa, __nv_bfloat16* dgu, float* uacc,
            float* gacc, float* daacc, int64_t M, int64_t F, cudaStream_t stream) {
@@ -258,14 +261,15 @@ int launch(const __nv_bfloat16* dh, const __nv_bfloat16* gu, const __nv_bfloat16
   int dev = 0;
   cudaGetDevice(&dev);
   Occupancy& o = occ[dev & 15];
-  const int smem = static_cast<int>(sizeof(Smem));
+  constexpr int kThreads = kWarps * 32;
+  const int smem = static_cast<int>(sizeof(Smem<kWarps>));
   if (o.device != dev) {
-    cudaFuncSetAttribute(glu_bwd_lora_kernel<kAct>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    cudaFuncSetAttribute(glu_bwd_lora_kernel<kAct, kWarps>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     cudaDeviceGetAttribute(&o.sms, cudaDevAttrMultiProcessorCount, dev);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o.per_sm, glu_bwd_lora_kernel<kAct>, kThreads, smem);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o.per_sm, glu_bwd_lora_kernel<kAct, kWarps>, kThreads, smem);
     o.device = dev;
   }
-  const int64_t col_blocks = (F + kBlockF - 1) / kBlockF;
+  const int64_t col_blocks = (F + Smem<kWarps>::kBlockF - 1) / Smem<kWarps>::kBlockF;
   const int64_t resident = static_cast<int64_t>(o.sms) * (o.per_sm > 0 ? o.per_sm : 1);
   const int64_t tiles = (M + kTileM - 1) / kTileM;
   // row groups so that the grid fills one wave (at least one group; tiles split evenly)
@@ -276,8 +280,8 @@ int launch(const __nv_bfloat16* dh, const __nv_bfloat16* gu, const __nv_bfloat16
   groups = (M + rows_per_block - 1) / rows_per_block;
   if (col_blocks > 2147483647LL || groups > 65535) return static_cast<int>(cudaErrorInvalidValue);
   const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(groups));
-  glu_bwd_lora_kernel<kAct><<<grid, kThreads, smem, stream>>>(dh, gu, ud, dlu, xa, dgu, uacc, gacc, daacc,
-                                                              M, F, rows_per_block);
+  glu_bwd_lora_kernel<kAct, kWarps><<<grid, kThreads, smem, stream>>>(dh, gu, ud, dlu, xa, dgu, uacc, gacc,
+                                                                      daacc, M, F, rows_per_block);
   LORAQ_RETURN_LAST_ERROR;
 }
 
@@ -304,8 +308,9 @@ int loraq_glu_bwd_lora(const void* dh, const void* gu, const void* ud, const voi
   const auto* d = static_cast<const B*>(dlu);
   const auto* x = static_cast<const B*>(xa);
   auto* o = static_cast<B*>(dgu);
-  if (act == glu::kSiLU) return launch<glu::kSiLU>(a, g, u, d, x, o, uacc, gacc, daacc, M, F, stream);
-  return launch<glu::kGeluTanh>(a, g, u, d, x, o, uacc, gacc, daacc, M, F, stream);
+  // 8 warps a block: on an H100, blocks of 4 (four a SM) were no faster (bench/results/mlp-h100-2026-12-07-warps.json)
+  if (act == glu::kSiLU) return launch<glu::kSiLU, 8>(a, g, u, d, x, o, uacc, gacc, daacc, M, F, stream);
+  return launch<glu::kGeluTanh, 8>(a, g, u, d, x, o, uacc, gacc, daacc, M, F, stream);
 }
 
 }  // extern "C"

@@ -15,8 +15,9 @@ backward  U_d = dY·D_dᵀ (M, 16); dB_d = s_d·dYᵀ·xd; dh = U_d·A_d + dY·W
 
 The unfused path reads dgu three times and a saved h once; this one reads dgu once and saves no
 h: about 2·(M, 2F) + (M, F) fewer bytes read, and (M, F) less activation memory, per layer.
-It serves bf16 activations, rank-16 adapters on all three projections, no dropout and no
-biases (`fusable`); anything else takes the composed ops (LoRALinearFunction, swiglu_packed).
+It serves bf16 activations, adapters of rank 16 or less on all three projections (under 16
+padded with zeros), no dropout and no biases (`fusable`); anything else takes the composed ops
+(LoRALinearFunction, swiglu_packed).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from gpu_kernels.ops.lora import _accumulates_in_epilogue, _scaled_block_diag
 from gpu_kernels.ops.norm_act import ACTIVATIONS, _swiglu_fwd
 from gpu_kernels.ops.norm_act_reference import Activation
 
-RANK = 16  # the kernel's adapter rank (one tensor-core tile)
+RANK = 16  # the kernel's adapter rank (one tensor-core tile); smaller ranks are padded with zeros
 
 Adapter = tuple[torch.Tensor, torch.Tensor, float]
 
@@ -51,7 +52,7 @@ def fusable(
     f = down_weight.shape[1]
     if gate_up_weight.shape[0] != 2 * f or f % 8 or x.shape[-1] % 8:
         return False
-    ranks_ok = all(a.shape[0] == RANK for a, _, _ in (*gate_up, *down))
+    ranks_ok = all(a.shape[0] <= RANK for a, _, _ in (*gate_up, *down))
     widths_ok = all(b.shape[0] == f for _, b, _ in gate_up)
     return ranks_ok and widths_ok and _accumulates_in_epilogue(x, gate_up_weight)
 
@@ -73,11 +74,28 @@ def _glu_bwd_lora(
     return dgu, u, g, da
 
 
-def _operands(adapters: list[Adapter], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    a_list = [a for a, _, _ in adapters]
-    a_cat = torch.cat(a_list) if len(a_list) > 1 else a_list[0]
-    d = _scaled_block_diag([b for _, b, _ in adapters], [s for _, _, s in adapters], dtype)
-    return a_cat.detach().to(dtype), d
+def _operands(
+    adapters: list[Adapter], dtype: torch.dtype, cast: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A_cat, D) of one LoRA op in `dtype` with adapter j's rows at 16·j ((16·n, K), (16·n, N)):
+    `cast` (an AdapterCasts pair, ranks packed) or built here; ranks under 16 are padded with zero
+    rows, which add nothing to any product and get no gradient."""
+    ranks = [a.shape[0] for a, _, _ in adapters]
+    if cast is None:
+        a_list = [a for a, _, _ in adapters]
+        a_cat = (torch.cat(a_list) if len(a_list) > 1 else a_list[0]).detach().to(dtype)
+        cast = (a_cat, _scaled_block_diag([b for _, b, _ in adapters], [s for _, _, s in adapters], dtype))
+    if all(r == RANK for r in ranks):
+        return cast
+    a_cat, d = cast
+    a_pad = a_cat.new_zeros((RANK * len(ranks), a_cat.shape[1]))
+    d_pad = d.new_zeros((RANK * len(ranks), d.shape[1]))
+    r0 = 0
+    for j, r in enumerate(ranks):
+        a_pad[RANK * j : RANK * j + r] = a_cat[r0 : r0 + r]
+        d_pad[RANK * j : RANK * j + r] = d[r0 : r0 + r]
+        r0 += r
+    return a_pad, d_pad
 
 
 class LoRAGatedMLPFunction(torch.autograd.Function):
@@ -101,7 +119,7 @@ class LoRAGatedMLPFunction(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K)
         a_gu, d_gu, a_dn, d_dn = operands
         f = w_d.shape[1]
-        xa = (x2 @ a_gu.t()).contiguous()  # (M, 32)
+        xa = (x2 @ a_gu.t()).contiguous()  # (M, 32): [gate's 16 | up's 16], zero past a rank under 16
         gu = xa @ d_gu  # (M, 2F) LoRA term, then + x·W_guᵀ in the base GEMM's epilogue
         gu.addmm_(x2, w_gu.t())
         h = _swiglu_fwd(gu[:, :f], 2 * f, gu[:, f:], 2 * f, act)  # (M, F), not saved
@@ -119,7 +137,8 @@ class LoRAGatedMLPFunction(torch.autograd.Function):
         f = w_d.shape[1]
         dy2 = dy.reshape(-1, w_d.shape[0]).contiguous()  # (M, Kd)
         u_d = (dy2 @ d_dn.t()).contiguous()  # (M, 16) = s_d·dY·B_d
-        db_d = torch.mul(dy2.t() @ xd, s_d, out=torch.empty_like(b_d))  # (Kd, 16)
+        r_g, r_u, r_d = a_g.shape[0], a_u.shape[0], a_d.shape[0]
+        db_d = torch.mul((dy2.t() @ xd)[:, :r_d], s_d, out=torch.empty_like(b_d))  # (Kd, r_d)
         dh = u_d @ a_dn  # (M, F) LoRA term, then + dY·W_d
         dh.addmm_(dy2, w_d)
         dgu, u32, g32, da_d = _glu_bwd_lora(dh, gu, u_d, d_gu, xa, act)
@@ -130,11 +149,11 @@ class LoRAGatedMLPFunction(torch.autograd.Function):
             dx.addmm_(dgu, w_gu)
             dx = dx.view(*lead, x2.shape[1])
         da_gu = u.t() @ x2  # (32, K)
-        da_g = da_gu[:RANK].to(a_g.dtype)
-        da_u = da_gu[RANK:].to(a_u.dtype)
-        db_g = torch.mul(g32[:f], s_g).to(b_g.dtype)
-        db_u = torch.mul(g32[f:], s_u).to(b_u.dtype)
-        return (dx, None, None, None, None, None, da_g, db_g, da_u, db_u, da_d.to(a_d.dtype), db_d)
+        da_g = da_gu[:r_g].to(a_g.dtype)
+        da_u = da_gu[RANK : RANK + r_u].to(a_u.dtype)
+        db_g = torch.mul(g32[:f, :r_g], s_g).to(b_g.dtype)
+        db_u = torch.mul(g32[f:, :r_u], s_u).to(b_u.dtype)
+        return (dx, None, None, None, None, None, da_g, db_g, da_u, db_u, da_d[:r_d].to(a_d.dtype), db_d)
 
 
 def lora_gated_mlp(
@@ -148,8 +167,8 @@ def lora_gated_mlp(
 ) -> torch.Tensor:
     """y (..., Kd) for x (..., K); `operands`: (A_gu, D_gu) and (A_d, D_d) in x's dtype from an
     AdapterCasts, or None to cast here. Only for `fusable` arguments."""
-    gu_ops = operands[0] if operands[0] is not None else _operands(gate_up, x.dtype)
-    d_ops = operands[1] if operands[1] is not None else _operands(down, x.dtype)
+    gu_ops = _operands(gate_up, x.dtype, operands[0])
+    d_ops = _operands(down, x.dtype, operands[1])
     (a_g, b_g, s_g), (a_u, b_u, s_u) = gate_up
     ((a_d, b_d, s_d),) = down
     out = LoRAGatedMLPFunction.apply(

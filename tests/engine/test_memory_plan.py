@@ -122,10 +122,11 @@ def test_a_config_that_leaves_out_tie_word_embeddings_takes_its_familys_default(
 
 
 def test_the_fused_mlp_keeps_no_product_and_the_plan_knows_where_it_runs() -> None:
-    """Rank 16 on gate, up and down, a dense base, no dropout: the fused LoRA MLP op keeps gate and
-    up but not their product; anything else keeps all three (L · 2 bytes · intermediate · T more)."""
+    """Rank ≤ 16 on gate, up and down, a dense base, no dropout: the fused LoRA MLP op keeps gate
+    and up but not their product (L · 2 bytes · intermediate · T less), and its x·Aᵀ 16 wide;
+    anything else keeps all three."""
     d = dims("llama-1b")
-    t = 4096
+    t, lay = 4096, d.layers
 
     def peak(**kw: object) -> int:
         args: dict[str, object] = {
@@ -137,12 +138,13 @@ def test_the_fused_mlp_keeps_no_product_and_the_plan_knows_where_it_runs() -> No
         args.update(kw)
         return predict_peak(d, **args)["activations"]  # type: ignore[arg-type]
 
-    product = d.layers * 2 * d.intermediate * t
+    product = lay * 2 * d.intermediate * t
     assert peak(dropout=0.05) - peak() == product
-    assert (
-        peak(targets=["q_proj", "v_proj", "gate_proj", "up_proj"])
-        - peak(targets=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"])
-        == product - d.layers * 2 * 16 * t
-    )  # one target fewer: its x·Aᵀ is not kept either
-    # rank 8 takes the unfused op: the product is kept, and its 7 targets' x·Aᵀ are half as wide
-    assert peak(rank=8) - peak() == product - d.layers * 2 * 8 * 7 * t
+    assert peak(quantization="nf4") - peak() == product
+    # without down_proj the MLP is not one op: the product is kept, down's x·Aᵀ is not
+    without_down = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
+    assert peak(targets=without_down) - peak() == product - lay * 2 * 16 * t
+    # rank 8 is fused too, its MLP inputs padded to 16: only the 4 attention targets' are narrower
+    assert peak() - peak(rank=8) == lay * 2 * 8 * 4 * t
+    # rank 32 is not: the product is kept and all 7 targets' x·Aᵀ are 32 wide
+    assert peak(rank=32) - peak() == product + lay * 2 * 16 * 7 * t

@@ -27,7 +27,15 @@ def _mlp_reference(activation: Activation, scales: tuple[float, float, float]): 
     return run
 
 
-def _inputs(m: int, k: int, f: int, device: str, dtype: torch.dtype, rank: int = 16) -> list[torch.Tensor]:
+def _inputs(
+    m: int,
+    k: int,
+    f: int,
+    device: str,
+    dtype: torch.dtype,
+    rank: int = 16,
+    ranks: tuple[int, int, int] | None = None,
+) -> list[torch.Tensor]:
     """x, W_gu, W_d (dtype; x requires grad) and the six factors, fp32 (fp64 with an fp64 dtype),
     all requiring grad; B not zero, so every gradient path carries signal."""
     wide = torch.float64 if dtype == torch.float64 else torch.float32
@@ -38,10 +46,11 @@ def _inputs(m: int, k: int, f: int, device: str, dtype: torch.dtype, rank: int =
     x = (rnd(m, k, scale=1.0)).to(dtype).requires_grad_()
     w_gu = rnd(2 * f, k, scale=k**-0.5).to(dtype)
     w_d = rnd(k, f, scale=f**-0.5).to(dtype)
+    r_g, r_u, r_d = ranks or (rank, rank, rank)
     factors = [
-        rnd(rank, k, scale=k**-0.5), rnd(f, rank, scale=0.05),  # A_g, B_g
-        rnd(rank, k, scale=k**-0.5), rnd(f, rank, scale=0.05),  # A_u, B_u
-        rnd(rank, f, scale=f**-0.5), rnd(k, rank, scale=0.05),  # A_d, B_d
+        rnd(r_g, k, scale=k**-0.5), rnd(f, r_g, scale=0.05),  # A_g, B_g
+        rnd(r_u, k, scale=k**-0.5), rnd(f, r_u, scale=0.05),  # A_u, B_u
+        rnd(r_d, f, scale=f**-0.5), rnd(k, r_d, scale=0.05),  # A_d, B_d
     ]  # fmt: skip
     return [x, w_gu, w_d, *[t.requires_grad_() for t in factors]]
 
@@ -82,8 +91,21 @@ def test_composed_path_equals_the_formula_on_cpu() -> None:
 def test_fused_mlp_matches_reference(
     m: int, k: int, f: int, activation: Activation, record_property: Recorder
 ) -> None:
-    torch.manual_seed(m + f)
-    inputs = _inputs(m, k, f, "cuda", torch.bfloat16)
+    _check_fused(m, k, f, activation, (16, 16, 16), record_property)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks", [(8, 8, 8), (4, 12, 1)])
+def test_fused_mlp_pads_ranks_under_16(ranks: tuple[int, int, int], record_property: Recorder) -> None:
+    """Ranks under 16 run the same kernel with zero rows: same results, gradients of their own shape."""
+    _check_fused(300, 128, 2056, "gelu_tanh", ranks, record_property)
+
+
+def _check_fused(
+    m: int, k: int, f: int, activation: Activation, ranks: tuple[int, int, int], record_property: Recorder
+) -> None:
+    torch.manual_seed(m + f + sum(ranks))
+    inputs = _inputs(m, k, f, "cuda", torch.bfloat16, ranks=ranks)
     scales = (2.0, 0.5, 1.5)
 
     def ours(x, w_gu, w_d, a_g, b_g, a_u, b_u, a_d, b_d):  # type: ignore[no-untyped-def]
@@ -114,8 +136,9 @@ def _mlp(inputs: list[torch.Tensor], dropout: float = 0.0) -> torch.Tensor:
 def test_dispatch_fuses_only_what_the_kernel_serves() -> None:
     fused = "LoRAGatedMLPFunctionBackward"
     assert type(_mlp(_inputs(64, 128, 256, "cuda", torch.bfloat16)).grad_fn).__name__ == fused
-    # rank 8, dropout, fp32: the composed ops (still the compiled LoRA and activation kernels)
-    assert type(_mlp(_inputs(64, 128, 256, "cuda", torch.bfloat16, rank=8)).grad_fn).__name__ != fused
+    assert type(_mlp(_inputs(64, 128, 256, "cuda", torch.bfloat16, rank=8)).grad_fn).__name__ == fused
+    # rank 32, dropout, fp32: the composed ops (still the compiled LoRA and activation kernels)
+    assert type(_mlp(_inputs(64, 128, 256, "cuda", torch.bfloat16, rank=32)).grad_fn).__name__ != fused
     assert type(_mlp(_inputs(64, 128, 256, "cuda", torch.bfloat16), dropout=0.1).grad_fn).__name__ != fused
     assert type(_mlp(_inputs(64, 128, 256, "cuda", torch.float32)).grad_fn).__name__ != fused
 
@@ -146,3 +169,20 @@ def test_fused_mlp_saves_no_activation_of_width_f() -> None:
 
     composed, fused = saved_bytes(False), saved_bytes(True)
     assert composed - fused >= m * f * 2, (composed, fused)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rank", [16, 8])
+def test_adapter_casts_operands_give_the_same_step(rank: int) -> None:
+    """Inside a step the op takes its operands from an AdapterCasts (ranks packed, padded here)."""
+    torch.manual_seed(rank)
+    x, w_gu, w_d, a_g, b_g, a_u, b_u, a_d, b_d = _inputs(96, 128, 512, "cuda", torch.bfloat16, rank=rank)
+    gate_up, down = [(a_g, b_g, 2.0), (a_u, b_u, 0.5)], [(a_d, b_d, 1.5)]
+    casts = gpu_kernels.adapter_casts([gate_up, down], torch.bfloat16)
+    outs = []
+    for use_casts in (False, True):
+        with casts.in_step():
+            ops = (casts.operands(0), casts.operands(1)) if use_casts else (None, None)
+            y = lora_mlp.lora_gated_mlp(x, w_gu, w_d, gate_up, down, "silu", ops)
+        outs.append(y.detach())
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)

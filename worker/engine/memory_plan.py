@@ -14,8 +14,9 @@ i = intermediate, L = layers, V = vocabulary, T = tokens of one micro-batch = mi
                  a = b·(6h + 2·k·d + 3i) + b·r·(targets a layer)
                  (the two norms' inputs and outputs, q, k, v, the attention output, gate, up
                  and their product); one layer's are alive again while it is recomputed. Where
-                 the fused LoRA MLP op serves the step (rank 16 on gate, up and down, a dense
-                 base, no dropout: gpu_kernels.ops.lora_mlp) the product is not kept: 2i for 3i
+                 the fused LoRA MLP op serves the step (rank ≤ 16 on gate, up and down, a dense
+                 base, no dropout: gpu_kernels.ops.lora_mlp) the product is not kept: 2i for 3i,
+                 and the MLP's x·Aᵀ are 16 wide (ranks under 16 padded)
         none       L·a·T
         selective  L·(a − b·3i − b·r·m)·T + b·(h + 3i)·T  (each MLP recomputed in the backward:
                    its gate, up and product, and its m LoRA targets' x·Aᵀ, are not kept; its
@@ -73,7 +74,7 @@ GGUF_BITS = {
 }
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MLP_LINEAR = ("gate_proj", "up_proj", "down_proj")
-# the rank the fused LoRA MLP op serves (gpu_kernels.ops.lora_mlp.RANK: the plan loads no torch)
+# the largest rank the fused LoRA MLP op serves (gpu_kernels.ops.lora_mlp.RANK: the plan loads no torch)
 FUSED_MLP_RANK = 16
 
 
@@ -217,12 +218,14 @@ def predict_peak(
     lora = targeted(dims, targets)
     adapter = 18 * dims.layers * sum(rank * (n_in + n_out) for n_in, n_out in lora.values())
     fused_mlp = (  # gpu_kernels.lora_gated_mlp's conditions, as far as the plan can know them
-        rank == FUSED_MLP_RANK and quantization is None and dropout == 0 and set(MLP_LINEAR) <= set(lora)
+        rank <= FUSED_MLP_RANK and quantization is None and dropout == 0 and set(MLP_LINEAR) <= set(lora)
     )
     kept_i = 2 * i if fused_mlp else 3 * i  # gate and up (and, unfused, their product)
-    per_token = BF16 * (6 * h + 2 * kv + kept_i) + BF16 * rank * len(lora)  # one layer, nothing checkpointed
     mlp_targets = sum(1 for name in lora if name in MLP_LINEAR)
-    mlp_dropped = BF16 * kept_i + BF16 * rank * mlp_targets  # what a checkpointed MLP does not keep
+    mlp_rank = FUSED_MLP_RANK if fused_mlp else rank  # the fused op pads its x·Aᵀ to 16 columns
+    lora_inputs = BF16 * (rank * (len(lora) - mlp_targets) + mlp_rank * mlp_targets)
+    per_token = BF16 * (6 * h + 2 * kv) + BF16 * kept_i + lora_inputs  # one layer, nothing checkpointed
+    mlp_dropped = BF16 * kept_i + BF16 * mlp_rank * mlp_targets  # what a checkpointed MLP does not keep
     mlp = BF16 * (h + 3 * i)  # one MLP's tensors, alive again while it is recomputed
     layers, t = dims.layers, micro_tokens
     if choice.checkpointing == "none":
