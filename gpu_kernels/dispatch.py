@@ -221,9 +221,10 @@ def lora_gated_mlp(
     x: torch.Tensor, gate_up: LoRAOp, down: LoRAOp, activation: Activation, training: bool
 ) -> torch.Tensor:
     """down(act(gate(x)) ⊙ up(x)) with LoRA on the three projections; `gate_up` stacks gate's
-    and up's outputs ([gate | up], 2F). Where gpu_kernels.ops.lora_mlp serves it (CUDA, dense
-    bf16 weights, adapters of rank ≤ 16, no dropout, no biases) one op whose backward folds the LoRA
-    reductions into the activation's; otherwise the two LoRA ops and swiglu_packed."""
+    and up's outputs ([gate | up], 2F): two adapters, or one over both (Phi-3's gate_up_proj).
+    Where gpu_kernels.ops.lora_mlp serves it (CUDA, dense bf16 weights, adapters of rank ≤ 16, no
+    dropout, no biases) one op whose backward folds the LoRA reductions into the activation's;
+    otherwise the two LoRA ops and swiglu_packed."""
     from gpu_kernels.ops import lora_mlp
 
     gu_w, down_w = _dense(gate_up.weight), _dense(down.weight)

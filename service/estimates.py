@@ -77,10 +77,11 @@ class FamilyRow:
 
 
 FAMILIES_FILE = "families-h100-2026-11-27.json"
-# the rows measured with the fused LoRA MLP (e22f132); Phi-3's packed gate_up_proj does not take
-# it, so phi-4-mini keeps its FAMILIES_FILE row
+# the rows measured with the fused LoRA MLP (gpu_kernels.ops.lora_mlp; for Phi-3 once it took the
+# packed gate_up_proj's one adapter)
 ONE_B = "families-h100-2026-12-07-1b-class-fused-mlp.json"
 REST = "families-h100-2026-12-07-rest-fused-mlp.json"
+PHI = "families-h100-2026-12-07-phi-fused-mlp.json"
 
 
 def _measured(
@@ -98,7 +99,7 @@ FAMILY_TABLES: dict[str, dict[str, FamilyRow]] = {
         "mistral-7b": _measured("MistralForCausalLM", 7241732096, 2, 17590, 28.11, REST),
         "gemma-3-4b": _measured("Gemma3ForCausalLM", 3880263168, 2, 29734, 18.31, REST),
         "gemma-3-12b": _measured("Gemma3ForCausalLM", 11766034176, 1, 10190, 34.6, REST),
-        "phi-4-mini": _measured("Phi3ForCausalLM", 3836021760, 2, 29766, 18.76),
+        "phi-4-mini": _measured("Phi3ForCausalLM", 3836021760, 2, 30233, 16.86, PHI),
         "llama-3.2-1b": _measured("LlamaForCausalLM", 1235814400, 4, 91667, 10.29, ONE_B),
         "qwen3-1.7b": _measured("Qwen3ForCausalLM", 1720574976, 4, 61076, 15.33, REST),
         "gemma-3-1b": _measured("Gemma3ForCausalLM", 999885952, 4, 98431, 11.39, ONE_B),

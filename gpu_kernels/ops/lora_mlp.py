@@ -16,7 +16,8 @@ backward  U_d = dY·D_dᵀ (M, 16); dB_d = s_d·dYᵀ·xd; dh = U_d·A_d + dY·W
 The unfused path reads dgu three times and a saved h once; this one reads dgu once and saves no
 h: about 2·(M, 2F) + (M, F) fewer bytes read, and (M, F) less activation memory, per layer.
 It serves bf16 activations, adapters of rank 16 or less on all three projections (under 16
-padded with zeros), no dropout and no biases (`fusable`); anything else takes the composed ops
+padded with zeros; gate and up as two adapters, or one over the packed [gate | up] as Phi-3's
+gate_up_proj has it), no dropout and no biases (`fusable`); anything else takes the composed ops
 (LoRALinearFunction, swiglu_packed).
 """
 
@@ -44,16 +45,17 @@ def fusable(
     down: list[Adapter],
 ) -> bool:
     """Whether the fused op serves this MLP (the caller has checked CUDA, the compiled library,
-    dense weights, no biases and no dropout)."""
+    dense weights, no biases and no dropout). gate/up: two adapters of F outputs each, or one of
+    2F over the packed [gate | up] (Phi-3's gate_up_proj)."""
     if x.dtype != torch.bfloat16 or gate_up_weight.dtype != x.dtype or down_weight.dtype != x.dtype:
         return False
-    if len(gate_up) != 2 or len(down) != 1:
+    if len(gate_up) not in (1, 2) or len(down) != 1:
         return False
     f = down_weight.shape[1]
     if gate_up_weight.shape[0] != 2 * f or f % 8 or x.shape[-1] % 8:
         return False
     ranks_ok = all(a.shape[0] <= RANK for a, _, _ in (*gate_up, *down))
-    widths_ok = all(b.shape[0] == f for _, b, _ in gate_up)
+    widths_ok = all(b.shape[0] == 2 * f // len(gate_up) for _, b, _ in gate_up)
     return ranks_ok and widths_ok and _accumulates_in_epilogue(x, gate_up_weight)
 
 
@@ -75,19 +77,31 @@ def _glu_bwd_lora(
 
 
 def _operands(
-    adapters: list[Adapter], dtype: torch.dtype, cast: tuple[torch.Tensor, torch.Tensor] | None
+    adapters: list[Adapter], dtype: torch.dtype, cast: tuple[torch.Tensor, torch.Tensor] | None, packed: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A_cat, D) of one LoRA op in `dtype` with adapter j's rows at 16·j ((16·n, K), (16·n, N)):
-    `cast` (an AdapterCasts pair, ranks packed) or built here; ranks under 16 are padded with zero
-    rows, which add nothing to any product and get no gradient."""
+    """(A_cat, D) of one LoRA op in `dtype` in the kernel's layout, 16 rows an adapter: from `cast`
+    (an AdapterCasts pair, ranks packed) or built here. Ranks under 16 are padded with zero rows,
+    which add nothing to any product and get no gradient. `packed`: one adapter over [gate | up]
+    (D (r, 2F)) becomes two, A twice and D's gate columns in rows 0-15, its up columns in rows
+    16-31: x·Aᵀ·D is unchanged, and the kernel's two U halves add up to the one adapter's."""
     ranks = [a.shape[0] for a, _, _ in adapters]
     if cast is None:
         a_list = [a for a, _, _ in adapters]
         a_cat = (torch.cat(a_list) if len(a_list) > 1 else a_list[0]).detach().to(dtype)
         cast = (a_cat, _scaled_block_diag([b for _, b, _ in adapters], [s for _, _, s in adapters], dtype))
+    a_cat, d = cast
+    if packed:
+        (r,) = ranks
+        f = d.shape[1] // 2
+        a_pad = a_cat.new_zeros((2 * RANK, a_cat.shape[1]))
+        d_pad = d.new_zeros((2 * RANK, d.shape[1]))
+        a_pad[:r] = a_cat
+        a_pad[RANK : RANK + r] = a_cat
+        d_pad[:r, :f] = d[:, :f]
+        d_pad[RANK : RANK + r, f:] = d[:, f:]
+        return a_pad, d_pad
     if all(r == RANK for r in ranks):
         return cast
-    a_cat, d = cast
     a_pad = a_cat.new_zeros((RANK * len(ranks), a_cat.shape[1]))
     d_pad = d.new_zeros((RANK * len(ranks), d.shape[1]))
     r0 = 0
@@ -106,14 +120,9 @@ class LoRAGatedMLPFunction(torch.autograd.Function):
         w_gu: torch.Tensor,
         w_d: torch.Tensor,
         act: int,
-        scales: tuple[float, float, float],
+        scales: tuple[tuple[float, ...], float],
         operands: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-        a_g: torch.Tensor,
-        b_g: torch.Tensor,
-        a_u: torch.Tensor,
-        b_u: torch.Tensor,
-        a_d: torch.Tensor,
-        b_d: torch.Tensor,
+        *factors: torch.Tensor,  # gate/up's A_j, B_j (two adapters, or one packed), then A_d, B_d
     ) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K)
@@ -126,18 +135,19 @@ class LoRAGatedMLPFunction(torch.autograd.Function):
         xd = (h @ a_dn.t()).contiguous()  # (M, 16)
         y = xd @ d_dn  # (M, Kd)
         y.addmm_(h, w_d.t())
-        ctx.save_for_backward(x2, w_gu, w_d, xa, gu, xd, a_gu, d_gu, a_dn, d_dn, a_g, b_g, a_u, b_u, a_d, b_d)
+        ctx.save_for_backward(x2, w_gu, w_d, xa, gu, xd, a_gu, d_gu, a_dn, d_dn, *factors)
         ctx.meta = (lead, act, scales)
         return y.view(*lead, w_d.shape[0])
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x2, w_gu, w_d, xa, gu, xd, a_gu, d_gu, a_dn, d_dn, a_g, b_g, a_u, b_u, a_d, b_d = ctx.saved_tensors
-        lead, act, (s_g, s_u, s_d) = ctx.meta
+        x2, w_gu, w_d, xa, gu, xd, a_gu, d_gu, a_dn, d_dn, *factors = ctx.saved_tensors
+        lead, act, (s_gu, s_d) = ctx.meta
         f = w_d.shape[1]
+        a_d, b_d = factors[-2:]
+        r_d = a_d.shape[0]
         dy2 = dy.reshape(-1, w_d.shape[0]).contiguous()  # (M, Kd)
         u_d = (dy2 @ d_dn.t()).contiguous()  # (M, 16) = s_d·dY·B_d
-        r_g, r_u, r_d = a_g.shape[0], a_u.shape[0], a_d.shape[0]
         db_d = torch.mul((dy2.t() @ xd)[:, :r_d], s_d, out=torch.empty_like(b_d))  # (Kd, r_d)
         dh = u_d @ a_dn  # (M, F) LoRA term, then + dY·W_d
         dh.addmm_(dy2, w_d)
@@ -149,11 +159,19 @@ class LoRAGatedMLPFunction(torch.autograd.Function):
             dx.addmm_(dgu, w_gu)
             dx = dx.view(*lead, x2.shape[1])
         da_gu = u.t() @ x2  # (32, K)
-        da_g = da_gu[:r_g].to(a_g.dtype)
-        da_u = da_gu[RANK : RANK + r_u].to(a_u.dtype)
-        db_g = torch.mul(g32[:f, :r_g], s_g).to(b_g.dtype)
-        db_u = torch.mul(g32[f:, :r_u], s_u).to(b_u.dtype)
-        return (dx, None, None, None, None, None, da_g, db_g, da_u, db_u, da_d[:r_d].to(a_d.dtype), db_d)
+        grads: list[torch.Tensor] = []
+        if len(s_gu) == 2:  # gate, up
+            (a_g, b_g, a_u, b_u), (r_g, r_u) = factors[:4], (factors[0].shape[0], factors[2].shape[0])
+            grads += [da_gu[:r_g].to(a_g.dtype), torch.mul(g32[:f, :r_g], s_gu[0]).to(b_g.dtype)]
+            grads += [da_gu[RANK : RANK + r_u].to(a_u.dtype), torch.mul(g32[f:, :r_u], s_gu[1]).to(b_u.dtype)]
+        else:  # one adapter over [gate | up]: its A's gradient is the two halves' sum, its B's is G
+            a, b = factors[:2]
+            r = a.shape[0]
+            grads += [
+                (da_gu[:r] + da_gu[RANK : RANK + r]).to(a.dtype),
+                torch.mul(g32[:, :r], s_gu[0]).to(b.dtype),
+            ]
+        return (dx, None, None, None, None, None, *grads, da_d[:r_d].to(a_d.dtype), db_d)
 
 
 def lora_gated_mlp(
@@ -167,13 +185,13 @@ def lora_gated_mlp(
 ) -> torch.Tensor:
     """y (..., Kd) for x (..., K); `operands`: (A_gu, D_gu) and (A_d, D_d) in x's dtype from an
     AdapterCasts, or None to cast here. Only for `fusable` arguments."""
-    gu_ops = _operands(gate_up, x.dtype, operands[0])
-    d_ops = _operands(down, x.dtype, operands[1])
-    (a_g, b_g, s_g), (a_u, b_u, s_u) = gate_up
-    ((a_d, b_d, s_d),) = down
+    packed = len(gate_up) == 1
+    gu_ops = _operands(gate_up, x.dtype, operands[0], packed)
+    d_ops = _operands(down, x.dtype, operands[1], False)
+    factors = [t for a, b, _ in (*gate_up, *down) for t in (a, b)]
+    scales = (tuple(float(s) for _, _, s in gate_up), float(down[0][2]))
     out = LoRAGatedMLPFunction.apply(
-        x, gate_up_weight, down_weight, ACTIVATIONS[activation], (float(s_g), float(s_u), float(s_d)),
-        (*gu_ops, *d_ops), a_g, b_g, a_u, b_u, a_d, b_d,
-    )  # fmt: skip
+        x, gate_up_weight, down_weight, ACTIVATIONS[activation], scales, (*gu_ops, *d_ops), *factors
+    )
     assert isinstance(out, torch.Tensor)
     return out

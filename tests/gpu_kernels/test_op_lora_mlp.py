@@ -121,6 +121,33 @@ def _check_fused(
     )  # fmt: skip
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("rank", [16, 8])
+def test_fused_mlp_with_one_adapter_over_gate_and_up_matches_reference(
+    rank: int, record_property: Recorder
+) -> None:
+    """Phi-3's gate_up_proj: one adapter A (r, K), B (2F, r) over the packed [gate | up]."""
+    m, k, f = 300, 128, 2056
+    torch.manual_seed(rank)
+    x, w_gu, w_d, a_g, b_g, _, b_u, a_d, b_d = _inputs(m, k, f, "cuda", torch.bfloat16, rank=rank)
+    b_gu = torch.cat([b_g, b_u]).detach().requires_grad_()  # (2F, r)
+    scales = (2.0, 1.5)
+
+    def ours(x, w_gu, w_d, a, b, a_d, b_d):  # type: ignore[no-untyped-def]
+        gate_up, down = [(a, b, scales[0])], [(a_d, b_d, scales[1])]
+        assert lora_mlp.fusable(x, w_gu, w_d, gate_up, down)
+        return lora_mlp.lora_gated_mlp(x, w_gu, w_d, gate_up, down, "silu", (None, None))
+
+    def reference(x, w_gu, w_d, a, b, a_d, b_d):  # type: ignore[no-untyped-def]
+        gu = ref.lora_linear_grouped(x, w_gu, None, [(a, b, scales[0])])
+        return ref.lora_linear_grouped(ref.swiglu_packed(gu, "silu"), w_d, None, [(a_d, b_d, scales[1])])
+
+    assert_matches_reference(
+        ours, reference, [x, w_gu, w_d, a_g, b_gu, a_d, b_d], torch.randn(m, k, device="cuda"),
+        ["y", "dx", "dA_gu", "dB_gu", "dA_d", "dB_d"], torch.bfloat16, record_property,
+    )  # fmt: skip
+
+
 def _mlp(inputs: list[torch.Tensor], dropout: float = 0.0) -> torch.Tensor:
     x, w_gu, w_d, a_g, b_g, a_u, b_u, a_d, b_d = inputs
     return gpu_kernels.lora_gated_mlp(

@@ -185,6 +185,8 @@ class FusedGatedMLP(nn.Module):
         down = cast(nn.Module, self.down_proj)
         packed = getattr(self, "gate_up_proj", None)
         if packed is not None:  # (..., 2F) = [gate | up] from one layer (Phi-3)
+            if isinstance(packed, LoRALinear) and isinstance(down, LoRALinear):
+                return gpu_kernels.lora_gated_mlp(x, packed.op(), down.op(), self.activation, packed.training)
             return down(gpu_kernels.swiglu_packed(packed(x), self.activation))
         gate, up = cast(nn.Module, self.gate_proj), cast(nn.Module, self.up_proj)
         group = getattr(gate, "group", None)
