@@ -183,6 +183,16 @@ class JobCallbacks:
         self.flush()
         if self.fenced:
             return
+        if self._buffer:
+            # Steps before this checkpoint are not stored (the database refused them: a full disk,
+            # a lost connection). Registered, the checkpoint would be what a later attempt resumes
+            # from, and those steps would never be run, so never stored, again. The run goes on;
+            # the next checkpoint tries once more.
+            log.warning(
+                "job %s: checkpoint at step %d not registered: steps %d-%d are not stored yet",
+                self.claim.job_id, checkpoint.step, self._buffer[0].step, self._buffer[-1].step,
+            )  # fmt: skip
+            return
         key = f"{self.checkpoint_dir_key}/step-{checkpoint.step:06d}.zip"
         # the zip, then its manifest, then the row: a worker killed midway leaves nothing that is read
         stored = storage.put_checkpoint(storage.default_store(), checkpoint.path, key, step=checkpoint.step)
