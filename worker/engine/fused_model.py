@@ -18,7 +18,8 @@ a layer whose forward is wrapped (activation checkpointing) runs its own forward
   their base weights become views into the stacked weight, so no memory is added. Families whose
   checkpoints fuse them already (Phi-3's qkv_proj, gate_up_proj) run their one LoRA layer as is.
 - the MLP -> FusedGatedMLP: down(act_packed(gate_up(x))) with the family's activation (SwiGLU,
-  GeGLU), no split/concat copies
+  GeGLU), no split/concat copies; with LoRA on gate/up and down, one op (gpu_kernels.lora_gated_mlp)
+  whose backward folds the LoRA reductions into the activation's and which keeps no act ⊙ up
 - the attention -> FusedAttention: the q/k/v rows go through one kernel that splits them,
   applies the per-head q/k RMSNorm where the family has one (Qwen3, Gemma 3), and rotates the
   rotary dims (all, or Phi-4-mini's partial share) with the layer's RoPE table (Gemma 3: one per
