@@ -619,19 +619,10 @@ def jobs_internal_errors(job_id: str) -> None:
         console.print(f"{created_at} {message}\n{trace}", markup=False, highlight=False)
 
 
-def _latest_metrics(c: LoraqClient, job_id: str) -> dict[str, Any] | None:
-    """The newest `type: metrics` event's data, looking at the last few events only."""
-    for ev in c.list_events(job_id, limit=10)["data"]:
-        if ev.get("type") == "metrics" and ev.get("data"):
-            data: dict[str, Any] = ev["data"]
-            return data
-    return None
-
-
-def _new_messages(c: LoraqClient, job_id: str, seen: set[str]) -> list[dict[str, Any]]:
-    """Message events (the plan, milestones, warnings, errors) not printed yet, oldest first."""
+def _new_events(c: LoraqClient, job_id: str, seen: set[str]) -> list[dict[str, Any]]:
+    """The job's events not handled yet, oldest first (its last 50: a poll a second keeps up)."""
     events = c.list_events(job_id, limit=50)["data"]
-    fresh = [e for e in reversed(events) if e["id"] not in seen and e.get("type") != "metrics"]
+    fresh = [e for e in reversed(events) if e["id"] not in seen]
     seen.update(e["id"] for e in events)
     return fresh
 
@@ -662,10 +653,13 @@ def jobs_watch(
             last_step = 0
             while True:
                 job = _api_call(c.get_job, job_id)
-                m = _api_call(_latest_metrics, c, job_id)
-                for ev in _api_call(_new_messages, c, job_id, seen):
-                    progress.console.print(event_line(ev), soft_wrap=True, highlight=False)
-                if m:
+                for ev in _api_call(_new_events, c, job_id, seen):  # in the order they happened
+                    if ev.get("type") != "metrics":  # the plan, milestones, warnings, errors
+                        progress.console.print(event_line(ev), soft_wrap=True, highlight=False)
+                        continue
+                    m = ev.get("data")
+                    if not m:
+                        continue
                     loss = m.get("train_loss")
                     tps = m.get("tokens_per_s")
                     progress.update(
@@ -677,7 +671,7 @@ def jobs_watch(
                         tps=f"{tps:.0f}" if isinstance(tps, int | float) else "-",
                         eta=fmt.duration(m.get("eta_seconds")),
                     )
-                    if not console.is_terminal and m.get("step", 0) > last_step:  # no live bar: a line
+                    if not console.is_terminal and m.get("step", 0) > last_step:  # no live bar: a line each
                         last_step = m["step"]
                         fields = progress.tasks[0].fields
                         progress.console.print(

@@ -268,10 +268,15 @@ def test_events_print_health_warnings_and_fold_step_lines(live_api: LiveApi) -> 
     steps = loraq("jobs", "events", str(job["id"]), "--steps", env=live_api.env).stdout
     assert "Step 2" in steps
 
-    # `jobs watch` prints the warnings as they come, then the end (cancelled: exit code 1)
+    # `jobs watch` prints the warnings as they come, then the end (cancelled: exit code 1). Not on
+    # a terminal it prints a line for every step, in order with the messages, even steps that
+    # arrived between two of its polls (here all three were there before the first)
     http(live_api, "POST", f"/v1/fine_tuning/jobs/{job['id']}/cancel")
     watch = loraq("jobs", "watch", str(job["id"]), env=live_api.env)
     assert watch.returncode == 1 and warning in watch.stdout and "cancelled" in watch.stdout
+    lines = watch.stdout.splitlines()
+    at = [next(i for i, x in enumerate(lines) if x.startswith(f"step {n}/")) for n in (1, 2, 3)]
+    assert at == sorted(at) and at[-1] < next(i for i, x in enumerate(lines) if warning in x), lines
 
 
 def test_paths_come_from_settings_not_the_current_directory(tmp_path: Path) -> None:
