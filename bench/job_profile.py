@@ -170,6 +170,8 @@ KERNEL_KINDS = (
     ("cudnn", "attention (cuDNN)"),
     ("fmha", "attention (cuDNN)"),
     ("cross_entropy", "cross-entropy"),
+    ("ce_fwd_bwd", "cross-entropy"),
+    ("glu_bwd_lora", "MLP backward with its LoRA (fused)"),
     ("rank_update", "LoRA kernels"),
     ("dropout", "LoRA kernels"),
     ("rms", "norms"),
