@@ -75,6 +75,9 @@ __device__ __forceinline__ void store4(float* p, const float (&v)[4]) {
   *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
 }
 
+// Whether a pointer is 16-byte aligned: the vectorized (uint4) paths need it.
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 // Sum over a block of blockDim.x threads (a multiple of 32, at most 1024). Every thread gets
 // the total. `scratch` holds 32 floats of shared memory.
 __device__ __forceinline__ float loraq_block_sum(float v, float* scratch) {

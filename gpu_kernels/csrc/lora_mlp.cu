@@ -285,8 +285,6 @@ int launch(const __nv_bfloat16* dh, const __nv_bfloat16* gu, const __nv_bfloat16
   LORAQ_RETURN_LAST_ERROR;
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 }  // namespace
 
 extern "C" {

@@ -168,8 +168,6 @@ __global__ void swiglu_bwd_kernel(const T* __restrict__ dh, const T* __restrict_
   }
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 int row_threads(int64_t D, bool vec) {
   // enough threads to cover a row in about one pass (8 elements each when vectorized, else 4),
   // a multiple of 32 between 64 and 1024

@@ -178,7 +178,8 @@ __global__ void add_rmsnorm_bwd_kernel(const T* __restrict__ dr_in, const T* __r
   }
 }
 
-bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+// an optional operand (nullptr: not given) never blocks the vectorized path
+bool aligned16_or_null(const void* p) { return p == nullptr || aligned16(p); }
 
 int row_threads(int64_t D, int per_thread) {  // about one pass over a row, 64..1024 threads
   int t = 64;
@@ -189,8 +190,8 @@ int row_threads(int64_t D, int per_thread) {  // about one pass over a row, 64..
 template <typename T>
 int launch_fwd(const void* r, const void* y, const void* wp, const void* w, void* h, void* n, float* rstd,
                float* rstd_p, int64_t M, int64_t D, float eps_p, float eps, float offset, cudaStream_t stream) {
-  const bool vec = D % 8 == 0 && aligned16(r) && aligned16(y) && aligned16(wp) && aligned16(w) && aligned16(h) &&
-                   aligned16(n);
+  const bool vec = D % 8 == 0 && aligned16_or_null(r) && aligned16_or_null(y) && aligned16_or_null(wp) &&
+                   aligned16_or_null(w) && aligned16_or_null(h) && aligned16_or_null(n);
   const auto *rp = static_cast<const T*>(r), *yp = static_cast<const T*>(y);
   const auto *wpp = static_cast<const T*>(wp), *wq = static_cast<const T*>(w);
   auto *hp = static_cast<T*>(h), *np = static_cast<T*>(n);
@@ -211,8 +212,9 @@ template <typename T>
 int launch_bwd(const void* dr_in, const void* dn, const void* h, const void* r, const void* w, const float* rstd,
                const void* y, const void* wp, const float* rstd_p, void* dh, void* dy, int64_t M, int64_t D,
                float offset, cudaStream_t stream) {
-  const bool vec = D % 8 == 0 && aligned16(dr_in) && aligned16(dn) && aligned16(h) && aligned16(r) &&
-                   aligned16(w) && aligned16(y) && aligned16(wp) && aligned16(dh) && aligned16(dy);
+  const bool vec = D % 8 == 0 && aligned16_or_null(dr_in) && aligned16_or_null(dn) && aligned16_or_null(h) &&
+                   aligned16_or_null(r) && aligned16_or_null(w) && aligned16_or_null(y) && aligned16_or_null(wp) &&
+                   aligned16_or_null(dh) && aligned16_or_null(dy);
   const auto *a = static_cast<const T*>(dr_in), *b = static_cast<const T*>(dn), *c = static_cast<const T*>(h);
   const auto* rp = static_cast<const T*>(r);
   const auto *wq = static_cast<const T*>(w), *yp = static_cast<const T*>(y), *wpp = static_cast<const T*>(wp);
