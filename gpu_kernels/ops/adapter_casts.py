@@ -27,7 +27,7 @@ from contextlib import contextmanager
 import torch
 
 from gpu_kernels import _lib
-from gpu_kernels.ops.lora import _scaled_block_diag
+from gpu_kernels.ops.lora import cast_operands
 
 Adapters = Sequence[tuple[torch.Tensor, torch.Tensor, float]]  # (A_j, B_j, s_j) of one op
 # one table row: src, dst, rows, cols, dst row stride, scale (fp32 bits), transpose
@@ -115,5 +115,8 @@ class AdapterCasts:
 def _reference_fill(adapters: Adapters, a_act: torch.Tensor, d_act: torch.Tensor) -> None:
     """What the kernel writes, built as LoRALinearFunction builds it per call."""
     with torch.no_grad():
-        a_act.copy_(torch.cat([a for a, _, _ in adapters]))
-        d_act.copy_(_scaled_block_diag([b for _, b, _ in adapters], [s for _, _, s in adapters], d_act.dtype))
+        a, d = cast_operands(
+            [a for a, _, _ in adapters], [b for _, b, _ in adapters], [s for *_, s in adapters], d_act.dtype
+        )
+        a_act.copy_(a)
+        d_act.copy_(d)

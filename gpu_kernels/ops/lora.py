@@ -128,6 +128,18 @@ def _scaled_block_diag(
     return d
 
 
+def cast_operands(
+    a_list: Sequence[torch.Tensor],
+    b_list: Sequence[torch.Tensor],
+    scales: Sequence[float],
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A_cat = [A_1; A_2; ...] (R, K) and D = blockdiag(s_j·B_jᵀ) (R, N) in `dtype`, built in the
+    call (a cat, a cast and a scale per adapter): what an AdapterCasts holds inside a step."""
+    a_cat = torch.cat(list(a_list)) if len(a_list) > 1 else a_list[0]  # (R, K)
+    return a_cat.detach().to(dtype), _scaled_block_diag(b_list, scales, dtype)
+
+
 def _accumulates_in_epilogue(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether the base GEMM can add into the LoRA term in place: the "epilogue" mode, and the
     GEMM runs in the operands' own dtype (no autocast cast, which addmm_ does not do)."""
@@ -170,12 +182,7 @@ class LoRALinearFunction(torch.autograd.Function):
         # adapters in the activation dtype, kept for the backward: A (R, K) and
         # D = blockdiag(s_j·B_jᵀ) (R, N), the scales folded in; from an AdapterCasts refreshed
         # since the last optimizer step, or cast here (a cat, a cast and a scale per adapter)
-        if operands is not None:
-            a_act, d_act = operands
-        else:
-            a_cat = torch.cat(a_list) if len(a_list) > 1 else a_list[0]  # (R, K)
-            a_act = a_cat.detach().to(x.dtype)
-            d_act = _scaled_block_diag(b_list, scales, x.dtype)
+        a_act, d_act = operands if operands is not None else cast_operands(a_list, b_list, scales, x.dtype)
         xa = xd @ a_act.t()  # (M, R): one read of x for every adapter
         if _accumulates_in_epilogue(x2, weight, bias):
             y = torch.addmm(bias, xa, d_act) if bias is not None else xa @ d_act  # (M, N) LoRA term

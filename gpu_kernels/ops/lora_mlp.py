@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from gpu_kernels import _lib
-from gpu_kernels.ops.lora import _accumulates_in_epilogue, _scaled_block_diag
+from gpu_kernels.ops.lora import _accumulates_in_epilogue, cast_operands
 from gpu_kernels.ops.norm_act import ACTIVATIONS, _swiglu_fwd
 from gpu_kernels.ops.norm_act_reference import Activation
 
@@ -86,9 +86,9 @@ def _operands(
     16-31: x·Aᵀ·D is unchanged, and the kernel's two U halves add up to the one adapter's."""
     ranks = [a.shape[0] for a, _, _ in adapters]
     if cast is None:
-        a_list = [a for a, _, _ in adapters]
-        a_cat = (torch.cat(a_list) if len(a_list) > 1 else a_list[0]).detach().to(dtype)
-        cast = (a_cat, _scaled_block_diag([b for _, b, _ in adapters], [s for _, _, s in adapters], dtype))
+        cast = cast_operands(
+            [a for a, _, _ in adapters], [b for _, b, _ in adapters], [s for *_, s in adapters], dtype
+        )
     a_cat, d = cast
     if packed:
         (r,) = ranks
