@@ -45,6 +45,16 @@ def test_queued_jobs_per_tenant_limit(api: ApiClient, monkeypatch: pytest.Monkey
     api.create_job(file_id)
 
 
+def assert_waits_for_a_running_slot(api: ApiClient, job_id: str) -> None:
+    """The job is queued and says, on itself and in its events, that it waits for a running-job
+    slot under a limit of 1."""
+    waiting = api.get(f"/v1/fine_tuning/jobs/{job_id}").json()
+    assert waiting["status"] == "queued"
+    assert "running-job slot" in waiting["waiting_for"] and "its limit is 1" in waiting["waiting_for"]
+    events = [e["message"] for e in api.get(f"/v1/fine_tuning/jobs/{job_id}/events").json()["data"]]
+    assert any(m.startswith("Waiting for a running-job slot") for m in events)
+
+
 def test_running_limit_holds_at_start(api: ApiClient, monkeypatch: pytest.MonkeyPatch) -> None:
     """A job over the running-job limit is accepted, waits with the reason in its
     status and events, and starts when a slot frees; another tenant is not held up by it."""
@@ -56,11 +66,7 @@ def test_running_limit_holds_at_start(api: ApiClient, monkeypatch: pytest.Monkey
     assert running is not None and running.job_id == first["id"]
     with session_scope() as s:  # the second worker's delivery finds the tenant at its limit
         assert jobs.claim_next(s, job_id=second["id"], worker_id="w2") is None
-    waiting = api.get(f"/v1/fine_tuning/jobs/{second['id']}").json()
-    assert waiting["status"] == "queued"
-    assert "running-job slot" in waiting["waiting_for"] and "its limit is 1" in waiting["waiting_for"]
-    events = [e["message"] for e in api.get(f"/v1/fine_tuning/jobs/{second['id']}/events").json()["data"]]
-    assert any(m.startswith("Waiting for a running-job slot") for m in events)
+    assert_waits_for_a_running_slot(api, str(second["id"]))
     # a submit while at the limit is accepted too, and says what it waits for
     third = api.post("/v1/fine_tuning/jobs", json=job_body(file_id))
     assert third.status_code == 200 and "running-job slot" in third.json()["waiting_for"]
@@ -95,11 +101,7 @@ def test_a_job_whose_message_claimed_its_tenants_older_job_says_it_waits(
     assert running is not None and running.job_id == first["id"]
     with session_scope() as s:
         assert jobs.claim_next(s, job_id=first["id"], worker_id="w2") is None
-    waiting = api.get(f"/v1/fine_tuning/jobs/{second['id']}").json()
-    assert waiting["status"] == "queued"
-    assert "running-job slot" in waiting["waiting_for"] and "its limit is 1" in waiting["waiting_for"]
-    events = [e["message"] for e in api.get(f"/v1/fine_tuning/jobs/{second['id']}/events").json()["data"]]
-    assert any(m.startswith("Waiting for a running-job slot") for m in events)
+    assert_waits_for_a_running_slot(api, str(second["id"]))
     ran = api.get(f"/v1/fine_tuning/jobs/{first['id']}").json()
     assert ran["status"] == "running" and ran["waiting_for"] is None
 
