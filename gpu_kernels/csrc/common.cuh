@@ -78,6 +78,21 @@ __device__ __forceinline__ void store4(float* p, const float (&v)[4]) {
 // Whether a pointer is 16-byte aligned: the vectorized (uint4) paths need it.
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// Threads for a block that gives each of `work` items (a row's vectors, a token's rotation pairs)
+// its own thread: the multiple of 32 at or above `work`, between 64 and `max_threads` (more work
+// loops). A power of two would leave up to half of them idle and cap the rows resident per SM:
+// 256 threads for the 144 vectors of Gemma-3-1B's 1,152-wide rows, where 160 cover them.
+inline int loraq_threads_for(int64_t work, int max_threads) {
+  const int64_t t = (work + 31) / 32 * 32;
+  return t < 64 ? 64 : (t > max_threads ? max_threads : static_cast<int>(t));
+}
+
+// Threads for a block that normalises rows of D: one per 8 elements when vectorized, else per 4
+// (past 1,024 threads each loops over the row).
+inline int loraq_row_threads(int64_t D, bool vec) {
+  return loraq_threads_for(vec ? (D + 7) / 8 : (D + 3) / 4, 1024);
+}
+
 // Sum over a block of blockDim.x threads (a multiple of 32, at most 1024). Every thread gets
 // the total. `scratch` holds 32 floats of shared memory.
 __device__ __forceinline__ float loraq_block_sum(float v, float* scratch) {

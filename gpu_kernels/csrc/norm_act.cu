@@ -168,15 +168,6 @@ __global__ void swiglu_bwd_kernel(const T* __restrict__ dh, const T* __restrict_
   }
 }
 
-int row_threads(int64_t D, bool vec) {
-  // enough threads to cover a row in about one pass (8 elements each when vectorized, else 4),
-  // a multiple of 32 between 64 and 1024
-  const int64_t per_thread = vec ? 8 : 4;
-  int t = 64;
-  while (t < 1024 && t * per_thread < D) t *= 2;
-  return t;
-}
-
 dim3 swiglu_grid(int64_t M, int64_t F, int threads) {
   const int64_t col_blocks = (F + 8LL * threads - 1) / (8LL * threads);
   return dim3(static_cast<unsigned>(col_blocks), static_cast<unsigned>(M < 65535 ? M : 65535));
@@ -228,7 +219,7 @@ int loraq_rmsnorm_fwd(const void* x, const void* w, void* y, float* rstd, int dt
   if (M == 0) return 0;
   if (M > 2147483647LL) return static_cast<int>(cudaErrorInvalidValue);
   const bool vec = D % 8 == 0 && aligned16(x) && aligned16(w) && aligned16(y);
-  const int threads = row_threads(D, vec);
+  const int threads = loraq_row_threads(D, vec);
   const unsigned grid = static_cast<unsigned>(M);
   if (dtype == LORAQ_BF16) {
     using B = __nv_bfloat16;
@@ -254,7 +245,7 @@ int loraq_rmsnorm_bwd(const void* dy, const void* x, const void* w, const float*
   if (M == 0) return 0;
   if (M > 2147483647LL) return static_cast<int>(cudaErrorInvalidValue);
   const bool vec = D % 8 == 0 && aligned16(dy) && aligned16(x) && aligned16(w) && aligned16(dx);
-  const int threads = row_threads(D, vec);
+  const int threads = loraq_row_threads(D, vec);
   const unsigned grid = static_cast<unsigned>(M);
   if (dtype == LORAQ_BF16) {
     using B = __nv_bfloat16;

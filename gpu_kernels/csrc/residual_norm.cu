@@ -181,12 +181,6 @@ __global__ void add_rmsnorm_bwd_kernel(const T* __restrict__ dr_in, const T* __r
 // an optional operand (nullptr: not given) never blocks the vectorized path
 bool aligned16_or_null(const void* p) { return p == nullptr || aligned16(p); }
 
-int row_threads(int64_t D, int per_thread) {  // about one pass over a row, 64..1024 threads
-  int t = 64;
-  while (t < 1024 && t * per_thread < D) t *= 2;
-  return t;
-}
-
 template <typename T>
 int launch_fwd(const void* r, const void* y, const void* wp, const void* w, void* h, void* n, float* rstd,
                float* rstd_p, int64_t M, int64_t D, float eps_p, float eps, float offset, cudaStream_t stream) {
@@ -196,7 +190,7 @@ int launch_fwd(const void* r, const void* y, const void* wp, const void* w, void
   const auto *wpp = static_cast<const T*>(wp), *wq = static_cast<const T*>(w);
   auto *hp = static_cast<T*>(h), *np = static_cast<T*>(n);
   const dim3 grid(static_cast<unsigned>(M));
-  const int threads = row_threads(D, vec ? 8 : 4);
+  const int threads = loraq_row_threads(D, vec);
 #define LORAQ_ADD_NORM_FWD(N, PRE)                                                                         \
   add_rmsnorm_fwd_kernel<T, N, PRE><<<grid, threads, 0, stream>>>(rp, yp, wpp, wq, hp, np, rstd, rstd_p, D, \
                                                                   eps_p, eps, offset)
@@ -220,7 +214,7 @@ int launch_bwd(const void* dr_in, const void* dn, const void* h, const void* r, 
   const auto *wq = static_cast<const T*>(w), *yp = static_cast<const T*>(y), *wpp = static_cast<const T*>(wp);
   auto *dhp = static_cast<T*>(dh), *dyp = static_cast<T*>(dy);
   const dim3 grid(static_cast<unsigned>(M));
-  const int threads = row_threads(D, vec ? 8 : 4);
+  const int threads = loraq_row_threads(D, vec);
 #define LORAQ_ADD_NORM_BWD(N, PRE)                                                                             \
   add_rmsnorm_bwd_kernel<T, N, PRE><<<grid, threads, 0, stream>>>(a, b, c, rp, wq, rstd, yp, wpp, rstd_p, dhp, \
                                                                   dyp, D, offset)

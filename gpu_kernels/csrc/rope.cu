@@ -251,10 +251,6 @@ __global__ void rope_bwd_kernel(GradView dq, GradView dk, GradView dv, const T* 
   }
 }
 
-int threads_for(int work) {
-  const int t = ((work + 31) / 32) * 32;
-  return t < 64 ? 64 : (t > 512 ? 512 : t);
-}
 
 // Vector moves need every pair start aligned to 4 elements: R/2 and (D − R)/2 multiples of 4,
 // 4-element-aligned strides and base pointers.
@@ -272,7 +268,7 @@ void fwd(const T* x, const T* c, const T* sn, const int64_t* pos, int64_t cs_b, 
          const HeadNorm<T>& norm, int64_t B, int S, int H, int G, int D, int R, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(B * S));
   const int heads = v != nullptr ? H + 2 * G : H + G;
-  rope_fwd_kernel<T, kV, kNorm><<<grid, threads_for(heads * D / (2 * kV)), 0, stream>>>(
+  rope_fwd_kernel<T, kV, kNorm><<<grid, loraq_threads_for(heads * D / (2 * kV), 512), 0, stream>>>(
       x, c, sn, pos, cs_b, cs_s, q, k, v, norm, S, H, G, D, R);
 }
 
@@ -301,7 +297,7 @@ void bwd(GradView gq, GradView gk, GradView gv, const T* c, const T* sn, const i
          int64_t cs_s, const T* x, const HeadNorm<T>& norm, T* out, int64_t B, int S, int H, int G, int D, int R,
          cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(B * S));
-  rope_bwd_kernel<T, kV, kNorm><<<grid, threads_for((H + 2 * G) * D / (2 * kV)), 0, stream>>>(
+  rope_bwd_kernel<T, kV, kNorm><<<grid, loraq_threads_for((H + 2 * G) * D / (2 * kV), 512), 0, stream>>>(
       gq, gk, gv, c, sn, pos, cs_b, cs_s, x, norm, out, S, H, G, D, R);
 }
 
