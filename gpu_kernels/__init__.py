@@ -35,6 +35,7 @@ from gpu_kernels.dispatch import (
 from gpu_kernels.graph import GraphedStep
 from gpu_kernels.monitor import NonFiniteMonitor
 from gpu_kernels.ops.adapter_casts import AdapterCasts
+from gpu_kernels.ops.norm_source import NormSource
 from gpu_kernels.ops.rope_reference import HeadNorm
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "KernelStatus",
     "LoRAOp",
     "NonFiniteMonitor",
+    "NormSource",
     "adapter_casts",
     "add_rms_norm",
     "available",

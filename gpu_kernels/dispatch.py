@@ -15,6 +15,7 @@ from gpu_kernels.backend import get_backend
 from gpu_kernels.ops import lora_multi
 from gpu_kernels.ops.adapter_casts import AdapterCasts
 from gpu_kernels.ops.norm_act_reference import Activation
+from gpu_kernels.ops.norm_source import NormSource
 from gpu_kernels.ops.residual_norm_reference import DeltaNorm
 from gpu_kernels.ops.rope_reference import HeadNorm
 from gpu_kernels.quant.frozen import FrozenWeight
@@ -94,10 +95,12 @@ def lora_linear_grouped(
     dropout_p: float = 0.0,
     training: bool = False,
     operands: tuple[torch.Tensor, torch.Tensor] | None = None,
+    source: NormSource | None = None,
 ) -> torch.Tensor:
     """Several LoRA projections of one input, stacked: (..., Σ out_j). See reference.
     `operands`: the adapters in x's dtype from an AdapterCasts (`adapter_casts`), used by the
-    compiled path when given (the reference reads the factors)."""
+    compiled path when given (the reference reads the factors). `source`: x is that RMSNorm's
+    output (`add_rms_norm`'s third value); the compiled path then does not keep x."""
     tensors = [t for a, b, _ in adapters for t in (a, b)]
     dense = _dense(weight)
     if (
@@ -108,7 +111,7 @@ def lora_linear_grouped(
     ):
         from gpu_kernels.ops import lora
 
-        return lora.lora_linear_grouped(x, dense, bias, adapters, dropout_p, training, operands)
+        return lora.lora_linear_grouped(x, dense, bias, adapters, dropout_p, training, operands, source)
     return reference.lora_linear_grouped(x, weight, bias, adapters, dropout_p, training)
 
 
@@ -178,13 +181,14 @@ def add_rms_norm(
     offset: float = 0.0,
     delta_norm: DeltaNorm | None = None,
     keep_sum: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, norm(h)) with h = residual + delta, or residual + norm_p(delta) given delta_norm
-    (weight, eps): a decoder layer's residual step and the norm after it, one kernel each way on
-    the compiled path (frozen weights). See reference.add_rms_norm. keep_sum=False (with
-    delta_norm; compiled path): the backward forms h again from residual and delta instead of
-    keeping it (ops.residual_norm), the same values for one (..., D) tensor less where the caller
-    keeps residual anyway."""
+) -> tuple[torch.Tensor, torch.Tensor, NormSource | None]:
+    """(h, norm(h), source) with h = residual + delta, or residual + norm_p(delta) given
+    delta_norm (weight, eps): a decoder layer's residual step and the norm after it, one kernel
+    each way on the compiled path (frozen weights). See reference.add_rms_norm. keep_sum=False
+    (with delta_norm; compiled path): the backward forms h again from residual and delta instead
+    of keeping it (ops.residual_norm), the same values for one (..., D) tensor less where the
+    caller keeps residual anyway. `source` (compiled path, h kept): what the LoRA ops that read
+    norm(h) may keep instead of it (gpu_kernels/ops/norm_source.py); None otherwise."""
     weights = (weight, delta_norm[0]) if delta_norm is not None else (weight,)
     if (
         _compiled(residual, delta, *weights)
@@ -196,7 +200,7 @@ def add_rms_norm(
         from gpu_kernels.ops import residual_norm
 
         return residual_norm.add_rms_norm(residual, delta, weight, eps, offset, delta_norm, keep_sum)
-    return reference.add_rms_norm(residual, delta, weight, eps, offset, delta_norm)
+    return (*reference.add_rms_norm(residual, delta, weight, eps, offset, delta_norm), None)
 
 
 @dataclass(frozen=True)
@@ -211,20 +215,27 @@ class LoRAOp:
     dropout_p: float = 0.0
     operands: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def __call__(self, x: torch.Tensor, training: bool) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, training: bool, source: NormSource | None = None) -> torch.Tensor:
+        """`source`: x is that RMSNorm's output (see lora_linear_grouped)."""
         return lora_linear_grouped(
-            x, self.weight, self.bias, self.adapters, self.dropout_p, training, self.operands
+            x, self.weight, self.bias, self.adapters, self.dropout_p, training, self.operands, source
         )
 
 
 def lora_gated_mlp(
-    x: torch.Tensor, gate_up: LoRAOp, down: LoRAOp, activation: Activation, training: bool
+    x: torch.Tensor,
+    gate_up: LoRAOp,
+    down: LoRAOp,
+    activation: Activation,
+    training: bool,
+    source: NormSource | None = None,
 ) -> torch.Tensor:
     """down(act(gate(x)) ⊙ up(x)) with LoRA on the three projections; `gate_up` stacks gate's
     and up's outputs ([gate | up], 2F): two adapters, or one over both (Phi-3's gate_up_proj).
     Where gpu_kernels.ops.lora_mlp serves it (CUDA, dense bf16 weights, adapters of rank ≤ 16, no
     dropout, no biases) one op whose backward folds the LoRA reductions into the activation's;
-    otherwise the two LoRA ops and swiglu_packed."""
+    otherwise the two LoRA ops and swiglu_packed. `source`: x is that RMSNorm's output, which
+    the compiled ops then do not keep (gpu_kernels/ops/norm_source.py)."""
     from gpu_kernels.ops import lora_mlp
 
     gu_w, down_w = _dense(gate_up.weight), _dense(down.weight)
@@ -242,9 +253,9 @@ def lora_gated_mlp(
     ):
         return lora_mlp.lora_gated_mlp(
             x, gu_w, down_w, list(gate_up.adapters), list(down.adapters), activation,
-            (gate_up.operands, down.operands),
+            (gate_up.operands, down.operands), source,
         )  # fmt: skip
-    return down(swiglu_packed(gate_up(x, training), activation), training)
+    return down(swiglu_packed(gate_up(x, training, source), activation), training)
 
 
 def swiglu_packed(gate_up: torch.Tensor, activation: Activation = "silu") -> torch.Tensor:

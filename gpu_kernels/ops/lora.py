@@ -11,6 +11,8 @@ backward  U  = dY·Dᵀ = [s_1·dY_1·B_1 | ...]      (M, R), one GEMM for every
           dX = U·[A_1; A_2; ...]                 (M, K)
           dX += dY·W                             base GEMM with beta = 1: one buffer for dX
           dA = Uᵀ·drop(x)  (R, K);  dB_j = s_j·dY_jᵀ·xa_j  (N_j, r_j)   cheap order, from saved xa
+          (x an RMSNorm's output, given its NormSource, no dropout: dA from the norm's input and
+          rstd, and x is not kept: gpu_kernels/ops/norm_source.py)
 
 Dropout on the LoRA input (p > 0, training) uses csrc's hash mask: the backward regenerates
 drop(x) from x, the device seed saved at forward time and the call's salt. With p = 0 the
@@ -26,6 +28,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from gpu_kernels import _lib
+from gpu_kernels.ops.norm_source import NormSource, lora_input_grad
 
 _MAX_RANK_PER_LAUNCH = 16
 # How the LoRA term meets the base GEMM's output:
@@ -159,6 +162,7 @@ class LoRALinearFunction(torch.autograd.Function):
         scales: tuple[float, ...],
         dropout_p: float,
         operands: tuple[torch.Tensor, torch.Tensor] | None,
+        source: NormSource | None,
         *adapters: torch.Tensor,  # A_1, B_1, A_2, B_2, ...
     ) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -195,14 +199,18 @@ class LoRALinearFunction(torch.autograd.Function):
                 col += n
                 r0 += r
 
-        ctx.save_for_backward(x2, weight, xa, seed, a_act, d_act, *adapters)
+        # x is a norm's output and only dA reads it: keep the norm's own tensors instead (x dies)
+        kept = source if source is not None and dropout_p == 0 and not ctx.needs_input_grad[1] else None
+        x_kept, rstd, norm_w = kept.tensors() if kept is not None else (x2, None, None)
+        ctx.save_for_backward(x_kept, weight, xa, seed, a_act, d_act, rstd, norm_w, *adapters)
         ctx.meta = (lead, scales, dropout_p, salt, ranks, widths, bias is not None)
+        ctx.norm_offset = kept.offset if kept is not None else 0.0
         return y.view(*lead, n_total)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         lead, scales, dropout_p, salt, ranks, widths, has_bias = ctx.meta
-        x2, weight, xa, seed, a_act, d_act, *adapters = ctx.saved_tensors
+        x2, weight, xa, seed, a_act, d_act, rstd, norm_w, *adapters = ctx.saved_tensors
         a_list = adapters[0::2]
         b_list = adapters[1::2]
         n_total, k = weight.shape
@@ -229,17 +237,20 @@ class LoRALinearFunction(torch.autograd.Function):
                     dx += dy2 @ weight
             dx = dx.view(*lead, k)
 
-        xd = x2 if dropout_p == 0 else dropout(x2, dropout_p, seed, salt)
         grads_ad: list[torch.Tensor | None] = []
-        da_cat = (u.t() @ xd).to(a_list[0].dtype)  # (R, K); rows of adapter j are a contiguous slice
+        if rstd is not None:  # x2 is the norm's input: dA from it, rstd and the norm's weight
+            da_cat = lora_input_grad(u, x2, rstd, norm_w, ctx.norm_offset).to(a_list[0].dtype)
+        else:
+            xd = x2 if dropout_p == 0 else dropout(x2, dropout_p, seed, salt)
+            da_cat = (u.t() @ xd).to(a_list[0].dtype)  # (R, K); rows of adapter j are a contiguous slice
         # dB_j = s_j·dY_jᵀ·xa_j is block j of G = dYᵀ·xa (N, R): one skinny GEMM (and one split-K
         # reduction) for every adapter instead of one each; the off-diagonal blocks are waste,
         # but tiny next to reading dY
         g = dy2.t() @ xa  # (N, R)
         col = r0 = 0
         for j, (a, b, r, n, s) in enumerate(zip(a_list, b_list, ranks, widths, scales, strict=True)):
-            # inputs are (x, weight, bias, scales, dropout_p, operands, A_1, B_1, ...): A_j at 6 + 2j
-            need_a, need_b_j = ctx.needs_input_grad[6 + 2 * j], ctx.needs_input_grad[7 + 2 * j]
+            # inputs are (x, weight, bias, scales, dropout_p, operands, source, A_1, B_1, ...): A_j at 7 + 2j
+            need_a, need_b_j = ctx.needs_input_grad[7 + 2 * j], ctx.needs_input_grad[8 + 2 * j]
             da = da_cat[r0 : r0 + r].to(a.dtype) if need_a else None
             db = None
             if need_b_j:  # scaled and cast into the factor's dtype by one kernel
@@ -248,9 +259,9 @@ class LoRALinearFunction(torch.autograd.Function):
             col += n
             r0 += r
 
-        dw = dy2.t() @ x2 if need_w else None
+        dw = dy2.t() @ x2 if need_w else None  # never with a NormSource (kept only when W is frozen)
         dbias = dy2.sum(0) if (has_bias and need_b) else None
-        return (dx, dw, dbias, None, None, None, *grads_ad)
+        return (dx, dw, dbias, None, None, None, None, *grads_ad)
 
 
 def lora_linear_grouped(
@@ -261,13 +272,15 @@ def lora_linear_grouped(
     dropout_p: float = 0.0,
     training: bool = False,
     operands: tuple[torch.Tensor, torch.Tensor] | None = None,
+    source: NormSource | None = None,
 ) -> torch.Tensor:
     """`operands`: (A_cat, D) in x's dtype from an AdapterCasts refreshed since the factors
-    last changed, or None to cast them in this call."""
+    last changed, or None to cast them in this call. `source`: x is that norm's output
+    (gpu_kernels.ops.norm_source): the backward forms dA from the norm's tensors, x is not kept."""
     p = dropout_p if training else 0.0
     flat = [t for a, b, _ in adapters for t in (a, b)]
     scales = tuple(float(s) for _, _, s in adapters)
-    out = LoRALinearFunction.apply(x, weight, bias, scales, p, operands, *flat)
+    out = LoRALinearFunction.apply(x, weight, bias, scales, p, operands, source, *flat)
     assert isinstance(out, torch.Tensor)
     return out
 

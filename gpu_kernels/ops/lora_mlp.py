@@ -12,6 +12,8 @@ backward  U_d = dY·D_dᵀ (M, 16); dB_d = s_d·dYᵀ·xd; dh = U_d·A_d + dY·W
           kernel: dgu = [dh⊙u⊙act'(g) | dh⊙act(g)], and from the same tile
                   U = dgu·D_guᵀ (M, 32), G = [dgᵀ·xa_g; duᵀ·xa_u] (2F, 16), dA_d = U_dᵀ·h (16, F)
           dX = U·A_gu + dgu·W_gu; dA_gu = Uᵀ·x; dB_g = s_g·G_g, dB_u = s_u·G_u
+          (x an RMSNorm's output, given its NormSource: dA_gu from the norm's input and rstd,
+          and x is not kept: gpu_kernels/ops/norm_source.py)
 
 The unfused path reads dgu three times and a saved h once; this one reads dgu once and saves no
 h: about 2·(M, 2F) + (M, F) fewer bytes read, and (M, F) less activation memory, per layer.
@@ -31,6 +33,7 @@ from gpu_kernels import _lib
 from gpu_kernels.ops.lora import _accumulates_in_epilogue, cast_operands
 from gpu_kernels.ops.norm_act import ACTIVATIONS, _swiglu_fwd
 from gpu_kernels.ops.norm_act_reference import Activation
+from gpu_kernels.ops.norm_source import NormSource, lora_input_grad
 
 RANK = 16  # the kernel's adapter rank (one tensor-core tile); smaller ranks are padded with zeros
 
@@ -122,6 +125,7 @@ class LoRAGatedMLPFunction(torch.autograd.Function):
         act: int,
         scales: tuple[tuple[float, ...], float],
         operands: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        source: NormSource | None,
         *factors: torch.Tensor,  # gate/up's A_j, B_j (two adapters, or one packed), then A_d, B_d
     ) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -135,14 +139,16 @@ class LoRAGatedMLPFunction(torch.autograd.Function):
         xd = (h @ a_dn.t()).contiguous()  # (M, 16)
         y = xd @ d_dn  # (M, Kd)
         y.addmm_(h, w_d.t())
-        ctx.save_for_backward(x2, w_gu, w_d, xa, gu, xd, a_gu, d_gu, a_dn, d_dn, *factors)
-        ctx.meta = (lead, act, scales)
+        # x is a norm's output: keep the norm's own tensors for dA_gu instead (x dies here)
+        x_kept, rstd, norm_w = source.tensors() if source is not None else (x2, None, None)
+        ctx.save_for_backward(x_kept, w_gu, w_d, xa, gu, xd, a_gu, d_gu, a_dn, d_dn, rstd, norm_w, *factors)
+        ctx.meta = (lead, act, scales, source.offset if source is not None else 0.0)
         return y.view(*lead, w_d.shape[0])
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x2, w_gu, w_d, xa, gu, xd, a_gu, d_gu, a_dn, d_dn, *factors = ctx.saved_tensors
-        lead, act, (s_gu, s_d) = ctx.meta
+        x2, w_gu, w_d, xa, gu, xd, a_gu, d_gu, a_dn, d_dn, rstd, norm_w, *factors = ctx.saved_tensors
+        lead, act, (s_gu, s_d), norm_offset = ctx.meta
         f = w_d.shape[1]
         a_d, b_d = factors[-2:]
         r_d = a_d.shape[0]
@@ -158,7 +164,8 @@ class LoRAGatedMLPFunction(torch.autograd.Function):
             dx = u @ a_gu  # (M, K) LoRA term, then + dgu·W_gu
             dx.addmm_(dgu, w_gu)
             dx = dx.view(*lead, x2.shape[1])
-        da_gu = u.t() @ x2  # (32, K)
+        # (32, K); with a NormSource x2 is the norm's input
+        da_gu = lora_input_grad(u32, x2, rstd, norm_w, norm_offset) if rstd is not None else u.t() @ x2
         grads: list[torch.Tensor] = []
         if len(s_gu) == 2:  # gate, up
             (a_g, b_g, a_u, b_u), (r_g, r_u) = factors[:4], (factors[0].shape[0], factors[2].shape[0])
@@ -171,7 +178,7 @@ class LoRAGatedMLPFunction(torch.autograd.Function):
                 (da_gu[:r] + da_gu[RANK : RANK + r]).to(a.dtype),
                 torch.mul(g32[:, :r], s_gu[0]).to(b.dtype),
             ]
-        return (dx, None, None, None, None, None, *grads, da_d[:r_d].to(a_d.dtype), db_d)
+        return (dx, None, None, None, None, None, None, *grads, da_d[:r_d].to(a_d.dtype), db_d)
 
 
 def lora_gated_mlp(
@@ -182,16 +189,18 @@ def lora_gated_mlp(
     down: list[Adapter],
     activation: Activation,
     operands: tuple[tuple[torch.Tensor, torch.Tensor] | None, tuple[torch.Tensor, torch.Tensor] | None],
+    source: NormSource | None = None,
 ) -> torch.Tensor:
     """y (..., Kd) for x (..., K); `operands`: (A_gu, D_gu) and (A_d, D_d) in x's dtype from an
-    AdapterCasts, or None to cast here. Only for `fusable` arguments."""
+    AdapterCasts, or None to cast here; `source`: x is that norm's output, not kept (see
+    gpu_kernels/ops/norm_source.py). Only for `fusable` arguments."""
     packed = len(gate_up) == 1
     gu_ops = _operands(gate_up, x.dtype, operands[0], packed)
     d_ops = _operands(down, x.dtype, operands[1], False)
     factors = [t for a, b, _ in (*gate_up, *down) for t in (a, b)]
     scales = (tuple(float(s) for _, _, s in gate_up), float(down[0][2]))
     out = LoRAGatedMLPFunction.apply(
-        x, gate_up_weight, down_weight, ACTIVATIONS[activation], scales, (*gu_ops, *d_ops), *factors
+        x, gate_up_weight, down_weight, ACTIVATIONS[activation], scales, (*gu_ops, *d_ops), source, *factors
     )
     assert isinstance(out, torch.Tensor)
     return out

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from gpu_kernels import _lib
+from gpu_kernels.ops.norm_source import NormSource
 from gpu_kernels.ops.residual_norm_reference import DeltaNorm
 
 
@@ -34,7 +35,7 @@ class AddRMSNormFunction(torch.autograd.Function):
         delta_weight: torch.Tensor | None,
         delta_eps: float,
         keep_sum: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         d = residual.shape[-1]
         r, y = (t.reshape(-1, d).contiguous() for t in (residual, delta))  # (M, D)
         w = weight.to(r.dtype).contiguous()
@@ -63,10 +64,11 @@ class AddRMSNormFunction(torch.autograd.Function):
         ctx.offset = float(offset)
         ctx.shape = residual.shape
         ctx.set_materialize_grads(False)  # an unused sum (the last layer's) sends None, not zeros
-        return h.view(residual.shape), n.view(residual.shape)
+        ctx.mark_non_differentiable(rstd)
+        return h.view(residual.shape), n.view(residual.shape), rstd
 
     @staticmethod
-    def backward(ctx: Any, dh_in: torch.Tensor | None, dn: torch.Tensor | None) -> Any:
+    def backward(ctx: Any, dh_in: torch.Tensor | None, dn: torch.Tensor | None, _: Any) -> Any:
         h, r, w, rstd, y, wp, rstd_p = ctx.saved_tensors
         like = h if h is not None else r  # (M, D)
         dn2 = dn.reshape(like.shape).contiguous() if dn is not None else torch.zeros_like(like)
@@ -91,7 +93,11 @@ def add_rms_norm(
     offset: float = 0.0,
     delta_norm: DeltaNorm | None = None,
     keep_sum: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, NormSource | None]:
+    """(h, n, n's NormSource): the source where the op keeps h (not with keep_sum=False and a
+    sandwich norm), so LoRA ops reading n can keep h and rstd, which the op keeps anyway."""
     wp, eps_p = delta_norm if delta_norm is not None else (None, 0.0)
-    h, n = AddRMSNormFunction.apply(residual, delta, weight, eps, offset, wp, eps_p, keep_sum)
-    return h, n
+    h, n, rstd = AddRMSNormFunction.apply(residual, delta, weight, eps, offset, wp, eps_p, keep_sum)
+    kept = keep_sum or wp is None
+    source = NormSource(h.detach().reshape(-1, h.shape[-1]), rstd, weight, offset) if kept else None
+    return h, n, source

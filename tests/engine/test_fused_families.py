@@ -159,7 +159,7 @@ def test_the_stack_adds_every_residual_with_its_norm_unless_a_layer_is_checkpoin
     calls: list[bool] = []
     add_rms_norm = fused_model.gpu_kernels.add_rms_norm
 
-    def counted(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+    def counted(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor, object]:
         calls.append(len(args) > 5 and args[5] is not None)  # a sandwich norm on the delta
         return add_rms_norm(*args, **kwargs)  # type: ignore[arg-type]
 

@@ -121,6 +121,18 @@ def test_a_config_that_leaves_out_tie_word_embeddings_takes_its_familys_default(
     assert untied["weights"] - tied["weights"] == 1000 * 64 * 2
 
 
+def _activations(d: ModelDims, micro_tokens: int, **kw: object) -> int:
+    """The predicted activation bytes of r=16 on every linear, no checkpointing, unless `kw` says."""
+    args: dict[str, object] = {
+        "rank": 16,
+        "targets": "all-linear",
+        "micro_tokens": micro_tokens,
+        "choice": MemoryChoice(),
+    }
+    args.update(kw)
+    return predict_peak(d, **args)["activations"]  # type: ignore[arg-type]
+
+
 def test_the_fused_mlp_keeps_no_product_and_the_plan_knows_where_it_runs() -> None:
     """Rank ≤ 16 on gate, up and down, a dense base, no dropout: the fused LoRA MLP op keeps gate
     and up but not their product (L · 2 bytes · intermediate · T less), and its x·Aᵀ 16 wide;
@@ -129,17 +141,11 @@ def test_the_fused_mlp_keeps_no_product_and_the_plan_knows_where_it_runs() -> No
     t, lay = 4096, d.layers
 
     def peak(**kw: object) -> int:
-        args: dict[str, object] = {
-            "rank": 16,
-            "targets": "all-linear",
-            "micro_tokens": t,
-            "choice": MemoryChoice(),
-        }
-        args.update(kw)
-        return predict_peak(d, **args)["activations"]  # type: ignore[arg-type]
+        return _activations(d, t, **kw)
 
     product = lay * 2 * d.intermediate * t
-    assert peak(dropout=0.05) - peak() == product
+    # dropout also keeps both norms' outputs (the test below)
+    assert peak(dropout=0.05) - peak() == product + lay * 2 * 2 * d.hidden * t
     assert peak(quantization="nf4") - peak() == product
     # without down_proj the MLP is not one op: the product is kept, down's x·Aᵀ is not
     without_down = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
@@ -148,3 +154,34 @@ def test_the_fused_mlp_keeps_no_product_and_the_plan_knows_where_it_runs() -> No
     assert peak() - peak(rank=8) == lay * 2 * 8 * 4 * t
     # rank 32 is not: the product is kept and all 7 targets' x·Aᵀ are 32 wide
     assert peak(rank=32) - peak() == product + lay * 2 * 16 * 7 * t
+
+
+def test_lora_ops_keep_the_norm_input_not_its_output_where_the_plan_says() -> None:
+    """Without checkpointing or LoRA dropout, the fused stack's LoRA ops keep no norm output whose
+    norm keeps its input (gpu_kernels/ops/norm_source.py): q/k/v's and, with pre-norms, gate/up's,
+    L · 2 bytes · hidden · T each; a sandwich MLP norm's output stays kept, and so does every MLP
+    norm's output where the MLP is checkpointed (the checkpoint keeps its input)."""
+    base = {"hidden_size": 256, "num_attention_heads": 4, "num_hidden_layers": 3, "intermediate_size": 512,
+            "vocab_size": 1000, "tie_word_embeddings": True}  # fmt: skip
+    llama = ModelDims.from_config({**base, "architectures": ["LlamaForCausalLM"]})
+    gemma = ModelDims.from_config({**base, "architectures": ["Gemma3ForCausalLM"]})
+    assert gemma.sandwich and not llama.sandwich
+    t = 1024
+    norm_output = 3 * 2 * 256 * t
+
+    def acts(d: ModelDims, **kw: object) -> int:
+        return _activations(d, t, **kw)
+
+    # the same shape: Gemma's sandwich keeps the MLP norm's output, Llama keeps neither
+    assert acts(gemma) - acts(llama) == norm_output
+    # only the MLP targeted: only its norm's output goes (pre-norm); q/k/v only: the attention's
+    mlp_only = ["gate_proj", "up_proj", "down_proj"]
+    product = 3 * 2 * 512 * t  # dropout also unfuses the MLP: act(gate) ⊙ up is kept
+    assert acts(llama, targets=mlp_only, dropout=0.1) - acts(llama, targets=mlp_only) == norm_output + product
+    qv = ["q_proj", "v_proj"]
+    assert acts(gemma, targets=qv, dropout=0.1) - acts(gemma, targets=qv) == norm_output
+    # selective checkpointing: the MLP norm's output kept by the checkpoint, in either family; the
+    # attention norm's not, unless dropout keeps it
+    selective = MemoryChoice(None, "selective")
+    assert acts(gemma, choice=selective) == acts(llama, choice=selective)
+    assert acts(llama, choice=selective, dropout=0.1) - acts(llama, choice=selective) == norm_output

@@ -188,12 +188,14 @@ def _stream_saves(model: torch.nn.Module, hidden: int) -> int:
 
 
 @pytest.mark.gpu
-def test_a_sandwich_layer_keeps_one_stream_tensor_more_than_a_pre_norm_layer() -> None:
-    """Gemma 3's step keeps, per layer, one (tokens, hidden) tensor more than a Llama of its sizes:
+def test_a_sandwich_layer_keeps_two_stream_tensors_more_than_a_pre_norm_layer() -> None:
+    """Gemma 3's step keeps, per layer, two (tokens, hidden) tensors more than a Llama of its sizes:
     both sublayer outputs (for the sandwich norms) less the sum after attention, which the
-    backward forms again (gpu_kernels.add_rms_norm with keep_sum=False); it used to keep two more.
-    The first layer keeps one more still: its input, the embeddings, has no gradient, so no norm
-    before it keeps it for the sum to be formed from."""
+    backward forms again (gpu_kernels.add_rms_norm with keep_sum=False), and the MLP norm's output,
+    which the MLP's LoRA ops keep because that norm keeps no sum to form it from (a pre-norm MLP
+    keeps neither: test_lora_ops_keep_no_norm_output_whose_input_the_norm_keeps). The first layer
+    keeps one more still: its input, the embeddings, has no gradient, so no norm before it keeps
+    it for the sum to be formed from."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from tests.engine.tiny_families import tiny_config
@@ -207,4 +209,42 @@ def test_a_sandwich_layer_keeps_one_stream_tensor_more_than_a_pre_norm_layer() -
     gemma_saves = _stream_saves(build_tiny_family("Gemma3ForCausalLM"), gemma.hidden_size)
     twin_saves = _stream_saves(AutoModelForCausalLM.from_config(twin), gemma.hidden_size)
     layers = gemma.num_hidden_layers
-    assert gemma_saves - twin_saves == layers + 1, (gemma_saves, twin_saves, layers)
+    assert gemma_saves - twin_saves == 2 * layers + 1, (gemma_saves, twin_saves, layers)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("architecture", "fewer_a_layer", "fewer"),
+    # pre-norm: both norms' outputs, less the first layer's attention norm (its input, the
+    # embeddings, is not kept by that norm); sandwich: the attention norms' outputs only
+    [
+        ("LlamaForCausalLM", 2, -1),
+        ("Qwen3ForCausalLM", 2, -1),
+        ("Phi3ForCausalLM", 2, -1),
+        ("Gemma3ForCausalLM", 1, -1),
+    ],
+)
+def test_lora_ops_keep_no_norm_output_whose_input_the_norm_keeps(
+    architecture: str, fewer_a_layer: int, fewer: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fused stack hands each norm's NormSource to the LoRA ops reading its output (q/k/v,
+    the MLP), which then keep the norm's own input and rstd instead of the output: against the
+    same stack with the sources withheld, the forward keeps that many (tokens, hidden) tensors
+    fewer."""
+    from tests.engine.tiny_families import tiny_config
+    from worker.engine import fused_model
+
+    hidden = tiny_config(architecture).hidden_size
+    layers = tiny_config(architecture).num_hidden_layers
+    torch.manual_seed(0)
+    with_sources = _stream_saves(build_tiny_family(architecture), hidden)
+    add_rms_norm = fused_model.gpu_kernels.add_rms_norm
+
+    def without_source(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, None]:
+        h, n, _ = add_rms_norm(*args, **kwargs)
+        return h, n, None
+
+    monkeypatch.setattr(fused_model.gpu_kernels, "add_rms_norm", without_source)
+    torch.manual_seed(0)
+    without = _stream_saves(build_tiny_family(architecture), hidden)
+    assert without - with_sources == fewer_a_layer * layers + fewer, (without, with_sources, layers)

@@ -117,3 +117,44 @@ def test_lora_op_with_dropout_matches_the_masked_formula(
     y_ref.backward(dy)
     for got, want in zip(ours, [y_ref.detach(), *(t.grad for t in ref_leaves)], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_lora_op_on_a_norm_output_keeps_the_norm_input_and_gives_the_same_gradients(
+    offset: float, rank_update: Callable[[RankUpdate], None]
+) -> None:
+    """Fed n = RMSNorm(h) with n's NormSource (what gpu_kernels.add_rms_norm returns), the op keeps
+    h and rstd instead of n, and forms dA = ((U ⊙ rstd)ᵀ·h) ⊙ (offset + w): in fp64 the output and
+    every gradient, h's through n included, equal the reference op's on n; n is not kept."""
+    from gpu_kernels.ops.norm_source import NormSource
+
+    rank_update("epilogue")
+    scales = [0.5, 2.0, 1.5]
+    h0, w, b, dy, ab = _case([40, 12, 12], [4, 3, 5], False)
+    g = torch.Generator().manual_seed(5)
+    norm_w = torch.randn(h0.shape[-1], generator=g, dtype=torch.float64)
+    runs = []
+    for fn in (lora_ops.lora_linear_grouped, reference.lora_linear_grouped):
+        leaves = [t.clone().requires_grad_(True) for t in (h0, *ab)]
+        h = leaves[0]
+        rstd = torch.rsqrt(h.pow(2).mean(-1) + 1e-6)  # (3, 11)
+        n = (offset + norm_w) * h * rstd[..., None]
+        adapters = [(leaves[1 + 2 * j], leaves[2 + 2 * j], s) for j, s in enumerate(scales)]
+        kept: set[int] = set()
+
+        def pack(t: torch.Tensor, kept: set[int] = kept) -> torch.Tensor:
+            kept.add(t.untyped_storage().data_ptr())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if fn is lora_ops.lora_linear_grouped:
+                x_rows, rstd_rows = h.detach().reshape(-1, h.shape[-1]), rstd.detach().reshape(-1)
+                y = fn(n, w, b, adapters, source=NormSource(x_rows, rstd_rows, norm_w, offset))
+            else:
+                y = fn(n, w, b, adapters)
+        y.backward(dy)
+        runs.append(([y.detach(), *(t.grad for t in leaves)], n.untyped_storage().data_ptr() in kept))
+    (ours, ours_kept_n), (want, ref_kept_n) = runs
+    for got, expected in zip(ours, want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+    assert ref_kept_n and not ours_kept_n

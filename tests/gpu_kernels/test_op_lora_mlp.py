@@ -213,3 +213,49 @@ def test_adapter_casts_operands_give_the_same_step(rank: int) -> None:
             y = lora_mlp.lora_gated_mlp(x, w_gu, w_d, gate_up, down, "silu", ops)
         outs.append(y.detach())
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_fused_mlp_on_a_norm_output_keeps_the_norm_input_not_the_output(offset: float) -> None:
+    """Given x's NormSource (x = RMSNorm(h), what the fused decoder passes), the op keeps h and
+    rstd instead of x: x's storage is not among the saved tensors, and the output and every
+    gradient equal the op's without the source (dA_g, dA_u within bf16 rounding: U ⊙ rstd is
+    rounded where x was)."""
+    from gpu_kernels.ops.norm_source import NormSource
+
+    torch.manual_seed(7)
+    m, k, f = 300, 128, 1000
+    _, w_gu, w_d, *factors = _inputs(m, k, f, "cuda", torch.bfloat16)
+    h = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    norm_w = (0.3 * torch.randn(k, device="cuda")).to(torch.bfloat16)
+    rstd = torch.rsqrt(h.float().pow(2).mean(-1) + 1e-6)  # (M,)
+    x0 = ((offset + norm_w.float()) * (h.float() * rstd[:, None])).to(torch.bfloat16)
+    dy = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    runs = []
+    for source in (None, NormSource(h, rstd, norm_w, offset)):
+        x = x0.clone().requires_grad_()
+        leaves = [t.detach().clone().requires_grad_() for t in factors]
+        a_g, b_g, a_u, b_u, a_d, b_d = leaves
+        kept: set[int] = set()
+
+        def pack(t: torch.Tensor, kept: set[int] = kept) -> torch.Tensor:
+            kept.add(t.untyped_storage().data_ptr())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = lora_mlp.lora_gated_mlp(
+                x, w_gu, w_d, [(a_g, b_g, 2.0), (a_u, b_u, 0.5)], [(a_d, b_d, 1.5)], "gelu_tanh",
+                (None, None), source,
+            )  # fmt: skip
+        y.backward(dy)
+        runs.append(([y.detach(), x.grad, *(t.grad for t in leaves)], x.untyped_storage().data_ptr() in kept))
+    (plain, plain_kept_x), (ours, ours_kept_x) = runs
+    assert plain_kept_x and not ours_kept_x
+    names = ["y", "dx", "dA_g", "dB_g", "dA_u", "dB_u", "dA_d", "dB_d"]
+    for name, got, want in zip(names, ours, plain, strict=True):
+        assert got is not None and want is not None
+        if name in ("dA_g", "dA_u"):
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+        else:
+            assert torch.equal(got, want), name

@@ -80,10 +80,12 @@ class FusedRMSNorm(nn.Module):
         delta: torch.Tensor,
         delta_norm: FusedRMSNorm | None = None,
         keep_sum: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h, this norm of h) with h = residual + delta, or residual + delta_norm(delta): one
-        kernel each way (gpu_kernels.add_rms_norm) for a layer's residual step and the norm after.
-        keep_sum=False: the backward forms h again from residual and delta (sandwich only)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, gpu_kernels.NormSource | None]:
+        """(h, this norm of h, its NormSource) with h = residual + delta, or residual +
+        delta_norm(delta): one kernel each way (gpu_kernels.add_rms_norm) for a layer's residual
+        step and the norm after. keep_sum=False: the backward forms h again from residual and
+        delta (sandwich only), and there is no source. The source lets the LoRA ops reading the
+        norm keep h and rstd, which the norm keeps, instead of the norm's output."""
         inner = (delta_norm.weight, delta_norm.variance_epsilon) if delta_norm is not None else None
         return gpu_kernels.add_rms_norm(
             residual, delta, self.weight, self.variance_epsilon, self.offset, inner, keep_sum
@@ -136,9 +138,10 @@ class LoRAGroup:
             self.weight, self.bias, self.adapters(), self.members[0].dropout, slot_operands(self.cast_slot)
         )
 
-    def forward_all(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., in) -> (..., Σ out): every member's LoRA projection, stacked on the last dim."""
-        return self.op()(x, self.members[0].training)
+    def forward_all(self, x: torch.Tensor, source: gpu_kernels.NormSource | None = None) -> torch.Tensor:
+        """(..., in) -> (..., Σ out): every member's LoRA projection, stacked on the last dim;
+        `source`: x is that norm's output (gpu_kernels.lora_linear_grouped)."""
+        return self.op()(x, self.members[0].training, source)
 
 
 class GroupedLoRALinear(LoRALinear):
@@ -182,12 +185,16 @@ class FusedGatedMLP(nn.Module):
                 self.add_module(name, child)
         self.activation: Activation = activation
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, source: gpu_kernels.NormSource | None = None) -> torch.Tensor:
+        """`source`: x is that norm's output, so the LoRA ops on x need not keep it (the fused
+        decoder stack passes it; gpu_kernels.lora_gated_mlp)."""
         down = cast(nn.Module, self.down_proj)
         packed = getattr(self, "gate_up_proj", None)
         if packed is not None:  # (..., 2F) = [gate | up] from one layer (Phi-3)
             if isinstance(packed, LoRALinear) and isinstance(down, LoRALinear):
-                return gpu_kernels.lora_gated_mlp(x, packed.op(), down.op(), self.activation, packed.training)
+                return gpu_kernels.lora_gated_mlp(
+                    x, packed.op(), down.op(), self.activation, packed.training, source
+                )
             return down(gpu_kernels.swiglu_packed(packed(x), self.activation))
         gate, up = cast(nn.Module, self.gate_proj), cast(nn.Module, self.up_proj)
         group = getattr(gate, "group", None)
@@ -196,9 +203,9 @@ class FusedGatedMLP(nn.Module):
             return down(gpu_kernels.swiglu(gate(x), up(x), self.activation))
         if isinstance(down, LoRALinear):  # the whole MLP as one op (its backward fused on the GPU)
             return gpu_kernels.lora_gated_mlp(
-                x, group.op(), down.op(), self.activation, group.members[0].training
+                x, group.op(), down.op(), self.activation, group.members[0].training, source
             )
-        gate_up = group.forward_all(x)  # (..., 2F) = [gate | up]
+        gate_up = group.forward_all(x, source)  # (..., 2F) = [gate | up]
         return down(gpu_kernels.swiglu_packed(gate_up, self.activation))
 
 
@@ -271,11 +278,19 @@ class FusedAttention(nn.Module):
         self.packed_qkv = "qkv_proj" in family.packed_modules
         self.hf_forward: Callable[..., tuple[torch.Tensor, Any]] = type(attn).forward
 
-    def _qkv(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """(..., d) -> (..., (H + 2G)·D) q/k/v rows as one LoRA op, while the LoRA layers are there."""
+    def _qkv(self) -> Callable[[torch.Tensor, gpu_kernels.NormSource | None], torch.Tensor] | None:
+        """(..., d) -> (..., (H + 2G)·D) q/k/v rows as one LoRA op, while the LoRA layers are
+        there; the second argument: the input is that norm's output (not kept by the op)."""
         if self.packed_qkv:
             layer = getattr(self, "qkv_proj", None)
-            return layer if isinstance(layer, LoRALinear) else None
+            if not isinstance(layer, LoRALinear):
+                return None
+            packed: LoRALinear = layer
+
+            def project(x: torch.Tensor, source: gpu_kernels.NormSource | None) -> torch.Tensor:
+                return packed.op()(x, packed.training, source)
+
+            return project
         group: LoRAGroup | None = getattr(self.q_proj, "group", None)
         if group is None or group.members != [self.q_proj, self.k_proj, self.v_proj]:
             return None
@@ -293,7 +308,7 @@ class FusedAttention(nn.Module):
 
     def _fast_qkv(
         self, attention_mask: Any, kwargs: dict[str, Any]
-    ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    ) -> Callable[[torch.Tensor, gpu_kernels.NormSource | None], torch.Tensor] | None:
         """The q/k/v op when the fast path applies: no mask and no KV cache in play (under any
         name a supported transformers version uses, or any argument that is a Cache)."""
         if (
@@ -316,7 +331,10 @@ class FusedAttention(nn.Module):
         """`cu_seqlens` (K + 1,) int32 and `max_seqlen` (int) in kwargs: the B·S tokens are
         packed sequences at those offsets, and each attends only within its own sequence.
         `rope_positions` (B, S) int64 in kwargs: position_embeddings is one (1, P, R) table pair
-        that token (b, s) reads at row rope_positions[b, s] (every entry < P)."""
+        that token (b, s) reads at row rope_positions[b, s] (every entry < P). `norm_source` in
+        kwargs: hidden_states is that norm's output (the fused decoder stack passes it), which
+        the q/k/v op then does not keep."""
+        norm_source: gpu_kernels.NormSource | None = kwargs.pop("norm_source", None)
         cu_seqlens: torch.Tensor | None = kwargs.pop("cu_seqlens", None)
         max_seqlen: int = kwargs.pop("max_seqlen", 0)
         rope_positions: torch.Tensor | None = kwargs.pop("rope_positions", None)
@@ -345,7 +363,7 @@ class FusedAttention(nn.Module):
             max_seqlen = s
         if cu_seqlens is not None:
             out = gpu_kernels.rope_attention(  # (B·S, H, D)
-                qkv(hidden_states),
+                qkv(hidden_states, norm_source),
                 cos,
                 sin,
                 n_heads,
@@ -359,7 +377,8 @@ class FusedAttention(nn.Module):
             )
             return cast(nn.Module, self.o_proj)(out.view(b, s, n_heads * self.head_dim)), None
         # q (B, H, S, D), k and v (B, G, S, D), stored as (B, S, heads, D) rows
-        q, k, v = gpu_kernels.rope_qkv(qkv(hidden_states), cos, sin, n_heads, n_kv, rope_positions)
+        rows = qkv(hidden_states, norm_source)
+        q, k, v = gpu_kernels.rope_qkv(rows, cos, sin, n_heads, n_kv, rope_positions)
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=s > 1, scale=self.scaling, enable_gqa=n_kv != n_heads
         )  # (B, H, S, D)
@@ -646,18 +665,26 @@ def _fused_residual_layers(
     from the layer's input stream (kept by the step before; the first layer's embeddings, which
     nothing else keeps, are kept here instead of the sum) and attention's output (kept for the
     sandwich norm). A sandwich layer then keeps one (tokens, d) tensor more than a pre-norm layer
-    instead of two: both sublayer outputs (for their sandwich norms) less the sum between them."""
+    instead of two: both sublayer outputs (for their sandwich norms) less the sum between them.
+
+    Each norm whose sum is kept hands its NormSource to the LoRA ops that read its output (q/k/v
+    after the attention norm, gate/up after the MLP norm), and those keep the sum and rstd the
+    norm keeps instead of that output: two (tokens, d) tensors a layer less with pre-norms, one
+    with sandwich norms (the MLP norm's sum is formed again, so its output stays kept), none for
+    the first layer's attention norm (its input, the embeddings, is not kept by the norm)."""
     normed = norms[0].attention_in(hidden)
+    source = None  # the first norm's: its input, the embeddings, is not kept by the op
     for i, (layer, step) in enumerate(zip(layers, norms, strict=True)):
         attn = cast(FusedAttention, layer.self_attn)
-        out, _ = attn(normed, tables[attn.rope_key], None, **attention)
-        hidden, normed = step.mlp_in.after_residual(hidden, out, step.attention_out, keep_sum=False)
-        out = cast(nn.Module, layer.mlp)(normed)
+        out, _ = attn(normed, tables[attn.rope_key], None, norm_source=source, **attention)
+        hidden, normed, source = step.mlp_in.after_residual(hidden, out, step.attention_out, keep_sum=False)
+        mlp = cast(nn.Module, layer.mlp)
+        out = mlp(normed, source) if isinstance(mlp, FusedGatedMLP) else mlp(normed)
         following = norms[i + 1].attention_in if i + 1 < len(norms) else final
         if following is None:  # the last layer's output, before the final norm
             last: torch.Tensor = hidden + (step.mlp_out(out) if step.mlp_out is not None else out)
             return last
-        hidden, normed = following.after_residual(hidden, out, step.mlp_out)
+        hidden, normed, source = following.after_residual(hidden, out, step.mlp_out)
     return normed
 
 

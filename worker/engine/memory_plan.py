@@ -17,10 +17,13 @@ i = intermediate, L = layers, V = vocabulary, T = tokens of one micro-batch = mi
                  the fused LoRA MLP op serves the step (rank ≤ 16 on gate, up and down, a dense
                  base, no dropout: gpu_kernels.ops.lora_mlp) the product is not kept: 2i for 3i,
                  and the MLP's x·Aᵀ are 16 wide (ranks under 16 padded)
-        none       L·a·T
-        selective  L·(a − b·3i − b·r·m)·T + b·(h + 3i)·T  (each MLP recomputed in the backward:
-                   its gate, up and product, and its m LoRA targets' x·Aᵀ, are not kept; its
-                   input, the second norm's output, still is)
+        none       L·(a − b·s·h)·T, s the norm outputs whose LoRA ops keep the norm's input
+                   instead (gpu_kernels/ops/norm_source.py; no LoRA dropout): q/k/v's norm, and
+                   gate/up's with pre-norms (a sandwich MLP norm keeps no input to form it from)
+        selective  L·(a − b·3i − b·r·m − b·q·h)·T + b·(h + 3i)·T  (each MLP recomputed in the
+                   backward: its gate, up and product, and its m LoRA targets' x·Aᵀ, are not
+                   kept; its input, the second norm's output, still is, by the checkpoint; q: the
+                   attention norm's output, not kept as under none)
         full       L·b·h·T + a·T                        (each layer recomputed from its input)
         full + offload: the layer inputs wait in host memory: 2·b·h·T + a·T
     loss         the chunked LM head's logits (CHUNK_BYTES, gpu_kernels.ops.cross_entropy) and
@@ -90,6 +93,7 @@ class ModelDims:
     intermediate: int
     vocab: int
     tied: bool
+    sandwich: bool = False  # Gemma's norms on each sublayer's output too (families.LAYER_NORMS)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ModelDims:
@@ -103,6 +107,7 @@ class ModelDims:
             intermediate=int(config["intermediate_size"]),
             vocab=int(config["vocab_size"]),
             tied=_ties_embeddings(config),
+            sandwich=_sandwich_norms(config),
         )
 
     def linears(self) -> dict[str, tuple[int, int]]:
@@ -126,6 +131,13 @@ class ModelDims:
     def dense_parameters(self) -> int:
         """Embeddings, norms and LM head: what stays dense on a quantized base."""
         return self.vocab * self.hidden * (1 if self.tied else 2) + (2 * self.layers + 1) * self.hidden
+
+
+def _sandwich_norms(config: Mapping[str, Any]) -> bool:
+    from worker.engine.families import family_in_config
+
+    family = family_in_config(config)
+    return family is not None and family.norm == "sandwich"
 
 
 def _ties_embeddings(config: Mapping[str, Any]) -> bool:
@@ -228,10 +240,15 @@ def predict_peak(
     mlp_dropped = BF16 * kept_i + BF16 * mlp_rank * mlp_targets  # what a checkpointed MLP does not keep
     mlp = BF16 * (h + 3 * i)  # one MLP's tensors, alive again while it is recomputed
     layers, t = dims.layers, micro_tokens
+    # norm outputs not kept where the fused stack hands their NormSource to the LoRA ops reading
+    # them: q/k/v's, and gate/up's with pre-norms unless the MLP is checkpointed (the checkpoint
+    # keeps its input)
+    attention_sourced = dropout == 0 and bool({"q_proj", "k_proj", "v_proj"} & set(lora))
+    mlp_sourced = dropout == 0 and bool({"gate_proj", "up_proj"} & set(lora)) and not dims.sandwich
     if choice.checkpointing == "none":
-        activations = layers * per_token * t
+        activations = layers * (per_token - BF16 * h * (attention_sourced + mlp_sourced)) * t
     elif choice.checkpointing == "selective":
-        activations = layers * (per_token - mlp_dropped) * t + mlp * t
+        activations = layers * (per_token - mlp_dropped - BF16 * h * attention_sourced) * t + mlp * t
     elif choice.offload:
         activations = 2 * BF16 * h * t + per_token * t
     else:
