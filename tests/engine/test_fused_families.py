@@ -178,3 +178,70 @@ def test_the_stack_adds_every_residual_with_its_norm_unless_a_layer_is_checkpoin
         remove_checkpointing(fused)
     assert calls == []
     torch.testing.assert_close(plain_loss, fused_loss.detach(), rtol=1e-12, atol=0)
+
+
+def test_the_lora_ops_after_a_norm_keep_its_source_and_train_the_same(
+    base: PreTrainedModel, fused: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wiring of gpu_kernels/ops/norm_source.py through the fused stack, on the CPU in fp64:
+    the norm is given the NormSource the compiled add_rms_norm returns (its sum and rstd; none for
+    a sandwich norm whose sum is formed again), and the LoRA ops are the compiled op's torch code
+    (gpu_kernels.ops.lora), which keeps a given source instead of its input. Loss and gradients
+    equal the plain model's and those of the same stack without sources; the forward keeps 2
+    (tokens, hidden) tensors a layer fewer with pre-norms, 1 with Gemma's sandwich, less the first
+    layer's attention norm (its input, the embeddings, is no sum a norm keeps)."""
+    from gpu_kernels import dispatch
+    from gpu_kernels.ops import lora as lora_ops
+    from gpu_kernels.ops.norm_source import NormSource
+    from gpu_kernels.ops.residual_norm_reference import DeltaNorm
+
+    reference_add_rms_norm = fused_model.gpu_kernels.add_rms_norm
+    give = [True]
+
+    def add_rms_norm(
+        residual: torch.Tensor,
+        delta: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        offset: float = 0.0,
+        delta_norm: DeltaNorm | None = None,
+        keep_sum: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor, NormSource | None]:
+        h, n, _ = reference_add_rms_norm(residual, delta, weight, eps, offset, delta_norm, keep_sum)
+        if not give[0] or (delta_norm is not None and not keep_sum):
+            return h, n, None
+        rows = h.detach().reshape(-1, h.shape[-1])
+        return h, n, NormSource(rows, torch.rsqrt(rows.pow(2).mean(-1) + eps), weight, offset)
+
+    monkeypatch.setattr(fused_model.gpu_kernels, "add_rms_norm", add_rms_norm)
+    monkeypatch.setattr(dispatch, "lora_linear_grouped", lora_ops.lora_linear_grouped)
+    ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(6))
+    d = fused.config.hidden_size
+    runs = []
+    for sources in (True, False):
+        give[0] = sources
+        model = copy.deepcopy(fused)
+        kept: set[int] = set()
+
+        def pack(t: torch.Tensor, kept: set[int] = kept) -> torch.Tensor:
+            if t.dim() and t.shape[-1] == d and t.numel() == ids.numel() * d:
+                kept.add(t.untyped_storage().data_ptr())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = fused_model.causal_lm_loss(model, ids, ids)
+        loss.backward()
+        runs.append((loss.detach(), _grads(model), len(kept)))
+    (loss, grads, kept_with), (loss_without, grads_without, kept_without) = runs
+    torch.testing.assert_close(loss, loss_without, rtol=1e-12, atol=0)
+    _close(grads, grads_without, 1e-10)
+    plain = copy.deepcopy(base)
+    expect = torch.nn.functional.cross_entropy(
+        plain(input_ids=ids, use_cache=False).logits[:, :-1].transpose(1, 2), ids[:, 1:]
+    )
+    expect.backward()
+    torch.testing.assert_close(loss, expect.detach(), rtol=1e-6, atol=1e-8)
+    _close(grads, _grads(plain), 1e-5)
+    layers = fused.config.num_hidden_layers
+    per_layer = 1 if FAMILIES[type(fused).__name__].norm == "sandwich" else 2
+    assert kept_without - kept_with == per_layer * layers - 1, (kept_without, kept_with)
