@@ -7,6 +7,8 @@ the LoRA ops and swiglu_packed, which the CPU test at the top checks against the
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -259,3 +261,70 @@ def test_fused_mlp_on_a_norm_output_keeps_the_norm_input_not_the_output(offset: 
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
         else:
             assert torch.equal(got, want), name
+
+
+def _glu_bwd_lora_formula(
+    dh: torch.Tensor, gu: torch.Tensor, u_d: torch.Tensor, d_gu: torch.Tensor, xa: torch.Tensor, act: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What csrc/lora_mlp.cu computes (its file comment), in torch: dgu, U, G, dA_d."""
+    f = dh.shape[1]
+    g = gu[:, :f].detach().requires_grad_()
+    fn = torch.nn.functional.silu if act == 0 else partial(torch.nn.functional.gelu, approximate="tanh")
+    with torch.enable_grad():
+        a = fn(g)
+        (da,) = torch.autograd.grad(a.sum(), g)
+    a, u = a.detach(), gu[:, f:]
+    dgu = torch.cat([dh * u * da, dh * a], dim=1)  # (M, 2F)
+    g_acc = torch.cat([dgu[:, :f].t() @ xa[:, :16], dgu[:, f:].t() @ xa[:, 16:]])  # (2F, 16): rank 16
+    return dgu, dgu @ d_gu.t(), g_acc, u_d.t() @ (a * u)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_the_ops_torch_part_keeps_a_norm_source_on_the_cpu(
+    activation: Activation, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fused op's torch part (operands, GEMMs, dA_gu from x's NormSource) in fp64 on the CPU,
+    its two kernels stood in by their formulas: for x = RMSNorm(h) given with its source, output
+    and every gradient equal the composed reference ops on x (1e-10), and x is not kept."""
+    from gpu_kernels.ops.norm_source import NormSource
+
+    monkeypatch.setattr(lora_mlp, "_glu_bwd_lora", _glu_bwd_lora_formula)
+
+    def swiglu_fwd(g: torch.Tensor, _ldg: int, u: torch.Tensor, _ldu: int, act: int) -> torch.Tensor:
+        return ref.swiglu(g, u, "silu" if act == 0 else "gelu_tanh")
+
+    monkeypatch.setattr(lora_mlp, "_swiglu_fwd", swiglu_fwd)
+    torch.manual_seed(3)
+    m, k, f = 23, 40, 48
+    _, w_gu, w_d, *factors = _inputs(m, k, f, "cpu", torch.float64)
+    h = torch.randn(m, k, dtype=torch.float64)
+    norm_w = 0.3 * torch.randn(k, dtype=torch.float64)
+    rstd = torch.rsqrt(h.pow(2).mean(-1) + 1e-6)
+    x0 = (1.0 + norm_w) * h * rstd[:, None]
+    dy = torch.randn(m, k, dtype=torch.float64)
+    scales = (2.0, 0.5, 1.5)
+    runs = []
+    for ours in (True, False):
+        x = x0.clone().requires_grad_()
+        leaves = [t.detach().clone().requires_grad_() for t in factors]
+        a_g, b_g, a_u, b_u, a_d, b_d = leaves
+        kept: set[int] = set()
+
+        def pack(t: torch.Tensor, kept: set[int] = kept) -> torch.Tensor:
+            kept.add(t.untyped_storage().data_ptr())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if ours:
+                y = lora_mlp.lora_gated_mlp(
+                    x, w_gu, w_d, [(a_g, b_g, scales[0]), (a_u, b_u, scales[1])], [(a_d, b_d, scales[2])],
+                    activation, (None, None), NormSource(h, rstd, norm_w, 1.0),
+                )  # fmt: skip
+            else:
+                y = _mlp_reference(activation, scales)(x, w_gu, w_d, *leaves)
+        y.backward(dy)
+        runs.append(([y.detach(), x.grad, *(t.grad for t in leaves)], x.untyped_storage().data_ptr() in kept))
+    (got, ours_kept_x), (want, ref_kept_x) = runs
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    assert ref_kept_x and not ours_kept_x
