@@ -144,9 +144,10 @@ def test_the_fused_mlp_keeps_no_product_and_the_plan_knows_where_it_runs() -> No
         return _activations(d, t, **kw)
 
     product = lay * 2 * d.intermediate * t
-    # dropout also keeps both norms' outputs (the test below)
-    assert peak(dropout=0.05) - peak() == product + lay * 2 * 2 * d.hidden * t
-    assert peak(quantization="nf4") - peak() == product
+    # dropout and a quantized base also keep both norms' outputs (the test below)
+    norm_outputs = lay * 2 * 2 * d.hidden * t
+    assert peak(dropout=0.05) - peak() == product + norm_outputs
+    assert peak(quantization="nf4") - peak() == product + norm_outputs
     # without down_proj the MLP is not one op: the product is kept, down's x·Aᵀ is not
     without_down = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
     assert peak(targets=without_down) - peak() == product - lay * 2 * 16 * t
@@ -157,7 +158,7 @@ def test_the_fused_mlp_keeps_no_product_and_the_plan_knows_where_it_runs() -> No
 
 
 def test_lora_ops_keep_the_norm_input_not_its_output_where_the_plan_says() -> None:
-    """Without checkpointing or LoRA dropout, the fused stack's LoRA ops keep no norm output whose
+    """Without checkpointing or LoRA dropout, on a dense base, the LoRA ops keep no norm output whose
     norm keeps its input (gpu_kernels/ops/norm_source.py): q/k/v's and, with pre-norms, gate/up's,
     L · 2 bytes · hidden · T each; a sandwich MLP norm's output stays kept, and so does every MLP
     norm's output where the MLP is checkpointed (the checkpoint keeps its input)."""
@@ -180,6 +181,8 @@ def test_lora_ops_keep_the_norm_input_not_its_output_where_the_plan_says() -> No
     assert acts(llama, targets=mlp_only, dropout=0.1) - acts(llama, targets=mlp_only) == norm_output + product
     qv = ["q_proj", "v_proj"]
     assert acts(gemma, targets=qv, dropout=0.1) - acts(gemma, targets=qv) == norm_output
+    # a quantized base's LoRA ops are the reference ops: they keep their inputs
+    assert acts(gemma, targets=qv, quantization="nf4") - acts(gemma, targets=qv) == norm_output
     # selective checkpointing: the MLP norm's output kept by the checkpoint, in either family; the
     # attention norm's not, unless dropout keeps it
     selective = MemoryChoice(None, "selective")

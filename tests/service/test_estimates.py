@@ -117,13 +117,14 @@ def test_the_peak_is_the_memory_plans_on_the_classs_gpu() -> None:
         None,
         "none",
     )
-    # a 4-bit base: 10 GiB of frozen weights less, less the 3.5 GiB of act(gate) ⊙ up its unfused
-    # MLP keeps at 2 rows (at 16 rows in 8-row micro-batches that product is 14 GiB, and the NF4
-    # step peaks higher than the bf16 one, whose fused MLP keeps none)
+    # a 4-bit base: 10 GiB of frozen weights less, less what its LoRA ops keep that the dense
+    # base's do not at 2 rows: act(gate) ⊙ up (the unfused MLP, 3.5 GiB) and both norms' outputs
+    # (2 GiB). At 16 rows those grow to 22 GiB a pass of 8 rows, and the two plans split the rows
+    # differently (NF4 into passes of 4), so their peaks do not isolate the weights.
     (two,) = estimates("llama-8b", queue="h100", trained_tokens=1, step=_step("llama-8b", 2, 2048))
     (nf4,) = estimates("llama-8b", queue="h100", trained_tokens=1, step=_step("llama-8b", 2, 2048, "nf4"))
     assert nf4.peak_gpu_memory_gib is not None and two.peak_gpu_memory_gib is not None
-    assert nf4.peak_gpu_memory_gib < two.peak_gpu_memory_gib - 5
+    assert nf4.peak_gpu_memory_gib < two.peak_gpu_memory_gib - 3
 
 
 def test_wall_time_is_the_rows_and_the_peak_grows_with_the_step() -> None:

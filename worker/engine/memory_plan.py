@@ -18,8 +18,9 @@ i = intermediate, L = layers, V = vocabulary, T = tokens of one micro-batch = mi
                  base, no dropout: gpu_kernels.ops.lora_mlp) the product is not kept: 2i for 3i,
                  and the MLP's x·Aᵀ are 16 wide (ranks under 16 padded)
         none       L·(a − b·s·h)·T, s the norm outputs whose LoRA ops keep the norm's input
-                   instead (gpu_kernels/ops/norm_source.py; no LoRA dropout): q/k/v's norm, and
-                   gate/up's with pre-norms (a sandwich MLP norm keeps no input to form it from)
+                   instead (gpu_kernels/ops/norm_source.py; no LoRA dropout, a dense base): q/k/v's
+                   norm, and gate/up's with pre-norms (a sandwich MLP norm keeps no input to form
+                   it from)
         selective  L·(a − b·3i − b·r·m − b·q·h)·T + b·(h + 3i)·T  (each MLP recomputed in the
                    backward: its gate, up and product, and its m LoRA targets' x·Aᵀ, are not
                    kept; its input, the second norm's output, still is, by the checkpoint; q: the
@@ -106,8 +107,7 @@ class ModelDims:
             head_dim=int(config.get("head_dim") or h // n),
             intermediate=int(config["intermediate_size"]),
             vocab=int(config["vocab_size"]),
-            tied=_ties_embeddings(config),
-            sandwich=_sandwich_norms(config),
+            **_family_traits(config),
         )
 
     def linears(self) -> dict[str, tuple[int, int]]:
@@ -133,20 +133,18 @@ class ModelDims:
         return self.vocab * self.hidden * (1 if self.tied else 2) + (2 * self.layers + 1) * self.hidden
 
 
-def _sandwich_norms(config: Mapping[str, Any]) -> bool:
-    from worker.engine.families import family_in_config
-
-    family = family_in_config(config)
-    return family is not None and family.norm == "sandwich"
-
-
-def _ties_embeddings(config: Mapping[str, Any]) -> bool:
-    """tie_word_embeddings, or the family's default where the config.json leaves it out (a Gemma 3
-    head counted twice would add vocab·hidden·2 bytes: 1.25 GiB at 4B)."""
+def _family_traits(config: Mapping[str, Any]) -> dict[str, bool]:
+    """`tied`: tie_word_embeddings, or the family's default where the config.json leaves it out (a
+    Gemma 3 head counted twice would add vocab·hidden·2 bytes: 1.25 GiB at 4B). `sandwich`: the
+    family puts a norm on each sublayer's output too."""
     # imported here: families imports this module through the engine's types
     from worker.engine.families import family_in_config, ties_embeddings
 
-    return ties_embeddings(family_in_config(config), config)
+    family = family_in_config(config)
+    return {
+        "tied": ties_embeddings(family, config),
+        "sandwich": family is not None and family.norm == "sandwich",
+    }
 
 
 @dataclass(frozen=True)
@@ -242,9 +240,10 @@ def predict_peak(
     layers, t = dims.layers, micro_tokens
     # norm outputs not kept where the fused stack hands their NormSource to the LoRA ops reading
     # them: q/k/v's, and gate/up's with pre-norms unless the MLP is checkpointed (the checkpoint
-    # keeps its input)
-    attention_sourced = dropout == 0 and bool({"q_proj", "k_proj", "v_proj"} & set(lora))
-    mlp_sourced = dropout == 0 and bool({"gate_proj", "up_proj"} & set(lora)) and not dims.sandwich
+    # keeps its input; a quantized base's LoRA ops are the reference ops, which keep theirs)
+    sourced = dropout == 0 and quantization is None
+    attention_sourced = sourced and bool({"q_proj", "k_proj", "v_proj"} & set(lora))
+    mlp_sourced = sourced and bool({"gate_proj", "up_proj"} & set(lora)) and not dims.sandwich
     if choice.checkpointing == "none":
         activations = layers * (per_token - BF16 * h * (attention_sourced + mlp_sourced)) * t
     elif choice.checkpointing == "selective":
