@@ -57,7 +57,16 @@ def test_prefork_child_metrics_are_served_by_the_main_process(stack: Service, tm
         assert trainer != proc.pid
         assert (multiproc / f"counter_{trainer}.db").exists()
 
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        # the task counts the attempt's outcome after the runner stores it: the scrape may lag
+        # the job's status for a moment
+        texts: list[str] = []
+
+        def counted() -> bool:
+            texts[:] = [httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text]
+            return 'loraq_jobs_finished_total{outcome="succeeded"}' in texts[0]
+
+        wait_for(counted, "the finished job's counter in the main process's /metrics", 20, proc)
+        text = texts[0]
     finally:
         stop_process(proc)
         if proc.returncode not in (0, None):
