@@ -23,6 +23,11 @@ from gpu_kernels.ops.norm_source import NormSource
 from gpu_kernels.ops.residual_norm_reference import DeltaNorm
 
 
+def _keeps_sum(delta_weight: torch.Tensor | None, keep_sum: bool) -> bool:
+    """Whether the op keeps h: always but with a sandwich norm whose sum is formed again."""
+    return keep_sum or delta_weight is None
+
+
 class AddRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -51,7 +56,7 @@ class AddRMSNormFunction(torch.autograd.Function):
         _lib.check(rc, "loraq_add_rmsnorm_fwd")
         # the norm's backward reads h (or forms it from r and y); the sandwich's first norm reads
         # delta (what a separate norm on delta would keep too)
-        recompute = wp is not None and not keep_sum
+        recompute = not _keeps_sum(wp, keep_sum)
         ctx.save_for_backward(
             None if recompute else h,
             r if recompute else None,
@@ -98,6 +103,6 @@ def add_rms_norm(
     sandwich norm), so LoRA ops reading n can keep h and rstd, which the op keeps anyway."""
     wp, eps_p = delta_norm if delta_norm is not None else (None, 0.0)
     h, n, rstd = AddRMSNormFunction.apply(residual, delta, weight, eps, offset, wp, eps_p, keep_sum)
-    kept = keep_sum or wp is None
+    kept = _keeps_sum(wp, keep_sum)
     source = NormSource(h.detach().reshape(-1, h.shape[-1]), rstd, weight, offset) if kept else None
     return h, n, source

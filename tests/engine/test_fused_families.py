@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 
 from gpu_kernels.dispatch import KernelStatus
 from tests.engine.tiny_families import WINDOW, build_tiny_family
+from tests.gpu_kernels.oracle import saved_storages
 from worker.engine import fused_model
 from worker.engine.families import FAMILIES, layer_attention
 from worker.engine.lora import apply_lora, lora_state_dict, trainable_parameters
@@ -217,18 +218,15 @@ def test_the_lora_ops_after_a_norm_keep_its_source_and_train_the_same(
     monkeypatch.setattr(dispatch, "lora_linear_grouped", lora_ops.lora_linear_grouped)
     ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(6))
     d = fused.config.hidden_size
+
+    def stream(t: torch.Tensor) -> bool:  # a (tokens, hidden) activation
+        return t.dim() > 0 and t.shape[-1] == d and t.numel() == ids.numel() * d
+
     runs = []
     for sources in (True, False):
         give[0] = sources
         model = copy.deepcopy(fused)
-        kept: set[int] = set()
-
-        def pack(t: torch.Tensor, kept: set[int] = kept) -> torch.Tensor:
-            if t.dim() and t.shape[-1] == d and t.numel() == ids.numel() * d:
-                kept.add(t.untyped_storage().data_ptr())
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with saved_storages(stream) as kept:
             loss = fused_model.causal_lm_loss(model, ids, ids)
         loss.backward()
         runs.append((loss.detach(), _grads(model), len(kept)))

@@ -10,8 +10,9 @@ first, so an element a kernel forgot to write fails the check.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -23,6 +24,21 @@ DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, i
 LARGEST_VOCAB = 128_256
 
 Recorder = Callable[[str, object], None]
+
+
+@contextlib.contextmanager
+def saved_storages(counted: Callable[[torch.Tensor], bool] | None = None) -> Iterator[dict[int, int]]:
+    """Inside: the storages of the tensors autograd saves for the backward (those `counted` picks,
+    default all), address -> bytes; what a test of an op's or a step's memory reads."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if counted is None or counted(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield seen
 
 
 def rel(a: torch.Tensor, ref: torch.Tensor) -> float:

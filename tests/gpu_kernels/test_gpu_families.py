@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.engine.tiny_families import build_tiny_family, save_tiny_family
-from tests.gpu_kernels.oracle import rel
+from tests.gpu_kernels.oracle import rel, saved_storages
 from worker.engine.families import FAMILIES
 from worker.engine.types import LoraConfig, NullCallbacks, StepMetrics, TrainConfig
 
@@ -174,15 +174,12 @@ def _stream_saves(model: torch.nn.Module, hidden: int) -> int:
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     examples = [torch.randint(3, 500, (n,), device="cuda") for n in (23, 40, 9)]
     tokens = sum(len(e) for e in examples)
-    kept: set[int] = set()
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def stream(t: torch.Tensor) -> bool:
         ptr = t.untyped_storage().data_ptr()
-        if t.dim() and t.shape[-1] == hidden and t.numel() == tokens * hidden and ptr not in params:
-            kept.add(ptr)
-        return t
+        return t.dim() > 0 and t.shape[-1] == hidden and t.numel() == tokens * hidden and ptr not in params
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_storages(stream) as kept:
         fused_model.packed_lm_loss(model, packed_row(examples, torch.float32), 0)
     return len(kept)
 

@@ -16,6 +16,7 @@ import torch
 from gpu_kernels import reference
 from gpu_kernels.ops import lora as lora_ops
 from gpu_kernels.ops.lora import RankUpdate
+from tests.gpu_kernels.oracle import saved_storages
 
 
 @pytest.fixture
@@ -140,13 +141,7 @@ def test_lora_op_on_a_norm_output_keeps_the_norm_input_and_gives_the_same_gradie
         rstd = torch.rsqrt(h.pow(2).mean(-1) + 1e-6)  # (3, 11)
         n = (offset + norm_w) * h * rstd[..., None]
         adapters = [(leaves[1 + 2 * j], leaves[2 + 2 * j], s) for j, s in enumerate(scales)]
-        kept: set[int] = set()
-
-        def pack(t: torch.Tensor, kept: set[int] = kept) -> torch.Tensor:
-            kept.add(t.untyped_storage().data_ptr())
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with saved_storages() as kept:
             if fn is lora_ops.lora_linear_grouped:
                 x_rows, rstd_rows = h.detach().reshape(-1, h.shape[-1]), rstd.detach().reshape(-1)
                 y = fn(n, w, b, adapters, source=NormSource(x_rows, rstd_rows, norm_w, offset))

@@ -7,6 +7,7 @@ the LoRA ops and swiglu_packed, which the CPU test at the top checks against the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import pytest
@@ -16,7 +17,7 @@ import gpu_kernels
 from gpu_kernels import reference as ref
 from gpu_kernels.ops import lora_mlp
 from gpu_kernels.ops.norm_act_reference import Activation
-from tests.gpu_kernels.oracle import Recorder, assert_matches_reference, shapes
+from tests.gpu_kernels.oracle import Recorder, assert_matches_reference, saved_storages, shapes
 
 ACTIVATIONS = ["silu", "gelu_tanh"]
 
@@ -182,13 +183,7 @@ def test_fused_mlp_saves_no_activation_of_width_f() -> None:
     down = gpu_kernels.LoRAOp(w_d, None, [(a_d, b_d, 2.0)])
 
     def saved_bytes(fused: bool) -> int:
-        seen: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with saved_storages() as seen:
             if fused:
                 y = gpu_kernels.lora_gated_mlp(x, gate_up, down, "silu", training=True)
                 assert type(y.grad_fn).__name__ == "LoRAGatedMLPFunctionBackward"
@@ -217,6 +212,27 @@ def test_adapter_casts_operands_give_the_same_step(rank: int) -> None:
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
 
 
+MLP = Callable[..., torch.Tensor]  # (x, W_gu, W_d, A_g, B_g, A_u, B_u, A_d, B_d) -> y
+
+
+def _run_keeping(
+    mlp: MLP,
+    x0: torch.Tensor,
+    w_gu: torch.Tensor,
+    w_d: torch.Tensor,
+    factors: list[torch.Tensor],
+    dy: torch.Tensor,
+) -> tuple[list[torch.Tensor | None], bool]:
+    """mlp on x0 and the factors as fresh leaves, then backward dy: [y, dx, the factors' gradients],
+    and whether autograd kept x's storage for the backward."""
+    x = x0.clone().requires_grad_()
+    leaves = [t.detach().clone().requires_grad_() for t in factors]
+    with saved_storages() as kept:
+        y = mlp(x, w_gu, w_d, *leaves)
+    y.backward(dy)
+    return [y.detach(), x.grad, *(t.grad for t in leaves)], x.untyped_storage().data_ptr() in kept
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 def test_fused_mlp_on_a_norm_output_keeps_the_norm_input_not_the_output(offset: float) -> None:
@@ -234,25 +250,18 @@ def test_fused_mlp_on_a_norm_output_keeps_the_norm_input_not_the_output(offset: 
     rstd = torch.rsqrt(h.float().pow(2).mean(-1) + 1e-6)  # (M,)
     x0 = ((offset + norm_w.float()) * (h.float() * rstd[:, None])).to(torch.bfloat16)
     dy = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-    runs = []
-    for source in (None, NormSource(h, rstd, norm_w, offset)):
-        x = x0.clone().requires_grad_()
-        leaves = [t.detach().clone().requires_grad_() for t in factors]
-        a_g, b_g, a_u, b_u, a_d, b_d = leaves
-        kept: set[int] = set()
 
-        def pack(t: torch.Tensor, kept: set[int] = kept) -> torch.Tensor:
-            kept.add(t.untyped_storage().data_ptr())
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            y = lora_mlp.lora_gated_mlp(
+    def fused(source: NormSource | None) -> MLP:
+        def run(x, w_gu, w_d, a_g, b_g, a_u, b_u, a_d, b_d):  # type: ignore[no-untyped-def]
+            return lora_mlp.lora_gated_mlp(
                 x, w_gu, w_d, [(a_g, b_g, 2.0), (a_u, b_u, 0.5)], [(a_d, b_d, 1.5)], "gelu_tanh",
                 (None, None), source,
             )  # fmt: skip
-        y.backward(dy)
-        runs.append(([y.detach(), x.grad, *(t.grad for t in leaves)], x.untyped_storage().data_ptr() in kept))
-    (plain, plain_kept_x), (ours, ours_kept_x) = runs
+
+        return run
+
+    plain, plain_kept_x = _run_keeping(fused(None), x0, w_gu, w_d, factors, dy)
+    ours, ours_kept_x = _run_keeping(fused(NormSource(h, rstd, norm_w, offset)), x0, w_gu, w_d, factors, dy)
     assert plain_kept_x and not ours_kept_x
     names = ["y", "dx", "dA_g", "dB_g", "dA_u", "dB_u", "dA_d", "dB_d"]
     for name, got, want in zip(names, ours, plain, strict=True):
@@ -303,28 +312,15 @@ def test_the_ops_torch_part_keeps_a_norm_source_on_the_cpu(
     x0 = (1.0 + norm_w) * h * rstd[:, None]
     dy = torch.randn(m, k, dtype=torch.float64)
     scales = (2.0, 0.5, 1.5)
-    runs = []
-    for ours in (True, False):
-        x = x0.clone().requires_grad_()
-        leaves = [t.detach().clone().requires_grad_() for t in factors]
-        a_g, b_g, a_u, b_u, a_d, b_d = leaves
-        kept: set[int] = set()
 
-        def pack(t: torch.Tensor, kept: set[int] = kept) -> torch.Tensor:
-            kept.add(t.untyped_storage().data_ptr())
-            return t
+    def ours(x, w_gu, w_d, a_g, b_g, a_u, b_u, a_d, b_d):  # type: ignore[no-untyped-def]
+        return lora_mlp.lora_gated_mlp(
+            x, w_gu, w_d, [(a_g, b_g, scales[0]), (a_u, b_u, scales[1])], [(a_d, b_d, scales[2])],
+            activation, (None, None), NormSource(h, rstd, norm_w, 1.0),
+        )  # fmt: skip
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            if ours:
-                y = lora_mlp.lora_gated_mlp(
-                    x, w_gu, w_d, [(a_g, b_g, scales[0]), (a_u, b_u, scales[1])], [(a_d, b_d, scales[2])],
-                    activation, (None, None), NormSource(h, rstd, norm_w, 1.0),
-                )  # fmt: skip
-            else:
-                y = _mlp_reference(activation, scales)(x, w_gu, w_d, *leaves)
-        y.backward(dy)
-        runs.append(([y.detach(), x.grad, *(t.grad for t in leaves)], x.untyped_storage().data_ptr() in kept))
-    (got, ours_kept_x), (want, ref_kept_x) = runs
+    got, ours_kept_x = _run_keeping(ours, x0, w_gu, w_d, factors, dy)
+    want, ref_kept_x = _run_keeping(_mlp_reference(activation, scales), x0, w_gu, w_d, factors, dy)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
     assert ref_kept_x and not ours_kept_x

@@ -11,7 +11,6 @@ that take the vector path and rows that do not.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import pytest
@@ -19,7 +18,7 @@ import torch
 
 from gpu_kernels.ops import residual_norm
 from gpu_kernels.ops import residual_norm_reference as ref
-from tests.gpu_kernels.oracle import DTYPES, Recorder, assert_matches_reference, randn, shapes
+from tests.gpu_kernels.oracle import DTYPES, Recorder, assert_matches_reference, randn, saved_storages, shapes
 
 # ------------------------------------------------------------------ the reference, fp64, on CPU
 
@@ -95,11 +94,6 @@ def test_add_rms_norm_matches_reference(
     )  # fmt: skip
 
 
-def _keep_storage(kept: set[int], t: torch.Tensor) -> torch.Tensor:
-    kept.add(t.untyped_storage().data_ptr())
-    return t
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("m", "d"), SHAPES)
@@ -114,9 +108,7 @@ def test_a_sum_formed_again_is_the_kept_one_bit_for_bit(m: int, d: int, dtype: t
     runs = {}
     for keep in (True, False):
         r, y = r0.detach().clone().requires_grad_(), y0.detach().clone().requires_grad_()
-        kept: set[int] = set()
-        pack = partial(_keep_storage, kept)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with saved_storages() as kept:
             h, n, _ = residual_norm.add_rms_norm(r, y, w, 1e-6, 1.0, (wp, 1e-5), keep_sum=keep)
         ((h * gh).float().sum() + (n * gn).float().sum()).backward()
         assert r.grad is not None and y.grad is not None

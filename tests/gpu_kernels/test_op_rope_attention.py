@@ -19,7 +19,7 @@ import gpu_kernels
 from gpu_kernels.ops import rope, rope_attention, varlen
 from gpu_kernels.ops import rope_reference as rope_ref
 from gpu_kernels.ops import varlen_reference as varlen_ref
-from tests.gpu_kernels.oracle import Recorder, assert_matches_reference, rope_tables, shapes
+from tests.gpu_kernels.oracle import Recorder, assert_matches_reference, rope_tables, saved_storages, shapes
 from tests.gpu_kernels.test_op_rope import packed_positions
 
 
@@ -149,13 +149,7 @@ def test_one_op_matches_the_reference(
 
 def saved_bytes(fn: Callable[[], torch.Tensor]) -> int:
     """Bytes of the distinct tensors autograd saves for the backward while `fn` runs."""
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_storages() as seen:
         fn()
     return sum(seen.values())
 
