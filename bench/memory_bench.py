@@ -7,6 +7,7 @@ projections, fp32 adapters, bf16 compute:
   Loraq cells: `recipe.train` with a job config as the worker runs it (job_bench.job_config; the
   memory plan chooses micro-batches and activation checkpointing for the GPU it finds):
     8b-nf4              Llama-3.1-8B shape, NF4 base, packed 2 x 2,048, plan limit 8 GiB
+    8b-nf4-24g          the same, plan limit 20.1 GiB: the plan's share (0.9) of a 24 GB card
     8b-bf16-17.5g       the same, bf16 base, plan limit 17.5 GiB (Unsloth's bf16 peak)
     8b-bf16             the same, bf16 base, the whole GPU (the plan's default share)
     8b-bf16-unpacked-8  bf16 base, `packing: false`, 8 rows of up to 2,048 tokens (the job that
@@ -100,6 +101,7 @@ class Cell:
 
 CELLS: tuple[Cell, ...] = (
     Cell("8b-nf4", "llama-8b", "nf4", True, 2, 2048, 8.0, 20, 8),
+    Cell("8b-nf4-24g", "llama-8b", "nf4", True, 2, 2048, 20.1, 20, 8),  # 0.9 x 24e9 bytes
     Cell("8b-bf16-17.5g", "llama-8b", None, True, 2, 2048, 17.5, 20, 8),
     Cell("8b-bf16", "llama-8b", None, True, 2, 2048, None, 20, 8),
     Cell("8b-bf16-unpacked-8", "llama-8b", None, False, 8, 2048, None, 6, 6),
@@ -111,7 +113,7 @@ PEERS = ("unsloth_qlora", "unsloth_bf16", "peft_qlora", "peft_bf16")
 # run order: what point 5's targets compare first (a run cut by --time-budget keeps those), each
 # Unsloth peer after the Loraq cell it is compared with; HF+PEFT last
 CELL_NAMES = (
-    "8b-nf4", "unsloth_qlora", "8b-bf16-17.5g", "unsloth_bf16", "8b-bf16", "8b-bf16-unpacked-8",
+    "8b-nf4", "unsloth_qlora", "8b-nf4-24g", "8b-bf16-17.5g", "unsloth_bf16", "8b-bf16", "8b-bf16-unpacked-8",
     "70b-nf4", "1b-bf16", "135m-bf16", "peft_qlora", "peft_bf16",
 )  # fmt: skip
 

@@ -51,15 +51,16 @@ def _kernel_dtype(*tensors: torch.Tensor) -> bool:
     return all(t.dtype in (torch.float32, torch.bfloat16) for t in tensors)
 
 
-def _dense(weight: torch.Tensor | FrozenWeight) -> torch.Tensor | None:
-    """The weight as a dense tensor for the compiled LoRA ops, or None for a compact frozen one
-    (NF4, int8, GGML blocks), which takes the tiled dequantize-then-GEMM op on purpose. A
-    non-float tensor is an error: it would otherwise fall to F.linear and compute nonsense."""
+def _stored(weight: torch.Tensor | FrozenWeight) -> list[torch.Tensor]:
+    """The tensors a frozen base weight is stored in, for the device check: a dense weight itself,
+    or a compact one's packed tensors (NF4, int8, GGML blocks), over whose dequantized tiles the
+    compiled LoRA ops run their base GEMMs (gpu_kernels.quant.frozen.linear_into). A non-float
+    dense tensor is an error: it would otherwise fall to F.linear and compute nonsense."""
     if isinstance(weight, FrozenWeight):
-        return None
+        return list(weight.tensors().values())
     if not weight.is_floating_point():
         raise TypeError(f"a LoRA base weight of dtype {weight.dtype} must be wrapped as a FrozenWeight")
-    return weight
+    return [weight]
 
 
 def lora_linear(
@@ -72,18 +73,12 @@ def lora_linear(
     dropout_p: float = 0.0,
     training: bool = False,
 ) -> torch.Tensor:
-    """y = x·Wᵀ + b + s·(drop(x)·Aᵀ)·Bᵀ, shape (..., out). A FrozenWeight base runs the tiled
-    dequantize-then-GEMM (gpu_kernels.quant) with the LoRA branch in torch, on every device."""
-    dense = _dense(weight)
-    if (
-        dense is not None
-        and _compiled(x, dense, bias, lora_a, lora_b)
-        and _kernel_dtype(x, dense)
-        and x.dtype == dense.dtype
-    ):
+    """y = x·Wᵀ + b + s·(drop(x)·Aᵀ)·Bᵀ, shape (..., out). A FrozenWeight base runs its GEMMs
+    over dequantized tiles (gpu_kernels.quant), in the compiled op as in the reference."""
+    if _compiled(x, bias, lora_a, lora_b, *_stored(weight)) and _kernel_dtype(x) and x.dtype == weight.dtype:
         from gpu_kernels.ops import lora
 
-        return lora.lora_linear(x, dense, bias, lora_a, lora_b, scale, dropout_p, training)
+        return lora.lora_linear(x, weight, bias, lora_a, lora_b, scale, dropout_p, training)
     return reference.lora_linear(x, weight, bias, lora_a, lora_b, scale, dropout_p, training)
 
 
@@ -102,16 +97,10 @@ def lora_linear_grouped(
     compiled path when given (the reference reads the factors). `source`: x is that RMSNorm's
     output (`add_rms_norm`'s third value); the compiled path then does not keep x."""
     tensors = [t for a, b, _ in adapters for t in (a, b)]
-    dense = _dense(weight)
-    if (
-        dense is not None
-        and _compiled(x, dense, bias, *tensors)
-        and _kernel_dtype(x, dense)
-        and x.dtype == dense.dtype
-    ):
+    if _compiled(x, bias, *tensors, *_stored(weight)) and _kernel_dtype(x) and x.dtype == weight.dtype:
         from gpu_kernels.ops import lora
 
-        return lora.lora_linear_grouped(x, dense, bias, adapters, dropout_p, training, operands, source)
+        return lora.lora_linear_grouped(x, weight, bias, adapters, dropout_p, training, operands, source)
     return reference.lora_linear_grouped(x, weight, bias, adapters, dropout_p, training)
 
 
@@ -232,23 +221,21 @@ def lora_gated_mlp(
 ) -> torch.Tensor:
     """down(act(gate(x)) ⊙ up(x)) with LoRA on the three projections; `gate_up` stacks gate's
     and up's outputs ([gate | up], 2F): two adapters, or one over both (Phi-3's gate_up_proj).
-    Where gpu_kernels.ops.lora_mlp serves it (CUDA, dense bf16 weights, adapters of rank ≤ 16, no
-    dropout, no biases) one op whose backward folds the LoRA reductions into the activation's;
+    Where gpu_kernels.ops.lora_mlp serves it (CUDA, bf16 weights, dense or compact, adapters of
+    rank ≤ 16, no dropout, no biases) one op whose backward folds the LoRA reductions into the activation's;
     otherwise the two LoRA ops and swiglu_packed. `source`: x is that RMSNorm's output, which
     the compiled ops then do not keep (gpu_kernels/ops/norm_source.py)."""
     from gpu_kernels.ops import lora_mlp
 
-    gu_w, down_w = _dense(gate_up.weight), _dense(down.weight)
+    gu_w, down_w = gate_up.weight, down.weight
     p_gu, p_down = (gate_up.dropout_p, down.dropout_p) if training else (0.0, 0.0)
     factors = [t for op in (gate_up, down) for a, b, _ in op.adapters for t in (a, b)]
     if (
-        gu_w is not None
-        and down_w is not None
-        and gate_up.bias is None
+        gate_up.bias is None
         and down.bias is None
         and p_gu == 0.0
         and p_down == 0.0
-        and _compiled(x, gu_w, down_w, *factors)
+        and _compiled(x, *factors, *_stored(gu_w), *_stored(down_w))
         and lora_mlp.fusable(x, gu_w, down_w, list(gate_up.adapters), list(down.adapters))
     ):
         return lora_mlp.lora_gated_mlp(

@@ -14,6 +14,10 @@ backward  U  = dY·Dᵀ = [s_1·dY_1·B_1 | ...]      (M, R), one GEMM for every
           (x an RMSNorm's output, given its NormSource, no dropout: dA from the norm's input and
           rstd, and x is not kept: gpu_kernels/ops/norm_source.py)
 
+A compact frozen base (NF4, int8, GGML blocks: gpu_kernels.quant) runs the two base GEMMs over its
+dequantized tiles, each tile's product written into (or added onto) its columns of y and dX
+(gpu_kernels.quant.frozen.linear_into / input_grad_into): the same op for a QLoRA step.
+
 Dropout on the LoRA input (p > 0, training) uses csrc's hash mask: the backward regenerates
 drop(x) from x, the device seed saved at forward time and the call's salt. With p = 0 the
 skinny GEMM reads x itself (no copy).
@@ -29,6 +33,7 @@ import torch
 
 from gpu_kernels import _lib
 from gpu_kernels.ops.norm_source import NormSource, lora_input_grad
+from gpu_kernels.quant.frozen import FrozenWeight, base_linear, input_grad_into, linear_into
 
 _MAX_RANK_PER_LAUNCH = 16
 # How the LoRA term meets the base GEMM's output:
@@ -143,7 +148,9 @@ def cast_operands(
     return a_cat.detach().to(dtype), _scaled_block_diag(b_list, scales, dtype)
 
 
-def _accumulates_in_epilogue(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+def _accumulates_in_epilogue(
+    a: torch.Tensor, weight: torch.Tensor | FrozenWeight, bias: torch.Tensor | None = None
+) -> bool:
     """Whether the base GEMM can add into the LoRA term in place: the "epilogue" mode, and the
     GEMM runs in the operands' own dtype (no autocast cast, which addmm_ does not do)."""
     if _RANK_UPDATE != "epilogue" or a.dtype != weight.dtype or (bias is not None and bias.dtype != a.dtype):
@@ -157,7 +164,7 @@ class LoRALinearFunction(torch.autograd.Function):
     def forward(
         ctx: Any,
         x: torch.Tensor,
-        weight: torch.Tensor,
+        weight: torch.Tensor | FrozenWeight,  # a frozen compact one (NF4, ...): GEMMs over its tiles
         bias: torch.Tensor | None,
         scales: tuple[float, ...],
         dropout_p: float,
@@ -190,9 +197,9 @@ class LoRALinearFunction(torch.autograd.Function):
         xa = xd @ a_act.t()  # (M, R): one read of x for every adapter
         if _accumulates_in_epilogue(x2, weight, bias):
             y = torch.addmm(bias, xa, d_act) if bias is not None else xa @ d_act  # (M, N) LoRA term
-            y.addmm_(x2, weight.t())  # + x·Wᵀ, beta = 1
+            linear_into(y, x2, weight, add=True)  # + x·Wᵀ, beta = 1
         else:
-            y = torch.nn.functional.linear(x2, weight, bias)  # (M, N)
+            y = base_linear(x2, weight, bias)  # (M, N)
             col = r0 = 0
             for r, n in zip(ranks, widths, strict=True):
                 rank_update_(y, col, n, xa, r0, r, d_act[r0 : r0 + r, col : col + n], 1.0)
@@ -202,7 +209,10 @@ class LoRALinearFunction(torch.autograd.Function):
         # x is a norm's output and only dA reads it: keep the norm's own tensors instead (x dies)
         kept = source if source is not None and dropout_p == 0 and not ctx.needs_input_grad[1] else None
         x_kept, rstd, norm_w = kept.tensors() if kept is not None else (x2, None, None)
-        ctx.save_for_backward(x_kept, weight, xa, seed, a_act, d_act, rstd, norm_w, *adapters)
+        # a frozen weight is no tensor autograd can save: the ctx holds it (it never changes)
+        ctx.frozen = weight if isinstance(weight, FrozenWeight) else None
+        dense = weight if ctx.frozen is None else None
+        ctx.save_for_backward(x_kept, dense, xa, seed, a_act, d_act, rstd, norm_w, *adapters)
         ctx.meta = (lead, scales, dropout_p, salt, ranks, widths, bias is not None)
         ctx.norm_offset = kept.offset if kept is not None else 0.0
         return y.view(*lead, n_total)
@@ -210,7 +220,8 @@ class LoRALinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         lead, scales, dropout_p, salt, ranks, widths, has_bias = ctx.meta
-        x2, weight, xa, seed, a_act, d_act, rstd, norm_w, *adapters = ctx.saved_tensors
+        x2, dense, xa, seed, a_act, d_act, rstd, norm_w, *adapters = ctx.saved_tensors
+        weight = dense if ctx.frozen is None else ctx.frozen
         a_list = adapters[0::2]
         b_list = adapters[1::2]
         n_total, k = weight.shape
@@ -224,7 +235,7 @@ class LoRALinearFunction(torch.autograd.Function):
         if need_x:
             epilogue = _accumulates_in_epilogue(dy2, weight)
             if dropout_p == 0 and not epilogue:
-                dx = dy2 @ weight  # (M, K)
+                dx = input_grad_into(None, dy2, weight)  # (M, K)
                 rank_update_(dx, 0, k, u, 0, r_total, a_act, 1.0)  # A (R, K)
             else:
                 dx = u @ a_act  # (M, K) LoRA term
@@ -232,9 +243,9 @@ class LoRALinearFunction(torch.autograd.Function):
                     # d/dx of drop(x)·Aᵀ is mask/(1-p) ⊙ (U·A): mask it like the forward
                     dx = dropout(dx, dropout_p, seed, salt)
                 if epilogue:
-                    dx.addmm_(dy2, weight)  # + dY·W, beta = 1
+                    input_grad_into(dx, dy2, weight)  # + dY·W, beta = 1
                 else:
-                    dx += dy2 @ weight
+                    dx += input_grad_into(None, dy2, weight)
             dx = dx.view(*lead, k)
 
         grads_ad: list[torch.Tensor | None] = []
@@ -266,7 +277,7 @@ class LoRALinearFunction(torch.autograd.Function):
 
 def lora_linear_grouped(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | FrozenWeight,
     bias: torch.Tensor | None,
     adapters: Sequence[tuple[torch.Tensor, torch.Tensor, float]],
     dropout_p: float = 0.0,
@@ -287,7 +298,7 @@ def lora_linear_grouped(
 
 def lora_linear(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | FrozenWeight,
     bias: torch.Tensor | None,
     lora_a: torch.Tensor,
     lora_b: torch.Tensor,

@@ -19,8 +19,9 @@ The unfused path reads dgu three times and a saved h once; this one reads dgu on
 h: about 2·(M, 2F) + (M, F) fewer bytes read, and (M, F) less activation memory, per layer.
 It serves bf16 activations, adapters of rank 16 or less on all three projections (under 16
 padded with zeros; gate and up as two adapters, or one over the packed [gate | up] as Phi-3's
-gate_up_proj has it), no dropout and no biases (`fusable`); anything else takes the composed ops
-(LoRALinearFunction, swiglu_packed).
+gate_up_proj has it), no dropout and no biases (`fusable`), on a dense or a compact frozen base
+(a QLoRA step: its four base GEMMs over the dequantized tiles, gpu_kernels.quant.frozen); anything
+else takes the composed ops (LoRALinearFunction, swiglu_packed).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from gpu_kernels.ops.lora import _accumulates_in_epilogue, cast_operands
 from gpu_kernels.ops.norm_act import ACTIVATIONS, _swiglu_fwd
 from gpu_kernels.ops.norm_act_reference import Activation
 from gpu_kernels.ops.norm_source import NormSource, lora_input_grad
+from gpu_kernels.quant.frozen import FrozenWeight, input_grad_into, linear_into
 
 RANK = 16  # the kernel's adapter rank (one tensor-core tile); smaller ranks are padded with zeros
 
@@ -42,14 +44,14 @@ Adapter = tuple[torch.Tensor, torch.Tensor, float]
 
 def fusable(
     x: torch.Tensor,
-    gate_up_weight: torch.Tensor,
-    down_weight: torch.Tensor,
+    gate_up_weight: torch.Tensor | FrozenWeight,
+    down_weight: torch.Tensor | FrozenWeight,
     gate_up: list[Adapter],
     down: list[Adapter],
 ) -> bool:
     """Whether the fused op serves this MLP (the caller has checked CUDA, the compiled library,
-    dense weights, no biases and no dropout). gate/up: two adapters of F outputs each, or one of
-    2F over the packed [gate | up] (Phi-3's gate_up_proj)."""
+    no biases and no dropout; the weights dense or compact, computing in x's dtype). gate/up: two
+    adapters of F outputs each, or one of 2F over the packed [gate | up] (Phi-3's gate_up_proj)."""
     if x.dtype != torch.bfloat16 or gate_up_weight.dtype != x.dtype or down_weight.dtype != x.dtype:
         return False
     if len(gate_up) not in (1, 2) or len(down) != 1:
@@ -120,8 +122,8 @@ class LoRAGatedMLPFunction(torch.autograd.Function):
     def forward(
         ctx: Any,
         x: torch.Tensor,
-        w_gu: torch.Tensor,
-        w_d: torch.Tensor,
+        w_gu: torch.Tensor | FrozenWeight,  # a frozen compact one (NF4, ...): GEMMs over its tiles
+        w_d: torch.Tensor | FrozenWeight,
         act: int,
         scales: tuple[tuple[float, ...], float],
         operands: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
@@ -134,20 +136,26 @@ class LoRAGatedMLPFunction(torch.autograd.Function):
         f = w_d.shape[1]
         xa = (x2 @ a_gu.t()).contiguous()  # (M, 32): [gate's 16 | up's 16], zero past a rank under 16
         gu = xa @ d_gu  # (M, 2F) LoRA term, then + x·W_guᵀ in the base GEMM's epilogue
-        gu.addmm_(x2, w_gu.t())
+        linear_into(gu, x2, w_gu, add=True)
         h = _swiglu_fwd(gu[:, :f], 2 * f, gu[:, f:], 2 * f, act)  # (M, F), not saved
         xd = (h @ a_dn.t()).contiguous()  # (M, 16)
         y = xd @ d_dn  # (M, Kd)
-        y.addmm_(h, w_d.t())
+        linear_into(y, h, w_d, add=True)
         # x is a norm's output: keep the norm's own tensors for dA_gu instead (x dies here)
         x_kept, rstd, norm_w = source.tensors() if source is not None else (x2, None, None)
-        ctx.save_for_backward(x_kept, w_gu, w_d, xa, gu, xd, a_gu, d_gu, a_dn, d_dn, rstd, norm_w, *factors)
+        # frozen weights are no tensors autograd can save: the ctx holds them (they never change)
+        ctx.frozen = tuple(w if isinstance(w, FrozenWeight) else None for w in (w_gu, w_d))
+        dense = tuple(None if isinstance(w, FrozenWeight) else w for w in (w_gu, w_d))
+        ctx.save_for_backward(x_kept, *dense, xa, gu, xd, a_gu, d_gu, a_dn, d_dn, rstd, norm_w, *factors)
         ctx.meta = (lead, act, scales, source.offset if source is not None else 0.0)
         return y.view(*lead, w_d.shape[0])
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x2, w_gu, w_d, xa, gu, xd, a_gu, d_gu, a_dn, d_dn, rstd, norm_w, *factors = ctx.saved_tensors
+        x2, dense_gu, dense_d, xa, gu, xd, a_gu, d_gu, a_dn, d_dn, rstd, norm_w, *factors = ctx.saved_tensors
+        frozen_gu, frozen_d = ctx.frozen
+        w_gu = dense_gu if frozen_gu is None else frozen_gu
+        w_d = dense_d if frozen_d is None else frozen_d
         lead, act, (s_gu, s_d), norm_offset = ctx.meta
         f = w_d.shape[1]
         a_d, b_d = factors[-2:]
@@ -156,13 +164,13 @@ class LoRAGatedMLPFunction(torch.autograd.Function):
         u_d = (dy2 @ d_dn.t()).contiguous()  # (M, 16) = s_d·dY·B_d
         db_d = torch.mul((dy2.t() @ xd)[:, :r_d], s_d, out=torch.empty_like(b_d))  # (Kd, r_d)
         dh = u_d @ a_dn  # (M, F) LoRA term, then + dY·W_d
-        dh.addmm_(dy2, w_d)
+        input_grad_into(dh, dy2, w_d)
         dgu, u32, g32, da_d = _glu_bwd_lora(dh, gu, u_d, d_gu, xa, act)
         u = u32.to(x2.dtype)  # (M, 32)
         dx = None
         if ctx.needs_input_grad[0]:
             dx = u @ a_gu  # (M, K) LoRA term, then + dgu·W_gu
-            dx.addmm_(dgu, w_gu)
+            input_grad_into(dx, dgu, w_gu)
             dx = dx.view(*lead, x2.shape[1])
         # (32, K); with a NormSource x2 is the norm's input
         da_gu = lora_input_grad(u32, x2, rstd, norm_w, norm_offset) if rstd is not None else u.t() @ x2
@@ -183,8 +191,8 @@ class LoRAGatedMLPFunction(torch.autograd.Function):
 
 def lora_gated_mlp(
     x: torch.Tensor,
-    gate_up_weight: torch.Tensor,
-    down_weight: torch.Tensor,
+    gate_up_weight: torch.Tensor | FrozenWeight,
+    down_weight: torch.Tensor | FrozenWeight,
     gate_up: list[Adapter],
     down: list[Adapter],
     activation: Activation,

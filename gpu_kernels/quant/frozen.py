@@ -11,8 +11,10 @@ the activation dtype at once:
     ∂L/∂x        = Σ_tiles ∂L/∂y[..., r0:r1] · W[r0:r1]
 
 The weight is frozen, so no weight gradient exists and the op saves nothing for its backward
-(the LoRA branch keeps the input it needs). Dequantization runs in fp32 (as llama.cpp and
-gguf-py do) and is cast to the activation dtype once per tile.
+(the LoRA branch keeps the input it needs). The compiled LoRA ops (gpu_kernels.ops.lora and
+.lora_mlp) run their base GEMMs over the same tiles (`linear_into`, `input_grad_into`).
+Dequantization runs in fp32 (as llama.cpp and gguf-py do) and is cast to the activation dtype once
+per tile.
 """
 
 from __future__ import annotations
@@ -166,18 +168,44 @@ class FrozenWeight(ABC):
         )
 
 
+def linear_into(
+    out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | FrozenWeight, add: bool
+) -> torch.Tensor:
+    """out (M, out) = x (M, in)·Wᵀ, or += with `add` (in the GEMM's epilogue, beta = 1), for a
+    dense weight or a frozen one: a tile's GEMM per column block of out, written in place
+    (cuBLAS takes the leading dimension), so no tile's product is copied. Returns out."""
+    if not isinstance(weight, FrozenWeight):
+        return out.addmm_(x, weight.t()) if add else torch.mm(x, weight.t(), out=out)
+    for start, stop, w in weight.each_tile(x.dtype):
+        if add:
+            out[:, start:stop].addmm_(x, w.t())
+        else:
+            torch.mm(x, w.t(), out=out[:, start:stop])
+    return out
+
+
+def input_grad_into(
+    out: torch.Tensor | None, grad_y: torch.Tensor, weight: torch.Tensor | FrozenWeight
+) -> torch.Tensor:
+    """out (M, in) += dY (M, out)·W, or a new dY·W where out is None: for a frozen weight each
+    tile's share (M, tile)·(tile, in) added in the GEMM's epilogue, no partial sums kept."""
+    if not isinstance(weight, FrozenWeight):
+        return grad_y @ weight if out is None else out.addmm_(grad_y, weight)
+    for start, stop, w in weight.each_tile(grad_y.dtype):
+        g = grad_y[:, start:stop]
+        out = g @ w if out is None else out.addmm_(g, w)
+    assert out is not None, "a frozen weight has at least one tile"
+    return out
+
+
 class _FrozenMatmul(torch.autograd.Function):
-    """The tiles' GEMMs write and read column blocks of the 2-D output and its gradient in place
-    (cuBLAS takes the leading dimension): no copy of a tile's product, no sum of partial grads."""
+    """x·Wᵀ over a frozen weight's tiles (linear_into), its input gradient likewise."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: FrozenWeight) -> torch.Tensor:
         ctx.weight = weight
-        dtype = _compute_dtype(x)
-        xc = x.to(dtype).reshape(-1, weight.in_features)  # (N, in)
-        out = xc.new_empty((xc.shape[0], weight.out_features))  # (N, out)
-        for start, stop, w in weight.each_tile(dtype):
-            torch.mm(xc, w.t(), out=out[:, start:stop])
+        xc = x.to(_compute_dtype(x)).reshape(-1, weight.in_features)  # (N, in)
+        out = linear_into(xc.new_empty((xc.shape[0], weight.out_features)), xc, weight, add=False)
         return out.view(*x.shape[:-1], weight.out_features)
 
     @staticmethod
@@ -185,12 +213,7 @@ class _FrozenMatmul(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None
         weight: FrozenWeight = ctx.weight
-        g = grad_out.reshape(-1, weight.out_features)  # (N, out)
-        grad_x: torch.Tensor | None = None  # (N, in)
-        for start, stop, w in weight.each_tile(grad_out.dtype):
-            # (N, tile) @ (tile, in): this tile's share of ∂L/∂x, added in the GEMM's epilogue
-            grad_x = g[:, start:stop] @ w if grad_x is None else grad_x.addmm_(g[:, start:stop], w)
-        assert grad_x is not None
+        grad_x = input_grad_into(None, grad_out.reshape(-1, weight.out_features), weight)  # (N, in)
         return grad_x.view(*grad_out.shape[:-1], weight.in_features), None
 
 

@@ -17,6 +17,7 @@ import gpu_kernels
 from gpu_kernels import reference as ref
 from gpu_kernels.ops import lora_mlp
 from gpu_kernels.ops.norm_act_reference import Activation
+from gpu_kernels.quant import FrozenWeight
 from tests.gpu_kernels.oracle import Recorder, assert_matches_reference, saved_storages, shapes
 
 ACTIVATIONS = ["silu", "gelu_tanh"]
@@ -213,24 +214,26 @@ def test_adapter_casts_operands_give_the_same_step(rank: int) -> None:
 
 
 MLP = Callable[..., torch.Tensor]  # (x, W_gu, W_d, A_g, B_g, A_u, B_u, A_d, B_d) -> y
+Base = torch.Tensor | FrozenWeight
 
 
 def _run_keeping(
     mlp: MLP,
     x0: torch.Tensor,
-    w_gu: torch.Tensor,
-    w_d: torch.Tensor,
+    w_gu: Base,
+    w_d: Base,
     factors: list[torch.Tensor],
     dy: torch.Tensor,
-) -> tuple[list[torch.Tensor | None], bool]:
+) -> tuple[list[torch.Tensor | None], bool, int]:
     """mlp on x0 and the factors as fresh leaves, then backward dy: [y, dx, the factors' gradients],
-    and whether autograd kept x's storage for the backward."""
+    whether autograd kept x's storage for the backward, and the largest storage it kept (bytes)."""
     x = x0.clone().requires_grad_()
     leaves = [t.detach().clone().requires_grad_() for t in factors]
     with saved_storages() as kept:
         y = mlp(x, w_gu, w_d, *leaves)
     y.backward(dy)
-    return [y.detach(), x.grad, *(t.grad for t in leaves)], x.untyped_storage().data_ptr() in kept
+    outputs = [y.detach(), x.grad, *(t.grad for t in leaves)]
+    return outputs, x.untyped_storage().data_ptr() in kept, max(kept.values())
 
 
 @pytest.mark.gpu
@@ -260,8 +263,10 @@ def test_fused_mlp_on_a_norm_output_keeps_the_norm_input_not_the_output(offset: 
 
         return run
 
-    plain, plain_kept_x = _run_keeping(fused(None), x0, w_gu, w_d, factors, dy)
-    ours, ours_kept_x = _run_keeping(fused(NormSource(h, rstd, norm_w, offset)), x0, w_gu, w_d, factors, dy)
+    plain, plain_kept_x, _ = _run_keeping(fused(None), x0, w_gu, w_d, factors, dy)
+    ours, ours_kept_x, _ = _run_keeping(
+        fused(NormSource(h, rstd, norm_w, offset)), x0, w_gu, w_d, factors, dy
+    )
     assert plain_kept_x and not ours_kept_x
     names = ["y", "dx", "dA_g", "dB_g", "dA_u", "dB_u", "dA_d", "dB_d"]
     for name, got, want in zip(names, ours, plain, strict=True):
@@ -288,14 +293,35 @@ def _glu_bwd_lora_formula(
     return dgu, dgu @ d_gu.t(), g_acc, u_d.t() @ (a * u)
 
 
+def _compact(
+    w_gu: torch.Tensor, w_d: torch.Tensor, base: str
+) -> tuple[Base, Base, torch.Tensor, torch.Tensor]:
+    """The op's base weights in `base`'s format (dense: as given; nf4, int8: quantized, gate and
+    up as one StackedWeight as a quantized layer stacks them), and what they hold, dense."""
+    from gpu_kernels.quant import StackedWeight, quantize_int8, quantize_nf4
+
+    if base == "dense":
+        return w_gu, w_d, w_gu, w_d
+    make = quantize_nf4 if base == "nf4" else quantize_int8
+    f = w_d.shape[1]
+    gu = StackedWeight([make(w_gu[:f], dtype=w_gu.dtype), make(w_gu[f:], dtype=w_gu.dtype)])
+    d = make(w_d, dtype=w_d.dtype)
+    return gu, d, gu.dequantize(), d.dequantize()
+
+
+@pytest.mark.parametrize("base", ["dense", "nf4", "int8"])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_the_ops_torch_part_keeps_a_norm_source_on_the_cpu(
-    activation: Activation, monkeypatch: pytest.MonkeyPatch
+    activation: Activation, base: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The fused op's torch part (operands, GEMMs, dA_gu from x's NormSource) in fp64 on the CPU,
     its two kernels stood in by their formulas: for x = RMSNorm(h) given with its source, output
-    and every gradient equal the composed reference ops on x (1e-10), and x is not kept."""
+    and every gradient equal the composed reference ops on x (1e-10), and x is not kept. On a
+    compact base (a QLoRA step's) the base GEMMs run over the weights' dequantized tiles, 16 rows
+    a tile here so that each GEMM spans many, against the reference on the dequantized weights;
+    no dense copy of a weight is kept."""
     from gpu_kernels.ops.norm_source import NormSource
+    from gpu_kernels.quant import frozen
 
     monkeypatch.setattr(lora_mlp, "_glu_bwd_lora", _glu_bwd_lora_formula)
 
@@ -304,8 +330,10 @@ def test_the_ops_torch_part_keeps_a_norm_source_on_the_cpu(
 
     monkeypatch.setattr(lora_mlp, "_swiglu_fwd", swiglu_fwd)
     torch.manual_seed(3)
-    m, k, f = 23, 40, 48
-    _, w_gu, w_d, *factors = _inputs(m, k, f, "cpu", torch.float64)
+    m, k, f = 23, 128, 128  # NF4 blocks of 64 a row
+    monkeypatch.setattr(frozen, "TILE_ELEMENTS", 16 * f)
+    _, w_gu_dense, w_d_dense, *factors = _inputs(m, k, f, "cpu", torch.float64)
+    w_gu, w_d, w_gu_held, w_d_held = _compact(w_gu_dense, w_d_dense, base)
     h = torch.randn(m, k, dtype=torch.float64)
     norm_w = 0.3 * torch.randn(k, dtype=torch.float64)
     rstd = torch.rsqrt(h.pow(2).mean(-1) + 1e-6)
@@ -319,8 +347,11 @@ def test_the_ops_torch_part_keeps_a_norm_source_on_the_cpu(
             activation, (None, None), NormSource(h, rstd, norm_w, 1.0),
         )  # fmt: skip
 
-    got, ours_kept_x = _run_keeping(ours, x0, w_gu, w_d, factors, dy)
-    want, ref_kept_x = _run_keeping(_mlp_reference(activation, scales), x0, w_gu, w_d, factors, dy)
+    got, ours_kept_x, largest = _run_keeping(ours, x0, w_gu, w_d, factors, dy)
+    reference = _mlp_reference(activation, scales)
+    want, ref_kept_x, _ = _run_keeping(reference, x0, w_gu_held, w_d_held, factors, dy)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
     assert ref_kept_x and not ours_kept_x
+    if base != "dense":  # no dense copy of a weight (the smaller is W_d's) among what the op keeps
+        assert largest < w_d_held.numel() * w_d_held.element_size()

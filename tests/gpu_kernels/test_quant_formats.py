@@ -228,6 +228,59 @@ def test_lora_op_on_a_frozen_weight_equals_the_dense_lora_op() -> None:
     torch.testing.assert_close(grouped, torch.cat([ref - bias] * 2, dim=-1), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("with_source", [False, True], ids=["plain", "norm-source"])
+def test_the_compiled_lora_ops_torch_part_over_a_frozen_weight(
+    with_source: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a QLoRA step's LoRA ops run on the GPU (gpu_kernels.ops.lora: the LoRA term first,
+    each tile's base GEMM adding into its columns; the input gradient tile by tile), in fp64 on
+    the CPU: q/k/v over an NF4 StackedWeight, 16 rows a tile, against the reference op on the
+    dequantized weight (1e-12). Given x's NormSource (x = RMSNorm(h)), x is not kept; no dense
+    copy of the weight is kept either way."""
+    from gpu_kernels.ops import lora
+    from gpu_kernels.ops.norm_source import NormSource
+    from gpu_kernels.quant import frozen
+    from tests.gpu_kernels.oracle import saved_storages
+
+    monkeypatch.setattr(frozen, "TILE_ELEMENTS", 16 * 128)
+    g = torch.Generator().manual_seed(11)
+    weight = StackedWeight(
+        [quantize_nf4(torch.randn(n, 128, generator=g) * 0.1, dtype=torch.float64) for n in (128, 64, 64)]
+    )
+    dense = weight.dequantize()
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64) * 0.1
+
+    adapters = [(rnd(r, 128), rnd(n, r), s) for r, n, s in ((4, 128, 2.0), (8, 64, 0.5), (4, 64, 1.0))]
+    h = torch.randn(2, 9, 128, generator=g, dtype=torch.float64)
+    norm_w = 0.3 * torch.randn(128, generator=g, dtype=torch.float64)
+    rstd = torch.rsqrt(h.pow(2).mean(-1) + 1e-6)  # (2, 9)
+    x0 = (1.0 + norm_w) * h * rstd[..., None]
+    dy = torch.randn(2, 9, 256, generator=g, dtype=torch.float64)
+    source = NormSource(h.reshape(-1, 128), rstd.reshape(-1), norm_w, 1.0) if with_source else None
+
+    def ours(x: torch.Tensor, factors: list[tuple[torch.Tensor, torch.Tensor, float]]) -> torch.Tensor:
+        return lora.lora_linear_grouped(x, weight, None, factors, 0.0, True, None, source)
+
+    def reference(x: torch.Tensor, factors: list[tuple[torch.Tensor, torch.Tensor, float]]) -> torch.Tensor:
+        return gpu_kernels.reference.lora_linear_grouped(x, dense, None, factors)
+
+    results = []
+    for op in (ours, reference):
+        x = x0.clone().requires_grad_()
+        leaves = [(a.clone().requires_grad_(), b.clone().requires_grad_(), s) for a, b, s in adapters]
+        with saved_storages() as kept:
+            y = op(x, leaves)
+        y.backward(dy)
+        results.append(([y, x.grad, *(t.grad for a, b, _ in leaves for t in (a, b))], kept, x))
+    (got_all, kept, x), (want, _, _) = results
+    for got, expect in zip(got_all, want, strict=True):
+        torch.testing.assert_close(got, expect, rtol=1e-12, atol=1e-12)
+    assert (x.untyped_storage().data_ptr() in kept) != with_source
+    assert max(kept.values()) < 64 * 128 * 8  # the smallest part's dense bytes
+
+
 def test_a_packed_weight_is_never_taken_for_a_dense_one() -> None:
     """dispatch used to compare x.dtype with weight.dtype and fall back to F.linear: an int8 or
     uint8 tensor passed as a weight is an error now, not a silent wrong answer."""

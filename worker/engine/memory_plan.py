@@ -14,13 +14,12 @@ i = intermediate, L = layers, V = vocabulary, T = tokens of one micro-batch = mi
                  a = b·(6h + 2·k·d + 3i) + b·r·(targets a layer)
                  (the two norms' inputs and outputs, q, k, v, the attention output, gate, up
                  and their product); one layer's are alive again while it is recomputed. Where
-                 the fused LoRA MLP op serves the step (rank ≤ 16 on gate, up and down, a dense
-                 base, no dropout: gpu_kernels.ops.lora_mlp) the product is not kept: 2i for 3i,
-                 and the MLP's x·Aᵀ are 16 wide (ranks under 16 padded)
+                 the fused LoRA MLP op serves the step (rank ≤ 16 on gate, up and down, no
+                 dropout; a dense or a quantized base: gpu_kernels.ops.lora_mlp) the product is
+                 not kept: 2i for 3i, and the MLP's x·Aᵀ are 16 wide (ranks under 16 padded)
         none       L·(a − b·s·h)·T, s the norm outputs whose LoRA ops keep the norm's input
-                   instead (gpu_kernels/ops/norm_source.py; no LoRA dropout, a dense base): q/k/v's
-                   norm, and gate/up's with pre-norms (a sandwich MLP norm keeps no input to form
-                   it from)
+                   instead (gpu_kernels/ops/norm_source.py; no LoRA dropout): q/k/v's norm, and
+                   gate/up's with pre-norms (a sandwich MLP norm keeps no input to form it from)
         selective  L·(a − b·3i − b·r·m − b·q·h)·T + b·(h + 3i)·T  (each MLP recomputed in the
                    backward: its gate, up and product, and its m LoRA targets' x·Aᵀ, are not
                    kept; its input, the second norm's output, still is, by the checkpoint; q: the
@@ -227,9 +226,9 @@ def predict_peak(
     h, i, kv = dims.hidden, dims.intermediate, dims.kv_heads * dims.head_dim
     lora = targeted(dims, targets)
     adapter = 18 * dims.layers * sum(rank * (n_in + n_out) for n_in, n_out in lora.values())
-    fused_mlp = (  # gpu_kernels.lora_gated_mlp's conditions, as far as the plan can know them
-        rank <= FUSED_MLP_RANK and quantization is None and dropout == 0 and set(MLP_LINEAR) <= set(lora)
-    )
+    # gpu_kernels.lora_gated_mlp's conditions, as far as the plan can know them (a quantized base
+    # runs the op's base GEMMs over its dequantized tiles)
+    fused_mlp = rank <= FUSED_MLP_RANK and dropout == 0 and set(MLP_LINEAR) <= set(lora)
     kept_i = 2 * i if fused_mlp else 3 * i  # gate and up (and, unfused, their product)
     mlp_targets = sum(1 for name in lora if name in MLP_LINEAR)
     mlp_rank = FUSED_MLP_RANK if fused_mlp else rank  # the fused op pads its x·Aᵀ to 16 columns
@@ -240,8 +239,8 @@ def predict_peak(
     layers, t = dims.layers, micro_tokens
     # norm outputs not kept where the fused stack hands their NormSource to the LoRA ops reading
     # them: q/k/v's, and gate/up's with pre-norms unless the MLP is checkpointed (the checkpoint
-    # keeps its input; a quantized base's LoRA ops are the reference ops, which keep theirs)
-    sourced = dropout == 0 and quantization is None
+    # keeps its input)
+    sourced = dropout == 0
     attention_sourced = sourced and bool({"q_proj", "k_proj", "v_proj"} & set(lora))
     mlp_sourced = sourced and bool({"gate_proj", "up_proj"} & set(lora)) and not dims.sandwich
     if choice.checkpointing == "none":
