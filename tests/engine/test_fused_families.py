@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 
 from gpu_kernels.dispatch import KernelStatus
 from tests.engine.tiny_families import WINDOW, build_tiny_family
-from tests.gpu_kernels.oracle import saved_storages
+from tests.gpu_kernels.oracle import give_norm_sources, saved_storages
 from worker.engine import fused_model
 from worker.engine.families import FAMILIES, layer_attention
 from worker.engine.lora import apply_lora, lora_state_dict, trainable_parameters
@@ -191,31 +191,7 @@ def test_the_lora_ops_after_a_norm_keep_its_source_and_train_the_same(
     equal the plain model's and those of the same stack without sources; the forward keeps 2
     (tokens, hidden) tensors a layer fewer with pre-norms, 1 with Gemma's sandwich, less the first
     layer's attention norm (its input, the embeddings, is no sum a norm keeps)."""
-    from gpu_kernels import dispatch
-    from gpu_kernels.ops import lora as lora_ops
-    from gpu_kernels.ops.norm_source import NormSource
-    from gpu_kernels.ops.residual_norm_reference import DeltaNorm
-
-    reference_add_rms_norm = fused_model.gpu_kernels.add_rms_norm
-    give = [True]
-
-    def add_rms_norm(
-        residual: torch.Tensor,
-        delta: torch.Tensor,
-        weight: torch.Tensor,
-        eps: float,
-        offset: float = 0.0,
-        delta_norm: DeltaNorm | None = None,
-        keep_sum: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor, NormSource | None]:
-        h, n, _ = reference_add_rms_norm(residual, delta, weight, eps, offset, delta_norm, keep_sum)
-        if not give[0] or (delta_norm is not None and not keep_sum):
-            return h, n, None
-        rows = h.detach().reshape(-1, h.shape[-1])
-        return h, n, NormSource(rows, torch.rsqrt(rows.pow(2).mean(-1) + eps), weight, offset)
-
-    monkeypatch.setattr(fused_model.gpu_kernels, "add_rms_norm", add_rms_norm)
-    monkeypatch.setattr(dispatch, "lora_linear_grouped", lora_ops.lora_linear_grouped)
+    give = give_norm_sources(monkeypatch)
     ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(6))
     d = fused.config.hidden_size
 

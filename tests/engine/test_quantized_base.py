@@ -61,10 +61,10 @@ def dequantized(quantized: nn.Module) -> nn.Module:
 
 
 def loss_and_grads(
-    model: nn.Module, seed: int = 1, then: Callable[[nn.Module], object] | None = None
+    model: nn.Module, seed: int = 1, then: Callable[[nn.Module], object] | None = None, fused: bool = False
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """LoRA (B nonzero) on every linear layer (then `then(model)`), one forward/backward on fixed
-    tokens."""
+    tokens; `fused`: through the fused stack's loss (fused_model.causal_lm_loss), as a job's step."""
     torch.manual_seed(seed)
     apply_lora(model, LORA)
     params = trainable_parameters(model)
@@ -75,7 +75,9 @@ def loss_and_grads(
     ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(2))
     labels = ids.clone()
     labels[:, :8] = -100
-    loss = model(input_ids=ids, labels=labels).loss
+    loss = (
+        fused_model.causal_lm_loss(model, ids, labels) if fused else model(input_ids=ids, labels=labels).loss
+    )
     loss.backward()
     return loss.detach(), [p.grad for p in params if p.grad is not None]
 
@@ -359,6 +361,39 @@ def test_the_fused_stack_groups_quantized_projections_without_copying_them(
     torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
     for g, ref in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, ref, rtol=1e-9, atol=1e-12)
+
+
+def test_a_quantized_stacks_lora_ops_keep_the_norms_sources(
+    tiny64: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """QLoRA's LoRA ops are the compiled op (its torch code here, gpu_kernels.ops.lora) over the
+    StackedWeights, given each norm's NormSource as on a dense base: loss and gradients equal the
+    dequantized model's, and the forward keeps 2 (tokens, hidden) tensors a layer fewer than the
+    same stack without sources, less the first layer's attention norm (its input is no sum)."""
+    from tests.gpu_kernels.oracle import give_norm_sources, saved_storages
+
+    quantize_model(tiny64, "nf4")
+    monkeypatch.setattr(fused_model.gpu_kernels, "available", lambda: KernelStatus(True, "forced for a test"))
+    give = give_norm_sources(monkeypatch)
+    d, layers = tiny64.config.hidden_size, tiny64.config.num_hidden_layers
+
+    def stream(t: torch.Tensor) -> bool:  # a (tokens, hidden) activation of loss_and_grads' 2 x 24
+        return t.dim() > 0 and t.shape[-1] == d and t.numel() == 2 * 24 * d
+
+    runs = []
+    for sources in (True, False):
+        give[0] = sources
+        with saved_storages(stream) as kept:
+            loss, grads = loss_and_grads(copy.deepcopy(tiny64), then=fused_model.fuse_model, fused=True)
+        runs.append((loss, grads, len(kept)))
+    (loss, grads, kept_with), (loss_without, grads_without, kept_without) = runs
+    ref_loss, ref_grads = loss_and_grads(dequantized(tiny64))  # the plain model, unfused
+    torch.testing.assert_close(loss, loss_without, rtol=1e-12, atol=0)
+    torch.testing.assert_close(loss, ref_loss.to(loss.dtype), rtol=1e-6, atol=0)  # the fused loss is fp32
+    for g, without, ref in zip(grads, grads_without, ref_grads, strict=True):
+        assert float((g - without).norm()) <= 1e-10 * float(without.norm())
+        assert float((g - ref).norm()) <= 1e-6 * float(ref.norm())
+    assert kept_without - kept_with == 2 * layers - 1, (kept_without, kept_with)
 
 
 @pytest.mark.slow

@@ -41,6 +41,39 @@ def saved_storages(counted: Callable[[torch.Tensor], bool] | None = None) -> Ite
         yield seen
 
 
+def give_norm_sources(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """The fused decoder stack's NormSource wiring on the CPU (worker/engine/fused_model.py with
+    its kernels forced on): gpu_kernels.add_rms_norm returns the reference norm's values and the
+    NormSource the compiled one would (its sum and rstd; none for a sandwich norm whose sum is
+    formed again), and the grouped LoRA op is the compiled op's torch code (gpu_kernels.ops.lora),
+    which keeps a given source instead of its input. Returns the switch: set [0] False and the
+    norms give no source."""
+    import inspect
+
+    import gpu_kernels
+    from gpu_kernels import dispatch
+    from gpu_kernels.ops import lora as lora_ops
+    from gpu_kernels.ops.norm_source import NormSource
+
+    reference_add_rms_norm = gpu_kernels.add_rms_norm
+    signature = inspect.signature(reference_add_rms_norm)
+    give = [True]
+
+    def add_rms_norm(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, NormSource | None]:
+        h, n, _ = reference_add_rms_norm(*args, **kwargs)
+        call = signature.bind(*args, **kwargs)
+        call.apply_defaults()
+        a = call.arguments  # residual, delta, weight, eps, offset, delta_norm, keep_sum
+        if not give[0] or (a["delta_norm"] is not None and not a["keep_sum"]):
+            return h, n, None
+        rows = h.detach().reshape(-1, h.shape[-1])
+        return h, n, NormSource(rows, torch.rsqrt(rows.pow(2).mean(-1) + a["eps"]), a["weight"], a["offset"])
+
+    monkeypatch.setattr(gpu_kernels, "add_rms_norm", add_rms_norm)
+    monkeypatch.setattr(dispatch, "lora_linear_grouped", lora_ops.lora_linear_grouped)
+    return give
+
+
 def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     """‖a − ref‖ / ‖ref‖ in float64 (inf if a holds a non-finite value)."""
     a64, r64 = a.detach().double(), ref.detach().double()
