@@ -238,12 +238,17 @@ def _run_keeping(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("offset", [0.0, 1.0])
-def test_fused_mlp_on_a_norm_output_keeps_the_norm_input_not_the_output(offset: float) -> None:
+def test_fused_mlp_on_a_norm_output_keeps_the_norm_input_not_the_output(
+    offset: float, record_property: Recorder
+) -> None:
     """Given x's NormSource (x = RMSNorm(h), what the fused decoder passes), the op keeps h and
-    rstd instead of x: x's storage is not among the saved tensors, and the output and every
-    gradient equal the op's without the source (dA_g, dA_u within bf16 rounding: U ⊙ rstd is
-    rounded where x was)."""
+    rstd instead of x: x's storage is not among the saved tensors, the output equals the op's
+    without the source, and every gradient is within bf16's bound of the fp64 reference and no
+    sloppier than the op's without the source (oracle.check_errors). Not bit for bit: dA_g, dA_u
+    round U ⊙ rstd where x was rounded, and the kernel's fp32 atomics (U, G, dA_d) add in no fixed
+    order, so two runs of the same op differ in the last bits (seen on an H100: dB_g)."""
     from gpu_kernels.ops.norm_source import NormSource
+    from tests.gpu_kernels.oracle import check_errors, rel
 
     torch.manual_seed(7)
     m, k, f = 300, 128, 1000
@@ -253,12 +258,13 @@ def test_fused_mlp_on_a_norm_output_keeps_the_norm_input_not_the_output(offset: 
     rstd = torch.rsqrt(h.float().pow(2).mean(-1) + 1e-6)  # (M,)
     x0 = ((offset + norm_w.float()) * (h.float() * rstd[:, None])).to(torch.bfloat16)
     dy = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    scales = (2.0, 0.5, 1.5)
 
     def fused(source: NormSource | None) -> MLP:
         def run(x, w_gu, w_d, a_g, b_g, a_u, b_u, a_d, b_d):  # type: ignore[no-untyped-def]
             return lora_mlp.lora_gated_mlp(
-                x, w_gu, w_d, [(a_g, b_g, 2.0), (a_u, b_u, 0.5)], [(a_d, b_d, 1.5)], "gelu_tanh",
-                (None, None), source,
+                x, w_gu, w_d, [(a_g, b_g, scales[0]), (a_u, b_u, scales[1])], [(a_d, b_d, scales[2])],
+                "gelu_tanh", (None, None), source,
             )  # fmt: skip
 
         return run
@@ -267,14 +273,18 @@ def test_fused_mlp_on_a_norm_output_keeps_the_norm_input_not_the_output(offset: 
     ours, ours_kept_x, _ = _run_keeping(
         fused(NormSource(h, rstd, norm_w, offset)), x0, w_gu, w_d, factors, dy
     )
+    gold, _, _ = _run_keeping(
+        _mlp_reference("gelu_tanh", scales), x0.double(), w_gu.double(), w_d.double(),
+        [t.double() for t in factors], dy.double(),
+    )  # fmt: skip
     assert plain_kept_x and not ours_kept_x
+    assert ours[0] is not None and plain[0] is not None and torch.equal(ours[0], plain[0])
     names = ["y", "dx", "dA_g", "dB_g", "dA_u", "dB_u", "dA_d", "dB_d"]
-    for name, got, want in zip(names, ours, plain, strict=True):
-        assert got is not None and want is not None
-        if name in ("dA_g", "dA_u"):
-            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
-        else:
-            assert torch.equal(got, want), name
+    errs, plain_errs = {}, {}
+    for name, got, without, want in zip(names, ours, plain, gold, strict=True):
+        assert got is not None and without is not None and want is not None
+        errs[name], plain_errs[name] = rel(got, want), rel(without, want)
+    check_errors(errs, plain_errs, torch.bfloat16, record_property)
 
 
 def _glu_bwd_lora_formula(
