@@ -54,13 +54,14 @@ class BenchRow:
 
 # worker class -> benchmark shape name -> row. The pulled smollm2-135m-instruct has the shape (and
 # the speed) of the `smollm2-135m` preset.
-JOB_PRESETS = "job-h100-2026-12-07-presets-fused-mlp.json"
+JOB_PRESETS = "job-h100-2026-12-07-presets-norm-source.json"
 TABLES: dict[str, dict[str, BenchRow]] = {
     "h100": {
-        # the job path with the fused LoRA MLP (e22f132), on the committed long-tail chat set
-        "smollm2-135m": BenchRow(JOB_PRESETS, 4, 2048, 275752, 3.81),
-        "llama-1b": BenchRow(JOB_PRESETS, 4, 2048, 91383, 10.29),
-        "llama-8b": BenchRow(JOB_PRESETS, 2, 2048, 17137, 29.58),
+        # the job path with the fused LoRA MLP and the LoRA ops keeping the norms' inputs (308c08f),
+        # on the committed long-tail chat set
+        "smollm2-135m": BenchRow(JOB_PRESETS, 4, 2048, 269884, 3.29),
+        "llama-1b": BenchRow(JOB_PRESETS, 4, 2048, 90235, 9.32),
+        "llama-8b": BenchRow(JOB_PRESETS, 2, 2048, 16957, 27.61),
     },
 }  # fmt: skip
 SHAPE_OF = SHAPE_OF_PRETRAINED
@@ -76,33 +77,33 @@ class FamilyRow:
     row: BenchRow
 
 
-FAMILIES_FILE = "families-h100-2026-11-27.json"
-# the rows measured with the fused LoRA MLP (gpu_kernels.ops.lora_mlp; for Phi-3 once it took the
-# packed gate_up_proj's one adapter)
-ONE_B = "families-h100-2026-12-07-1b-class-fused-mlp.json"
-REST = "families-h100-2026-12-07-rest-fused-mlp.json"
-PHI = "families-h100-2026-12-07-phi-fused-mlp.json"
+# the rows measured with the fused LoRA MLP (gpu_kernels.ops.lora_mlp) and the LoRA ops keeping
+# the norms' inputs (gpu_kernels/ops/norm_source.py), 308c08f
+ONE_B = "families-h100-2026-12-07-1b-class-norm-source.json"
+EIGHT_B = "families-h100-2026-12-07-8b-norm-source.json"
+MID = "families-h100-2026-12-07-mid-norm-source.json"
+TWELVE_B = "families-h100-2026-12-07-12b-norm-source.json"
 
 
 def _measured(
-    architecture: str, parameters: int, rows: int, tok_s: int, gib: float, source: str = FAMILIES_FILE
+    architecture: str, parameters: int, rows: int, tok_s: int, gib: float, source: str
 ) -> FamilyRow:
-    """A row of `source` (FAMILIES_FILE unless said): `rows` rows of 2,048 tokens a step."""
+    """A row of `source`: `rows` rows of 2,048 tokens a step."""
     return FamilyRow(architecture, parameters, BenchRow(source, rows, 2048, tok_s, gib))
 
 
 # worker class -> family shape name -> row (the job path, packed, on the long-tail chat set)
 FAMILY_TABLES: dict[str, dict[str, FamilyRow]] = {
     "h100": {
-        "llama-3.1-8b": _measured("LlamaForCausalLM", 8030261248, 2, 17054, 29.58, REST),
-        "qwen3-8b": _measured("Qwen3ForCausalLM", 8190735360, 2, 16815, 30.42, REST),
-        "mistral-7b": _measured("MistralForCausalLM", 7241732096, 2, 17590, 28.11, REST),
-        "gemma-3-4b": _measured("Gemma3ForCausalLM", 3880263168, 2, 29734, 18.31, REST),
-        "gemma-3-12b": _measured("Gemma3ForCausalLM", 11766034176, 1, 10190, 34.6, REST),
-        "phi-4-mini": _measured("Phi3ForCausalLM", 3836021760, 2, 30233, 16.86, PHI),
-        "llama-3.2-1b": _measured("LlamaForCausalLM", 1235814400, 4, 91667, 10.29, ONE_B),
-        "qwen3-1.7b": _measured("Qwen3ForCausalLM", 1720574976, 4, 61076, 15.33, REST),
-        "gemma-3-1b": _measured("Gemma3ForCausalLM", 999885952, 4, 98431, 11.39, ONE_B),
+        "llama-3.1-8b": _measured("LlamaForCausalLM", 8030261248, 2, 17100, 27.61, EIGHT_B),
+        "qwen3-8b": _measured("Qwen3ForCausalLM", 8190735360, 2, 16710, 28.2, EIGHT_B),
+        "mistral-7b": _measured("MistralForCausalLM", 7241732096, 2, 17612, 26.14, MID),
+        "gemma-3-4b": _measured("Gemma3ForCausalLM", 3880263168, 2, 29743, 17.67, MID),
+        "gemma-3-12b": _measured("Gemma3ForCausalLM", 11766034176, 1, 10208, 33.91, TWELVE_B),
+        "phi-4-mini": _measured("Phi3ForCausalLM", 3836021760, 2, 30241, 15.38, MID),
+        "llama-3.2-1b": _measured("LlamaForCausalLM", 1235814400, 4, 90428, 9.32, ONE_B),
+        "qwen3-1.7b": _measured("Qwen3ForCausalLM", 1720574976, 4, 60659, 13.61, MID),
+        "gemma-3-1b": _measured("Gemma3ForCausalLM", 999885952, 4, 97736, 10.95, ONE_B),
     },
 }  # fmt: skip
 
