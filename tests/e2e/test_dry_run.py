@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from service.estimates import TABLES
 from service.gpu_fit import H100
 from tests.e2e.datasets import broken_lines, chat_lines, varied_chat_lines
 from tests.e2e.procs import Service
@@ -146,8 +147,9 @@ def test_dry_run_lists_invalid_lines_and_estimates_gpu_classes(e2e: Service) -> 
         queue = e2e.env["LORAQ_WORKER_QUEUE"]  # the job's own class: never benchmarked
         assert sorted(by_class) == sorted(["h100", queue])
         h100, own = by_class["h100"], by_class[queue]
-        assert h100["source"] == "bench/results/job-h100-2026-12-07-presets-fused-mlp.json"
-        assert h100["wall_seconds"] == round(plan["trained_tokens"] / 91383, 1)
+        row = TABLES["h100"]["llama-1b"]  # the benchmark row the service's table holds
+        assert h100["source"] == f"bench/results/{row.source}"
+        assert h100["wall_seconds"] == round(plan["trained_tokens"] / row.tokens_per_s, 1)
         # the peak is the memory plan's for this job's step (2 rows of row_tokens) on an 80 GB H100
         expected = h100_plan("llama-1b", rows=2, seq=plan["row_tokens"])
         assert h100["peak_gpu_memory_gib"] == round(expected.peak_bytes / 2**30, 2)
