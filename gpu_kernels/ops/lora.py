@@ -33,7 +33,14 @@ import torch
 
 from gpu_kernels import _lib
 from gpu_kernels.ops.norm_source import NormSource, lora_input_grad
-from gpu_kernels.quant.frozen import FrozenWeight, base_linear, input_grad_into, linear_into
+from gpu_kernels.quant.frozen import (
+    FrozenWeight,
+    base_linear,
+    input_grad_into,
+    linear_into,
+    save_weights,
+    saved_weights,
+)
 
 _MAX_RANK_PER_LAUNCH = 16
 # How the LoRA term meets the base GEMM's output:
@@ -209,10 +216,9 @@ class LoRALinearFunction(torch.autograd.Function):
         # x is a norm's output and only dA reads it: keep the norm's own tensors instead (x dies)
         kept = source if source is not None and dropout_p == 0 and not ctx.needs_input_grad[1] else None
         x_kept, rstd, norm_w = kept.tensors() if kept is not None else (x2, None, None)
-        # a frozen weight is no tensor autograd can save: the ctx holds it (it never changes)
-        ctx.frozen = weight if isinstance(weight, FrozenWeight) else None
-        dense = weight if ctx.frozen is None else None
-        ctx.save_for_backward(x_kept, dense, xa, seed, a_act, d_act, rstd, norm_w, *adapters)
+        ctx.save_for_backward(
+            x_kept, *save_weights(ctx, weight), xa, seed, a_act, d_act, rstd, norm_w, *adapters
+        )
         ctx.meta = (lead, scales, dropout_p, salt, ranks, widths, bias is not None)
         ctx.norm_offset = kept.offset if kept is not None else 0.0
         return y.view(*lead, n_total)
@@ -221,7 +227,7 @@ class LoRALinearFunction(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         lead, scales, dropout_p, salt, ranks, widths, has_bias = ctx.meta
         x2, dense, xa, seed, a_act, d_act, rstd, norm_w, *adapters = ctx.saved_tensors
-        weight = dense if ctx.frozen is None else ctx.frozen
+        (weight,) = saved_weights(ctx, dense)
         a_list = adapters[0::2]
         b_list = adapters[1::2]
         n_total, k = weight.shape

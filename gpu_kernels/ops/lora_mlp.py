@@ -35,7 +35,7 @@ from gpu_kernels.ops.lora import _accumulates_in_epilogue, cast_operands
 from gpu_kernels.ops.norm_act import ACTIVATIONS, _swiglu_fwd
 from gpu_kernels.ops.norm_act_reference import Activation
 from gpu_kernels.ops.norm_source import NormSource, lora_input_grad
-from gpu_kernels.quant.frozen import FrozenWeight, input_grad_into, linear_into
+from gpu_kernels.quant.frozen import FrozenWeight, input_grad_into, linear_into, save_weights, saved_weights
 
 RANK = 16  # the kernel's adapter rank (one tensor-core tile); smaller ranks are padded with zeros
 
@@ -143,9 +143,7 @@ class LoRAGatedMLPFunction(torch.autograd.Function):
         linear_into(y, h, w_d, add=True)
         # x is a norm's output: keep the norm's own tensors for dA_gu instead (x dies here)
         x_kept, rstd, norm_w = source.tensors() if source is not None else (x2, None, None)
-        # frozen weights are no tensors autograd can save: the ctx holds them (they never change)
-        ctx.frozen = tuple(w if isinstance(w, FrozenWeight) else None for w in (w_gu, w_d))
-        dense = tuple(None if isinstance(w, FrozenWeight) else w for w in (w_gu, w_d))
+        dense = save_weights(ctx, w_gu, w_d)  # a frozen one is held on ctx
         ctx.save_for_backward(x_kept, *dense, xa, gu, xd, a_gu, d_gu, a_dn, d_dn, rstd, norm_w, *factors)
         ctx.meta = (lead, act, scales, source.offset if source is not None else 0.0)
         return y.view(*lead, w_d.shape[0])
@@ -153,9 +151,7 @@ class LoRAGatedMLPFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x2, dense_gu, dense_d, xa, gu, xd, a_gu, d_gu, a_dn, d_dn, rstd, norm_w, *factors = ctx.saved_tensors
-        frozen_gu, frozen_d = ctx.frozen
-        w_gu = dense_gu if frozen_gu is None else frozen_gu
-        w_d = dense_d if frozen_d is None else frozen_d
+        w_gu, w_d = saved_weights(ctx, dense_gu, dense_d)
         lead, act, (s_gu, s_d), norm_offset = ctx.meta
         f = w_d.shape[1]
         a_d, b_d = factors[-2:]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -196,6 +196,21 @@ def input_grad_into(
         out = g @ w if out is None else out.addmm_(g, w)
     assert out is not None, "a frozen weight has at least one tile"
     return out
+
+
+def save_weights(ctx: Any, *weights: torch.Tensor | FrozenWeight) -> tuple[torch.Tensor | None, ...]:
+    """An autograd op's base weights, split for its save: a frozen compact one is no tensor autograd
+    can save, so the ctx holds it (it never changes); the dense ones are returned for
+    save_for_backward, None in a frozen one's place. `saved_weights` joins them again."""
+    ctx.frozen_weights = tuple(w if isinstance(w, FrozenWeight) else None for w in weights)
+    return tuple(None if isinstance(w, FrozenWeight) else w for w in weights)
+
+
+def saved_weights(ctx: Any, *dense: torch.Tensor | None) -> list[torch.Tensor | FrozenWeight]:
+    """The weights `save_weights` split, from the dense ones ctx.saved_tensors gave back."""
+    weights = [f if f is not None else d for d, f in zip(dense, ctx.frozen_weights, strict=True)]
+    assert all(w is not None for w in weights)
+    return cast(list[torch.Tensor | FrozenWeight], weights)
 
 
 class _FrozenMatmul(torch.autograd.Function):

@@ -121,6 +121,7 @@ def test_a_quantized_mlp_takes_the_fused_lora_mlp_op(name: str, record_property:
     gradient match the composed ops on the dequantized weights in fp64 within bf16's bound."""
     from gpu_kernels.quant import StackedWeight
     from tests.gpu_kernels.oracle import assert_matches_reference
+    from tests.gpu_kernels.test_op_lora_mlp import _inputs, _mlp_reference
 
     torch.manual_seed(5)
     k, f = 512, 1536
@@ -128,12 +129,7 @@ def test_a_quantized_mlp_takes_the_fused_lora_mlp_op(name: str, record_property:
     gate_up = StackedWeight([gate.to("cuda"), up.to("cuda")])
     down_w = down.to("cuda")
     dense_gu, dense_d = gate_up.dequantize(torch.float64), down_w.dequantize(torch.float64)
-    x = torch.randn(300, k, device="cuda").to(torch.bfloat16).requires_grad_()
-    factors = [
-        (torch.randn(*shape, device="cuda") * scale).requires_grad_()
-        for shape, scale in (((16, k), k**-0.5), ((f, 16), 0.05), ((16, k), k**-0.5), ((f, 16), 0.05),
-                             ((16, f), f**-0.5), ((k, 16), 0.05))
-    ]  # fmt: skip
+    x, _, _, *factors = _inputs(300, k, f, "cuda", torch.bfloat16)  # factors of rank 16, fp32
 
     def ours(x, a_g, b_g, a_u, b_u, a_d, b_d):  # type: ignore[no-untyped-def]
         gu = gpu_kernels.LoRAOp(gate_up, None, [(a_g, b_g, 2.0), (a_u, b_u, 0.5)])
@@ -142,12 +138,9 @@ def test_a_quantized_mlp_takes_the_fused_lora_mlp_op(name: str, record_property:
         assert type(y.grad_fn).__name__ == "LoRAGatedMLPFunctionBackward"
         return y
 
-    def reference(x, a_g, b_g, a_u, b_u, a_d, b_d):  # type: ignore[no-untyped-def]
-        ref = gpu_kernels.reference
-        gu = ref.lora_linear_grouped(x, dense_gu.to(x.dtype), None, [(a_g, b_g, 2.0), (a_u, b_u, 0.5)])
-        return ref.lora_linear_grouped(
-            ref.swiglu_packed(gu, "silu"), dense_d.to(x.dtype), None, [(a_d, b_d, 1.5)]
-        )
+    def reference(x, *factors):  # type: ignore[no-untyped-def]
+        composed = _mlp_reference("silu", (2.0, 0.5, 1.5))  # on the dequantized weights
+        return composed(x, dense_gu.to(x.dtype), dense_d.to(x.dtype), *factors)
 
     names = ["y", "dx", "dA_g", "dB_g", "dA_u", "dB_u", "dA_d", "dB_d"]
     gy = torch.randn(300, k, device="cuda").to(torch.bfloat16)

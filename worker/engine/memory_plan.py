@@ -240,9 +240,8 @@ def predict_peak(
     # norm outputs not kept where the fused stack hands their NormSource to the LoRA ops reading
     # them: q/k/v's, and gate/up's with pre-norms unless the MLP is checkpointed (the checkpoint
     # keeps its input)
-    sourced = dropout == 0
-    attention_sourced = sourced and bool({"q_proj", "k_proj", "v_proj"} & set(lora))
-    mlp_sourced = sourced and bool({"gate_proj", "up_proj"} & set(lora)) and not dims.sandwich
+    attention_sourced = dropout == 0 and bool({"q_proj", "k_proj", "v_proj"} & set(lora))
+    mlp_sourced = dropout == 0 and bool({"gate_proj", "up_proj"} & set(lora)) and not dims.sandwich
     if choice.checkpointing == "none":
         activations = layers * (per_token - BF16 * h * (attention_sourced + mlp_sourced)) * t
     elif choice.checkpointing == "selective":
