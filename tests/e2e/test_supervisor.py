@@ -50,7 +50,7 @@ def test_a_killed_child_is_restarted_and_the_others_keep_running(tmp_path: Path)
         sup.stop()
 
 
-@pytest.mark.serial  # each restart within 0.3 s of its backoff: alone on the machine (8 s)
+@pytest.mark.serial  # each restart soon after its backoff: alone on the machine (8 s)
 def test_a_crash_loop_gives_up_naming_the_child_and_its_log_tail(tmp_path: Path) -> None:
     lines: list[tuple[float, str]] = []
     sup = Supervisor(echo=lambda line: lines.append((time.monotonic(), line)), grace=1)
@@ -74,9 +74,14 @@ def test_a_crash_loop_gives_up_naming_the_child_and_its_log_tail(tmp_path: Path)
     assert [line.split("; ")[1].split(" (")[0] for _, line in exits] == [
         "restarting in 0.5s", "restarting in 1s", "restarting in 2s", "restarting in 4s",
     ]  # fmt: skip
-    # 4 restarts between 5 exits, each after the announced backoff: 0.5, 1, 2, 4 s
+    # 4 restarts between 5 exits, each after the announced backoff: 0.5, 1, 2, 4 s. Never early;
+    # late by at most a quarter of the backoff plus 0.3 s. Lateness is CPU starvation of this
+    # process (its 10 ms polls, the fork of each restart), not the supervisor's arithmetic:
+    # `serial` stops other tests, not the servers other workers' fixtures keep running, and in a
+    # fresh-clone CI run on 2 cores the 4 s wait ended 0.37 s late. A backoff twice the one
+    # announced still fails (1 s > 0.5 x 1.25 + 0.3).
     for (exited, _), restarted, want in zip(exits, restarts, (0.5, 1.0, 2.0, 4.0), strict=True):
-        assert want - 0.02 <= restarted - exited <= want + 0.3, (restarted - exited, want)
+        assert want - 0.02 <= restarted - exited <= want * 1.25 + 0.3, (restarted - exited, want)
 
 
 def test_children_die_with_their_supervisor_even_on_sigkill(tmp_path: Path) -> None:
