@@ -29,6 +29,7 @@ from tests.parallel import (  # noqa: F401  (hooks: how the suite runs on xdist 
 from tests.servers import create_pg_database, drop_pg_database, shared_redis_url, stop_throwaway_servers
 
 __all__ = ["create_pg_database", "drop_pg_database"]
+pytest_plugins = ("tests.cpu_times",)  # `--cpu-times PATH`: each test's CPU seconds (tests/cpu_times.py)
 
 
 def pytest_configure(config: pytest.Config) -> None:
