@@ -1,6 +1,7 @@
 """tests/cpu_times.py on a real `pytest -n 2` run of a small suite in a temp dir: a test whose
 child process burns CPU is charged that CPU, a test that only sleeps is charged almost none, and
-the two workers' lines arrive whole in the one file."""
+each test's line arrives whole in the one file the workers share (xdist may run both tests on one
+worker, so this does not prove two workers' writes never interleave)."""
 
 from __future__ import annotations
 
