@@ -49,7 +49,7 @@ from worker.engine.families import (
 from worker.engine.lora import apply_lora, lora_modules, lora_state_dict
 from worker.engine.models import load_base_model
 from worker.engine.recipe import LoRAFinetuneRecipe, train
-from worker.engine.serving import Adapter, DecodeBatch, GenRequest, load_serving_model
+from worker.engine.serving import Adapter, DecodeBatch, GenRequest, ServingModel, load_serving_model
 from worker.engine.types import LoraConfig, ModelError, NullCallbacks, TrainConfig
 
 ARCHITECTURES = list(FAMILIES)
@@ -458,12 +458,20 @@ def test_exported_adapter_loads_in_peft_and_serves_the_same_logits(
 
     serving = load_serving_model(t.name, store=t.store, max_adapters=2, device="cpu")
     adapter = Adapter(config=adapter_config, tensors=load_file(str(adapter_dir / ADAPTER_WEIGHTS)))
-    slot = serving.adapter_slot("adapter", lambda: adapter)
     question = "what do the cow and the sheep eat in the field, and where does the fish swim?"
     prompt = serving.prompt_ids([{"role": "user", "content": question}])
     assert len(prompt) > 3 * WINDOW  # decoding runs past several windows
+    assert_serves_peft_logits(serving, adapter, model, prompt, max_tokens=8)
+
+
+def assert_serves_peft_logits(
+    serving: ServingModel, adapter: Adapter, model: Any, prompt: list[int], max_tokens: int
+) -> list[int]:
+    """Greedy decoding of `prompt` with `adapter` in the serving engine: at every step its logits
+    are those of `model` (PEFT with the same adapter), which the adapter changes; returns the ids."""
+    slot = serving.adapter_slot("adapter", lambda: adapter)
     batch = DecodeBatch()
-    request = GenRequest(prompt, max_tokens=8, slot=slot, temperature=0.0, ignore_eos=True)
+    request = GenRequest(prompt, max_tokens=max_tokens, slot=slot, temperature=0.0, ignore_eos=True)
     serving.admit(batch, [(0, request)])
     ids = list(prompt)
     with torch.no_grad():
@@ -480,6 +488,7 @@ def test_exported_adapter_loads_in_peft_and_serves_the_same_logits(
             ids.append(done[0].token_ids[-1] if done else batch.rows[0].stream.ids[-1])
             assert ids[-1] == int(served.argmax())
     assert done and done[0].token_ids == ids[len(prompt) :]
+    return ids
 
 
 # --------------------------------------------------------------------- catalog and fused path
@@ -493,6 +502,7 @@ def test_models_add_takes_exactly_the_described_families(store: Path, tmp_path: 
         "Qwen3ForCausalLM",
         "Gemma3ForCausalLM",
         "Phi3ForCausalLM",
+        "Gemma3ForConditionalGeneration",  # its language model: tests/engine/test_multimodal_text.py
     }
     for architecture in ARCHITECTURES:  # registered by the fixture; each loads as its own class
         assert type(load_base_model(_name(architecture), store=store).model).__name__ == architecture
@@ -508,12 +518,17 @@ def test_models_add_takes_exactly_the_described_families(store: Path, tmp_path: 
         return directory
 
     other = tmp_path / "store"
-    for unsupported in (["Gemma2ForCausalLM"], ["Gemma3ForConditionalGeneration"], ["Phi3VForCausalLM"], []):
+    for unsupported in (["Gemma2ForCausalLM"], ["Gemma3nForConditionalGeneration"], ["Phi3VForCausalLM"], []):
         with pytest.raises(ModelError, match="unsupported architecture") as caught:
             register_local_model(
                 "other", with_config(f"arch-{len(str(unsupported))}", architectures=unsupported), other
             )
         assert all(a in str(caught.value) for a in SUPPORTED_ARCHITECTURES)
+    # a multimodal architecture whose config holds no language model config
+    with pytest.raises(ModelError, match=r"names Gemma3ForConditionalGeneration but has no 'text_config'"):
+        register_local_model(
+            "no-text", with_config("no-text", architectures=["Gemma3ForConditionalGeneration"]), other
+        )
     with pytest.raises(
         ModelError, match=r"sets final_logit_softcapping=30\.0; logit soft-capping is not supported"
     ):

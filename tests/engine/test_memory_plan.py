@@ -163,8 +163,9 @@ def test_lora_ops_keep_the_norm_input_not_its_output_where_the_plan_says() -> No
     norm keeps its input (gpu_kernels/ops/norm_source.py): q/k/v's and, with pre-norms, gate/up's,
     L · 2 bytes · hidden · T each; a sandwich MLP norm's output stays kept, and so does every MLP
     norm's output where the MLP is checkpointed (the checkpoint keeps its input)."""
-    base = {"hidden_size": 256, "num_attention_heads": 4, "num_hidden_layers": 3, "intermediate_size": 512,
-            "vocab_size": 1000, "tie_word_embeddings": True}  # fmt: skip
+    # head_dim given: Gemma 3's default (256, as transformers' config class has it) would differ
+    base = {"hidden_size": 256, "num_attention_heads": 4, "head_dim": 64, "num_hidden_layers": 3,
+            "intermediate_size": 512, "vocab_size": 1000, "tie_word_embeddings": True}  # fmt: skip
     llama = ModelDims.from_config({**base, "architectures": ["LlamaForCausalLM"]})
     gemma = ModelDims.from_config({**base, "architectures": ["Gemma3ForCausalLM"]})
     assert gemma.sandwich and not llama.sandwich

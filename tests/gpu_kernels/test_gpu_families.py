@@ -20,7 +20,7 @@ import torch
 
 from tests.engine.tiny_families import build_tiny_family, save_tiny_family
 from tests.gpu_kernels.oracle import rel, saved_storages
-from worker.engine.families import FAMILIES
+from worker.engine.families import FAMILIES, TEXT_FAMILIES
 from worker.engine.types import LoraConfig, NullCallbacks, StepMetrics, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,13 +45,21 @@ class Recorder(NullCallbacks):
 
 
 def run(architecture: str, tmp: Path, device: str) -> Recorder:
+    """The tiny family's job on `device` (a multimodal architecture: tests/engine/
+    test_multimodal_text.py's tiny checkpoint, whose language model trains)."""
+    from tests.engine.test_multimodal_text import build_multimodal
     from worker.engine.catalog import register_local_model
     from worker.engine.recipe import train
 
     name = "fam-" + architecture.lower().removesuffix("forcausallm")
     store = tmp / "models"
     if not (store / name).exists():
-        register_local_model(name, save_tiny_family(architecture, tmp / architecture), store)
+        directory = tmp / architecture
+        if architecture in TEXT_FAMILIES:
+            build_multimodal(directory)
+        else:
+            save_tiny_family(architecture, directory)
+        register_local_model(name, directory, store)
     rows = [
         {
             "messages": [
@@ -125,7 +133,7 @@ def test_family_fused_packed_loss_matches_the_plain_model(architecture: str, rec
 
 @pytest.mark.gpu
 @pytest.mark.no_memcheck  # CUDA-graph capture and three training runs
-@pytest.mark.parametrize("architecture", sorted(FAMILIES))
+@pytest.mark.parametrize("architecture", sorted(FAMILIES) + sorted(TEXT_FAMILIES))
 def test_family_takes_the_fused_step_and_matches_the_plain_path(
     architecture: str, tmp_path: Path, record_property: Any
 ) -> None:

@@ -33,6 +33,7 @@ from worker.engine.lora import (
     lora_modules,
     lora_state_dict,
     merge_lora,
+    multimodal_of,
     target_leaf_names,
 )
 from worker.engine.types import LoraConfig, ModelError
@@ -46,7 +47,11 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 def adapter_config(model: nn.Module, cfg: LoraConfig, model_name: str) -> dict[str, Any]:
     """adapter_config.json's content for a base of catalog name `model_name`. target_modules lists
-    the leaf names actually wrapped, so PEFT wraps exactly the same layers ("all-linear" is expanded)."""
+    the leaf names actually wrapped, so PEFT wraps exactly the same layers ("all-linear" is expanded);
+    on a multimodal checkpoint's language model, `exclude_modules` keeps PEFT off every other part
+    of the multimodal model (PEFT 0.14 and later)."""
+    multimodal = multimodal_of(model)
+    excluded = {"exclude_modules": multimodal.outside_language_model()} if multimodal is not None else {}
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -67,6 +72,7 @@ def adapter_config(model: nn.Module, cfg: LoraConfig, model_name: str) -> dict[s
         "alpha_pattern": {},
         "use_dora": False,
         "revision": None,
+        **excluded,
     }
 
 
@@ -159,7 +165,12 @@ def export_merged(adapter_dir: Path, base: LoadedModel, out_dir: Path) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=out_dir.parent))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        # the text model of a multimodal checkpoint is saved as itself (transformers 5 would write
+        # it back under the multimodal names it was loaded from, which its own class cannot load)
+        if multimodal_of(model) is not None:
+            model.save_pretrained(tmp, safe_serialization=True, save_original_format=False)
+        else:
+            model.save_pretrained(tmp, safe_serialization=True)
         base.tokenizer.save_pretrained(tmp)
         replace_dir_atomically(tmp, out_dir)
     except BaseException:

@@ -14,10 +14,17 @@ What varies is a field of `Family`; what varies per layer of one model (attentio
 base) comes from its config through `layer_attention`. An attention window W means: a token
 attends to itself and the W − 1 tokens before it, within its own example (transformers'
 `sliding_window`; flash-attention's `window_size=(W - 1, 0)`).
+
+Some families ship their larger models as a multimodal checkpoint around the same language model
+(Gemma 3 4B, 12B and 27B: `Gemma3ForConditionalGeneration`, a vision tower beside a Gemma 3 text
+model). Loraq trains that text model: `Multimodal` says where its config and weights sit in such
+a checkpoint and by which module paths PEFT and vLLM know its layers there; `text_config` gives
+the config the engine reads, with the family's defaults for what the Hub's file leaves out.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -68,6 +75,34 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass(frozen=True)
+class Multimodal:
+    """A multimodal checkpoint whose language model is a family here."""
+
+    architecture: str  # config.json `architectures` entry, e.g. "Gemma3ForConditionalGeneration"
+    text_config_key: str  # the key of the language model's config in config.json
+    # checkpoint key prefix (regex) -> the causal LM's: the Hub's layout and transformers 5's
+    weight_prefixes: Mapping[str, str]
+    # a causal LM module path prefix -> the same module's path in the multimodal model, as PEFT
+    # (and vLLM, which maps the same names) knows it: adapters are exported by those paths
+    module_prefix: tuple[str, str]
+
+    def checkpoint_path(self, path: str) -> str:
+        """`path` of the causal LM as the multimodal model names it."""
+        inner, outer = self.module_prefix
+        return outer + path.removeprefix(inner) if path.startswith(inner) else path
+
+    def model_path(self, path: str) -> str:
+        """The inverse of `checkpoint_path`."""
+        inner, outer = self.module_prefix
+        return inner + path.removeprefix(outer) if path.startswith(outer) else path
+
+    def outside_language_model(self) -> str:
+        """A regex PEFT's `exclude_modules` takes: every module path of the multimodal model
+        outside its language model (the vision tower's q_proj is no target of a text adapter)."""
+        return f"(?!{re.escape(self.module_prefix[1])}).*"
+
+
+@dataclass(frozen=True)
 class Family:
     architecture: str  # config.json `architectures` entry, e.g. "Qwen3ForCausalLM"
     model_type: str  # config.json `model_type` transformers loads this architecture from
@@ -91,6 +126,10 @@ class Family:
     # the linear layers LoRA can wrap: leaf name -> parent module. These are the names PEFT wraps
     # and an exported adapter_config.json lists, so the fused ones where the model has them.
     linear_modules: Mapping[str, str] = field(default_factory=lambda: dict(SPLIT_LINEAR_MODULES))
+    # what transformers' config class assumes for a field a config.json leaves out, for the fields
+    # the engine reads (a multimodal checkpoint's text_config lists only what differs from them)
+    config_defaults: Mapping[str, Any] = field(default_factory=dict)
+    multimodal: Multimodal | None = None  # the multimodal checkpoint this family's models ship in
 
     def target_hint(self, leaf: str) -> str:
         """Why `leaf` is no layer of this family, where a fused projection holds it ("" if not)."""
@@ -149,6 +188,29 @@ GEMMA3 = Family(
     local_rope_theta=10_000.0,
     attention_scale="query_pre_attn_scalar",
     tied_embeddings=True,
+    config_defaults={  # Gemma3TextConfig's (tests/engine/test_multimodal_text.py holds them to it)
+        "vocab_size": 262_208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "max_position_embeddings": 131_072,
+        "rms_norm_eps": 1e-6,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+    },
+    multimodal=Multimodal(
+        "Gemma3ForConditionalGeneration",
+        "text_config",
+        {
+            r"^language_model\.model\.": "model.",
+            r"^language_model\.lm_head\.": "lm_head.",
+            r"^model\.language_model\.": "model.",
+        },
+        ("model.", "model.language_model."),
+    ),
 )
 PHI3 = Family(
     "Phi3ForCausalLM",
@@ -166,7 +228,9 @@ PHI3 = Family(
 )
 
 FAMILIES: dict[str, Family] = {f.architecture: f for f in (LLAMA, QWEN2, QWEN3, MISTRAL, GEMMA3, PHI3)}
-SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+# multimodal architecture -> the family of its language model, which Loraq trains
+TEXT_FAMILIES: dict[str, Family] = {f.multimodal.architecture: f for f in FAMILIES.values() if f.multimodal}
+SUPPORTED_ARCHITECTURES = (*FAMILIES, *TEXT_FAMILIES)
 
 
 def family_named(architecture: str) -> Family:
@@ -180,9 +244,41 @@ def family_named(architecture: str) -> Family:
 
 
 def family_in_config(config: Mapping[str, Any]) -> Family | None:
-    """The family of the first supported entry of a config.json's `architectures`, or None."""
+    """The family of the first supported entry of a config.json's `architectures` (a multimodal
+    one: its language model's), or None."""
     names = config.get("architectures") or []
-    return next((FAMILIES[a] for a in names if isinstance(a, str) and a in FAMILIES), None)
+    known = {**FAMILIES, **TEXT_FAMILIES}
+    return next((known[a] for a in names if isinstance(a, str) and a in known), None)
+
+
+def multimodal_of_config(config: Mapping[str, Any]) -> Multimodal | None:
+    """The multimodal wrapper a config.json describes (Gemma3ForConditionalGeneration), or None
+    for a causal LM's own config."""
+    family = family_in_config(config)
+    names = config.get("architectures") or []
+    if family is None or family.multimodal is None or family.architecture in names:
+        return None
+    return family.multimodal
+
+
+def text_config(config: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The config of the causal LM Loraq trains from a config.json's content: the content itself,
+    or a multimodal checkpoint's language model config (`architectures` then the family's causal
+    LM), with the family's defaults for the fields it leaves out. `source` names the file in
+    errors; a config of no supported family is returned as it is (family_of_config refuses it)."""
+    family = family_in_config(config)
+    if family is None:
+        return dict(config)
+    multimodal = multimodal_of_config(config)
+    if multimodal is None:
+        return {**family.config_defaults, **config}
+    inner = config.get(multimodal.text_config_key)
+    if not isinstance(inner, Mapping):
+        raise ModelError(
+            f"{source} names {multimodal.architecture} but has no {multimodal.text_config_key!r} object: "
+            "the language model's config is missing"
+        )
+    return {**family.config_defaults, **inner, "architectures": [family.architecture]}
 
 
 def ties_embeddings(family: Family | None, config: Mapping[str, Any]) -> bool:
@@ -196,8 +292,9 @@ def ties_embeddings(family: Family | None, config: Mapping[str, Any]) -> bool:
 
 
 def family_of_config(config: Mapping[str, Any], source: str) -> Family:
-    """The family of a config.json's content (`source` names the file in errors), after checking
-    the config asks for nothing the engine would compute differently from transformers."""
+    """The family of a config.json's content (`source` names the file in errors; a multimodal
+    checkpoint's: its language model's), after checking the config asks for nothing the engine
+    would compute differently from transformers."""
     family = family_in_config(config)
     if family is None:
         architectures = config.get("architectures") or []
@@ -205,11 +302,12 @@ def family_of_config(config: Mapping[str, Any], source: str) -> Family:
             f"unsupported architecture {architectures or '(none given)'} in {source}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    text = text_config(config, source)
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         # Gemma 2's soft-capping (Gemma 3 has none): the engine's loss runs the LM head itself
-        if config.get(key) is not None:
-            raise ModelError(f"{source} sets {key}={config[key]!r}; logit soft-capping is not supported")
-    if config.get("use_bidirectional_attention"):
+        if text.get(key) is not None:
+            raise ModelError(f"{source} sets {key}={text[key]!r}; logit soft-capping is not supported")
+    if text.get("use_bidirectional_attention"):
         raise ModelError(f"{source} sets use_bidirectional_attention: not a causal language model")
     return family
 

@@ -9,7 +9,9 @@ PEFT), B starts at zero, so a freshly wrapped model computes exactly the base mo
 kept in fp32 whatever the base dtype (bf16 on CUDA) so that small updates are not rounded away.
 
 State dicts use PEFT's key names (`base_model.model.<module path>.lora_A.weight`), so an adapter
-saved here loads with `peft.PeftModel.from_pretrained` and vice versa.
+saved here loads with `peft.PeftModel.from_pretrained` and vice versa. The module path is the
+one the base checkpoint's own model has: for the language model of a multimodal checkpoint
+(marked `CHECKPOINT_PATHS` by the loader), its path inside the multimodal model.
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ from torch import nn
 
 import gpu_kernels
 from gpu_kernels.quant import FrozenWeight
+from worker.engine.families import Multimodal
 from worker.engine.quantize import QuantizedLinear, decoder_linear_paths, is_frozen_linear
 from worker.engine.types import ConfigError, LoraConfig
 
 PEFT_PREFIX = "base_model.model."
+# attribute the loader sets on the causal LM it took out of a multimodal checkpoint: its Multimodal
+CHECKPOINT_PATHS = "_loraq_multimodal"
 ALL_LINEAR = "all-linear"
 
 
@@ -218,12 +223,32 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return params
 
 
+def multimodal_of(model: nn.Module) -> Multimodal | None:
+    """The multimodal checkpoint `model` is the language model of, or None."""
+    found = getattr(model, CHECKPOINT_PATHS, None)
+    return found if isinstance(found, Multimodal) else None
+
+
+def checkpoint_path(model: nn.Module, path: str) -> str:
+    """Module `path` of `model` as the base checkpoint's own model names it (PEFT's, vLLM's)."""
+    multimodal = multimodal_of(model)
+    return multimodal.checkpoint_path(path) if multimodal is not None else path
+
+
+def model_path(model: nn.Module, path: str) -> str:
+    """The inverse of `checkpoint_path`: a checkpoint's module path as `model` names it."""
+    multimodal = multimodal_of(model)
+    return multimodal.model_path(path) if multimodal is not None else path
+
+
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """{"base_model.model.<path>.lora_A.weight": (r, in), "...lora_B.weight": (out, r)}, fp32, CPU."""
+    """{"base_model.model.<path>.lora_A.weight": (r, in), "...lora_B.weight": (out, r)}, fp32, CPU;
+    <path> as the base checkpoint's model names the layer (`checkpoint_path`)."""
     state: dict[str, torch.Tensor] = {}
     for path, layer in lora_modules(model).items():
-        state[f"{PEFT_PREFIX}{path}.lora_A.weight"] = layer.lora_A.detach().float().cpu().contiguous()
-        state[f"{PEFT_PREFIX}{path}.lora_B.weight"] = layer.lora_B.detach().float().cpu().contiguous()
+        key = PEFT_PREFIX + checkpoint_path(model, path)
+        state[f"{key}.lora_A.weight"] = layer.lora_A.detach().float().cpu().contiguous()
+        state[f"{key}.lora_B.weight"] = layer.lora_B.detach().float().cpu().contiguous()
     return state
 
 
@@ -237,8 +262,9 @@ def load_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
     layers = lora_modules(model)
     expected: dict[str, torch.Tensor] = {}
     for path, layer in layers.items():
-        expected[f"{PEFT_PREFIX}{path}.lora_A.weight"] = layer.lora_A
-        expected[f"{PEFT_PREFIX}{path}.lora_B.weight"] = layer.lora_B
+        key = PEFT_PREFIX + checkpoint_path(model, path)
+        expected[f"{key}.lora_A.weight"] = layer.lora_A
+        expected[f"{key}.lora_B.weight"] = layer.lora_B
     # PEFT may save with the adapter name inside the key: "...lora_A.default.weight".
     normalised = {
         k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v

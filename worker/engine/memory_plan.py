@@ -97,6 +97,11 @@ class ModelDims:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ModelDims:
+        """A multimodal checkpoint's config gives its language model's dims (what trains)."""
+        # imported here: families imports this module through the engine's types
+        from worker.engine.families import text_config
+
+        config = text_config(config, "config.json")
         h, n = int(config["hidden_size"]), int(config["num_attention_heads"])
         return cls(
             hidden=h,

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from worker.engine.families import Family, family_of_config, ties_embeddings
+from worker.engine.families import Family, family_of_config, text_config, ties_embeddings
 
 
 @dataclass(frozen=True)
@@ -53,11 +53,13 @@ def parameter_count(family: Family, config: Mapping[str, Any]) -> int:
 
 def shape_of_config(config: Mapping[str, Any], source: str) -> ModelShape:
     """The family (ModelError naming the supported ones otherwise), parameters and context length
-    of a config.json's content; `source` names the file in errors."""
+    of a config.json's content (a multimodal checkpoint's: of its language model, without the
+    vision tower Loraq neither loads nor trains); `source` names the file in errors."""
     family = family_of_config(config, source)
+    text = text_config(config, source)  # a multimodal checkpoint's language model: what trains
     try:
-        parameters: int | None = parameter_count(family, config)
+        parameters: int | None = parameter_count(family, text)
     except (KeyError, TypeError, ValueError):
         parameters = None
-    context = config.get("max_position_embeddings")
+    context = text.get("max_position_embeddings")
     return ModelShape(family, parameters, int(context) if isinstance(context, int) else None)

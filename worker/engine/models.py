@@ -8,22 +8,26 @@
   directly on the target device (an 8B model never passes through host memory); with nf4/int8
   quantization, a decoder layer at a time, each quantized as it is made (a 70B shape fits one
   80 GB GPU without ever existing in bf16).
-- local directories registered with `loraq models add`: safetensors only, never pickles.
+- local directories registered with `loraq models add`: safetensors only, never pickles; of a
+  multimodal checkpoint (Gemma 3 4B and up) the language model only, as its family's causal LM.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import logging
 import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
@@ -34,7 +38,9 @@ from transformers import (
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from worker.engine.catalog import PRESET_SHAPES, PRETRAINED, PresetShape, get_model_info, validate_model_dir
+from worker.engine.families import Multimodal, multimodal_of_config
 from worker.engine.gguf_tokenizer import load_gguf_tokenizer
+from worker.engine.lora import CHECKPOINT_PATHS
 from worker.engine.quantize import QuantizeReport, quantize_model, use_gguf_blocks
 from worker.engine.tiny import build_tiny_llama, build_tiny_tokenizer
 from worker.engine.types import ConfigError, ModelError, QuantizationName
@@ -284,7 +290,11 @@ def _load_local(
     # Validate again: the directory may have changed since `loraq models add`.
     family = validate_model_dir(directory)
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, use_safetensors=True)
+    multimodal = multimodal_of_config(json.loads((directory / "config.json").read_text()))
+    if multimodal is not None:
+        model = _load_text_model(directory, multimodal, dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, use_safetensors=True)
     if type(model).__name__ != family.architecture:
         # transformers picks the class from `model_type`: a config whose two fields disagree
         # (a multimodal Gemma 3 config naming Gemma3ForCausalLM) would train another model
@@ -300,6 +310,44 @@ def _load_local(
             _move(model, device), tokenizer, name, False, quantization, report.sentence(quantization)
         )
     return LoadedModel(_move(model, device), tokenizer, name, is_random=False)
+
+
+def _load_text_model(directory: Path, multimodal: Multimodal, dtype: torch.dtype) -> PreTrainedModel:
+    """The language model of a multimodal checkpoint (Gemma 3 4B and up) as its family's causal
+    LM: built from the text config, its weights read under the checkpoint's language-model
+    prefixes; the vision tower's weights are never loaded. Marked (`CHECKPOINT_PATHS`) so that
+    adapters are exported and read by the module paths of the multimodal model, as PEFT and vLLM
+    load them on it."""
+    config = AutoConfig.from_pretrained(directory).get_text_config()
+    with _quiet_load_report():  # it lists every vision weight left out as "unexpected"
+        loaded = AutoModelForCausalLM.from_pretrained(
+            directory,
+            config=config,
+            key_mapping=dict(multimodal.weight_prefixes),
+            dtype=dtype,
+            use_safetensors=True,
+            output_loading_info=True,
+        )
+    model, info = cast(tuple[PreTrainedModel, dict[str, Any]], loaded)
+    missing = sorted(info["missing_keys"])
+    if missing:  # transformers would train them from their random init
+        raise ModelError(
+            f"{directory} ({multimodal.architecture}) lacks weights of its language model: "
+            f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
+        )
+    setattr(model, CHECKPOINT_PATHS, multimodal)
+    return model
+
+
+@contextmanager
+def _quiet_load_report() -> Iterator[None]:
+    logger = logging.getLogger("transformers.modeling_utils")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _move(model: PreTrainedModel, device: torch.device, dtype: torch.dtype | None = None) -> PreTrainedModel:

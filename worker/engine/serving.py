@@ -43,7 +43,7 @@ from transformers.cache_utils import DynamicLayer
 
 import gpu_kernels
 from worker.engine.kv_decode import KVCache, LlamaDecoder
-from worker.engine.lora import PEFT_PREFIX
+from worker.engine.lora import PEFT_PREFIX, model_path
 from worker.engine.models import LoadedModel
 from worker.engine.quantize import decoder_linear_paths
 from worker.engine.tool_calls import ToolCallFormat, tool_call_format
@@ -315,7 +315,8 @@ class ServingModel:
         return slot
 
     def _fill(self, slot: int, adapter: Adapter) -> None:
-        factors = adapter.factors()
+        model = self.loaded.model  # the adapter names layers as the base checkpoint's model does
+        factors = {model_path(model, path): ab for path, ab in adapter.factors().items()}
         unknown = sorted(set(factors) - set(self.layers))
         if not factors or unknown:
             raise RequestError(
