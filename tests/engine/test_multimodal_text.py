@@ -7,6 +7,8 @@ A tiny random multimodal Gemma 3 is saved by transformers (its weights under the
 transformers' own multimodal model:
 - its family, parameter count and context length are the text model's, also from a config as the
   Hub writes it (a `text_config` listing only what differs from Gemma3TextConfig's defaults);
+- pulled from the suite's Hub through the real huggingface_hub client, it loads as it does from
+  a directory;
 - it loads as Gemma3ForCausalLM without the vision tower, and computes the multimodal model's
   logits on text; the transformers-5 layout (`model.language_model.`) loads the same; a checkpoint
   missing a text weight is refused, naming it;
@@ -29,12 +31,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, Gemma3Config, Gemma3F
 
 from tests.engine.test_families import assert_serves_peft_logits
 from tests.engine.tiny_families import NOISE, tiny_config
-from worker.engine.catalog import model_shape, register_local_model
+from tests.fake_hub import hub_endpoint
+from worker.engine.catalog import get_model_info, model_shape, register_local_model
 from worker.engine.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, export_merged
 from worker.engine.families import FAMILIES, GEMMA3, layer_attention, text_config
 from worker.engine.memory_plan import ModelDims
 from worker.engine.model_shape import shape_of_config
 from worker.engine.models import load_base_model
+from worker.engine.pull import pull_model
 from worker.engine.recipe import train
 from worker.engine.serving import Adapter, load_serving_model
 from worker.engine.tiny import build_tiny_tokenizer
@@ -211,6 +215,29 @@ def test_the_language_model_loads_alone_and_computes_the_multimodal_models_logit
         ModelError, match=r"lacks weights of its language model: model\.layers\.1\.mlp\.up_proj"
     ):
         load_base_model("relaid", store=store)
+
+
+def test_a_hub_pull_of_the_multimodal_repository_trains_its_language_model(
+    directory: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`loraq models pull google/gemma-3-4b-it` through the real huggingface_hub client against the
+    suite's Hub (tests/fake_hub.py) serving the tiny multimodal checkpoint under that id."""
+    repo = "google/gemma-3-4b-it"
+    store = tmp_path / "models"
+    with hub_endpoint(monkeypatch, repo, directory):
+        pull_model(repo, store)
+    info = get_model_info(repo, store)
+    text = AutoModelForCausalLM.from_config(tiny_config("Gemma3ForCausalLM"))
+    assert (info.pulled, info.family, info.parameters) == (
+        True,
+        "Gemma 3",
+        sum(p.numel() for p in text.parameters()),
+    )
+    loaded = load_base_model(repo, store=store)
+    ids = [5, 17, 42, 9, 300]
+    with torch.no_grad():
+        ours = loaded.model(input_ids=torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(ours, multimodal_logits(directory, ids), rtol=0, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------- a job's adapter
