@@ -183,6 +183,9 @@ def test_the_language_model_loads_alone_and_computes_the_multimodal_models_logit
     model: Any = loaded.model
     assert type(model).__name__ == "Gemma3ForCausalLM"
     assert not [n for n, _ in model.named_parameters() if "vision" in n or "multi_modal" in n]
+    # the worker's memory plan reads the loaded model's config (step_memory): a Gemma 3 there too
+    assert model.config.architectures == ["Gemma3ForCausalLM"]
+    assert ModelDims.from_config(model.config.to_dict()).sandwich
     ids = loaded.tokenizer("the cat is an animal that likes to sleep in the sun.")["input_ids"]
     with torch.no_grad():
         ours = model(input_ids=torch.tensor([ids])).logits[0]

@@ -292,7 +292,7 @@ def _load_local(
     tokenizer = AutoTokenizer.from_pretrained(directory)
     multimodal = multimodal_of_config(json.loads((directory / "config.json").read_text()))
     if multimodal is not None:
-        model = _load_text_model(directory, multimodal, dtype)
+        model = _load_text_model(directory, family.architecture, multimodal, dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, use_safetensors=True)
     if type(model).__name__ != family.architecture:
@@ -312,13 +312,17 @@ def _load_local(
     return LoadedModel(_move(model, device), tokenizer, name, is_random=False)
 
 
-def _load_text_model(directory: Path, multimodal: Multimodal, dtype: torch.dtype) -> PreTrainedModel:
+def _load_text_model(
+    directory: Path, architecture: str, multimodal: Multimodal, dtype: torch.dtype
+) -> PreTrainedModel:
     """The language model of a multimodal checkpoint (Gemma 3 4B and up) as its family's causal
     LM: built from the text config, its weights read under the checkpoint's language-model
     prefixes; the vision tower's weights are never loaded. Marked (`CHECKPOINT_PATHS`) so that
     adapters are exported and read by the module paths of the multimodal model, as PEFT and vLLM
     load them on it."""
     config = AutoConfig.from_pretrained(directory).get_text_config()
+    # a nested config names no class; the engine reads the family from it (step_memory's plan)
+    config.architectures = [architecture]
     with _quiet_load_report():  # it lists every vision weight left out as "unexpected"
         loaded = AutoModelForCausalLM.from_pretrained(
             directory,
