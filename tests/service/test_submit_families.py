@@ -72,3 +72,22 @@ def test_a_directory_gone_since_models_add_is_what_it_was_before(api: ApiClient,
     directory.rmdir()
     body = job_body(api.upload(DATASET), model="gone-phi", lora={"r": 4, "target_modules": ["q_proj"]})
     assert api.post("/v1/fine_tuning/jobs", json=body).status_code == 200
+
+
+def test_a_multimodal_gemma3_submits_as_its_language_model(api: ApiClient, tmp_path: Path) -> None:
+    """A Gemma3ForConditionalGeneration directory (Gemma 3 4B and up as the Hub ships them) is
+    accepted as its language model: its layer names are checked as Gemma 3's, and a layer of the
+    vision tower (SigLIP's out_proj) is no target."""
+    from tests.engine.test_multimodal_text import build_multimodal
+
+    directory = build_multimodal(tmp_path / "gemma3-mm")
+    register_local_model("my-gemma", directory, get_settings().model_store)
+    file_id = api.upload(DATASET)
+    ok = job_body(file_id, model="my-gemma", lora={"r": 4, "target_modules": ["q_proj", "down_proj"]})
+    assert api.post("/v1/fine_tuning/jobs", json=ok).status_code == 200
+    vision = job_body(file_id, model="my-gemma", lora={"r": 4, "target_modules": ["out_proj"]})
+    message = refused(
+        api.post("/v1/fine_tuning/jobs", json=vision), "lora.target_modules", "invalid_target_modules"
+    )
+    assert "'out_proj' is not a linear layer of model 'my-gemma' (Gemma3ForCausalLM)" in message
+    assert "its linear layers are self_attn.q_proj, self_attn.k_proj" in message
