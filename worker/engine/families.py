@@ -230,7 +230,9 @@ PHI3 = Family(
 FAMILIES: dict[str, Family] = {f.architecture: f for f in (LLAMA, QWEN2, QWEN3, MISTRAL, GEMMA3, PHI3)}
 # multimodal architecture -> the family of its language model, which Loraq trains
 TEXT_FAMILIES: dict[str, Family] = {f.multimodal.architecture: f for f in FAMILIES.values() if f.multimodal}
-SUPPORTED_ARCHITECTURES = (*FAMILIES, *TEXT_FAMILIES)
+# every architecture a config.json may name -> the family Loraq trains it as
+ARCHITECTURE_FAMILIES: dict[str, Family] = {**FAMILIES, **TEXT_FAMILIES}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_FAMILIES)
 
 
 def family_named(architecture: str) -> Family:
@@ -247,8 +249,9 @@ def family_in_config(config: Mapping[str, Any]) -> Family | None:
     """The family of the first supported entry of a config.json's `architectures` (a multimodal
     one: its language model's), or None."""
     names = config.get("architectures") or []
-    known = {**FAMILIES, **TEXT_FAMILIES}
-    return next((known[a] for a in names if isinstance(a, str) and a in known), None)
+    return next(
+        (ARCHITECTURE_FAMILIES[a] for a in names if isinstance(a, str) and a in ARCHITECTURE_FAMILIES), None
+    )
 
 
 def multimodal_of_config(config: Mapping[str, Any]) -> Multimodal | None:
